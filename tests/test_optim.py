@@ -1,0 +1,84 @@
+import math
+
+import pytest
+import torch
+
+import train_gpt as T
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (32, 96), (96, 32), (3, 48, 48)])
+def test_newton_schulz_singular_values_in_band_and_aligned_with_polar_factor(shape):
+    torch.manual_seed(0)
+    U, _, Vh = torch.linalg.svd(torch.randn(shape), full_matrices=False)
+    spectrum = torch.logspace(0, -1.5, min(shape[-2:]))  # condition number ~30
+    G = U @ torch.diag_embed(spectrum.expand(*shape[:-2], -1)) @ Vh
+    X = T.newton_schulz(G).float()
+    assert X.shape == G.shape
+    s = torch.linalg.svdvals(X)
+    # The quintic trades exactness for speed: singular values land in a band around 1 (~0.68..1.14).
+    assert s.min() > 0.6 and s.max() < 1.2
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    polar = U @ Vh
+    cos = (X * polar).sum(dim=(-2, -1)) / (X.norm(dim=(-2, -1)) * polar.norm(dim=(-2, -1)))
+    assert (cos > 0.95).all()
+
+
+def test_muon_step_equals_plain_reference():
+    torch.manual_seed(0)
+    p, buf = torch.randn(2, 16, 24), torch.randn(2, 16, 24)
+    grads = [torch.randn(2, 16, 24) for _ in range(3)]
+    ref_p, ref_buf = p.clone(), buf.clone()
+    lr, mom = 0.05, 0.9
+    for g in grads:
+        T.muon_update_(p, g.clone(), buf, lr, mom)
+        ref_buf = mom * ref_buf + (1 - mom) * g
+        nesterov = (1 - mom) * g + mom * ref_buf
+        ref_p = ref_p - lr * T.newton_schulz(nesterov).float()  # rows < cols: scale factor 1
+    torch.testing.assert_close(buf, ref_buf)
+    torch.testing.assert_close(p, ref_p, atol=1e-5, rtol=1e-5)
+
+
+def test_muon_scales_tall_matrices():
+    p, buf = torch.zeros(32, 8), torch.zeros(32, 8)
+    g = torch.randn(32, 8)
+    T.muon_update_(p, g.clone(), buf, lr=1.0, momentum=0.0)
+    torch.testing.assert_close(p, -2.0 * T.newton_schulz(g).float())  # sqrt(32 / 8) = 2
+
+
+def test_adam_step_equals_torch_adam():
+    torch.manual_seed(0)
+    p = torch.randn(40, 8)
+    ref = torch.nn.Parameter(p.clone())
+    reference = torch.optim.Adam([ref], lr=0.01, betas=(0.8, 0.95), eps=1e-10)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for step in range(1, 6):
+        g = torch.randn(40, 8)
+        T.adam_update_(p, g, m, v, step, 0.01, 0.8, 0.95, 1e-10)
+        ref.grad = g.clone()
+        reference.step()
+    torch.testing.assert_close(p, ref.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_lr_and_momentum_schedules_follow_recipe():
+    cfg = T.Config()
+    assert T.lr_multiplier(0, cfg) == 1.0
+    assert T.lr_multiplier(int(0.55 * 1695) - 1, cfg) == 1.0
+    assert T.lr_multiplier(1695, cfg) == pytest.approx(0.1)
+    mid = round(0.775 * 1695)
+    assert T.lr_multiplier(mid, cfg) == pytest.approx(0.55, abs=2e-3)
+    assert T.muon_momentum(0, cfg) == pytest.approx(0.85)
+    assert T.muon_momentum(150, cfg) == pytest.approx(0.90)
+    assert T.muon_momentum(300, cfg) == T.muon_momentum(1600, cfg) == pytest.approx(0.95)
+
+
+def test_optimizer_groups_cover_every_parameter_once_with_recipe_lrs():
+    cfg = T.parse_config(["--preset=tiny"])
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    groups = T.build_param_groups(model, cfg)
+    seen = [id(p) for g in groups for p in g.params]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    lrs = {n: g.lr for g in groups for n in g.names}
+    assert lrs["embed.weight"] == lrs["value_embeds.0.weight"] == 0.6
+    assert lrs["lm_head.weight"] == 0.008 and lrs["scalars"] == 0.04
+    assert lrs["blocks.0.attn.gate_w"] == lrs["blocks.1.mlp.c_fc"] == 0.05
+    assert math.isclose(cfg.adam_eps, 1e-10)

@@ -1,0 +1,345 @@
+"""Tests for records/compare.py on fixture logs written here, in this project's and upstream's format."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "records"))
+import compare  # noqa: E402
+
+SEP = "=" * 100
+H100 = "NVIDIA H100 80GB HBM3"
+SOURCE = '"""Toy trainer."""\nimport torch\n\n\ndef lr(step):\n    return 0.05\n\n\ndef main():\n    print("train")\n'
+SOURCE_B = SOURCE.replace("return 0.05", "return 0.06")
+CONFIG = {"num_steps": 20, "muon_lr": 0.05, "val_every": 10, "seed": 1, "run_id": "a"}
+
+
+# -----------------------------------------------------------------------------
+# Fixture logs
+# make_log writes a realistic log: code snapshot, separator, header (ours: GPUs/config lines;
+# upstream: nvidia-smi table), separator, then val and train step lines with exact times.
+
+
+def step_lines(val: dict[int, float], num_steps: int, step_ms: float, upstream: bool) -> list[str]:
+    lines = []
+    for s in range(num_steps + 1):
+        if s in val:
+            ms = s * step_ms
+            lines.append(f"step:{s}/{num_steps} val_loss:{val[s]:.4f} train_time:{ms:.0f}ms "
+                         f"step_avg:{ms / max(s, 1):.2f}ms")
+        if s < num_steps:
+            ms = (s + 1) * step_ms
+            extra = "train_loss:5.0000 " if upstream else ""
+            tail = "" if upstream else f" tok/s:{1_000_000 + s + 1} mfu:41.2% eta:0m{num_steps - s}s"
+            lines.append(f"step:{s + 1}/{num_steps} {extra}train_time:{ms:.0f}ms step_avg:{ms / (s + 1):.2f}ms{tail}")
+    return lines
+
+
+def smi_table(n: int) -> list[str]:
+    rows = ["nvidia-smi:", "+-----------------------------------------------------------------------------+",
+            "| NVIDIA-SMI 550.54.15    Driver Version: 550.54.15    CUDA Version: 12.4     |",
+            "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |"]
+    for i in range(n):
+        rows.append(f"|   {i}  {H100}          On  |   00000000:{i:02d}:00.0 Off |                    0 |")
+        rows.append("| N/A   35C    P0            118W /  700W |       3MiB /  81559MiB |      0%      Default |")
+    rows.append("|    0   N/A  N/A     12345      C   /usr/bin/python3                          0MiB |")
+    return rows
+
+
+def make_log(path: Path, val: dict[int, float], *, num_steps: int = 20, step_ms: float = 100.0,
+             source: str | None = SOURCE, config: dict | None = None, upstream: bool = False,
+             gpus: int = 8) -> Path:
+    """A run log at path; val maps step -> val loss; train_time at step s is s * step_ms."""
+    if upstream:
+        header = ["Running pytorch 2.5.0 compiled for CUDA 12.4", *smi_table(gpus)]
+    else:
+        cfg = dict(CONFIG if config is None else config, num_steps=num_steps, run_id=path.stem)
+        header = ["Running Python 3.11.7 on Linux-6.1", "Running PyTorch 2.13.0+cu126 compiled for CUDA 12.6",
+                  "Running Triton version 3.4.0", f"GPUs: {', '.join([H100] * gpus)}", *smi_table(gpus),
+                  f"config: {json.dumps(cfg)}"]
+    body = [SEP, *header, SEP]
+    if not upstream:
+        body += [f"run {path.stem} seed 1, log logs/{path.stem}.txt",
+                 f"model: 20,037,698 parameters, fp8 head True, compile True, world size {gpus}, grad accumulation 1",
+                 "warmup: 10 steps in 30.0s (untimed; state restored)"]
+    body += step_lines(val, num_steps, step_ms, upstream)
+    body.append("peak memory allocated: 33860 MiB reserved: 49040 MiB")
+    text = "\n".join(body) + "\n"
+    if source is not None:
+        text = source + "\n" + text
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def curve(final: float, num_steps: int = 20) -> dict[int, float]:
+    return {0: 10.8258, num_steps // 2: 4.0, num_steps: final}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = compare.main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -----------------------------------------------------------------------------
+# Parsing: both formats, the summary JSON, record folders.
+
+
+def test_parse_project_log(tmp_path: Path) -> None:
+    run = compare.load_run(make_log(tmp_path / "r1.txt", curve(3.27)))
+    assert run.name == "r1"
+    assert run.final_val_loss == pytest.approx(3.27)
+    assert run.train_time_ms == 2000 and run.step_avg_ms == pytest.approx(100.0)
+    assert run.last_step == 20 and not run.incomplete
+    assert run.tokens_per_s == 1_000_020
+    assert run.gpu_names == [H100] * 8 and run.world_size == 8
+    assert run.config is not None and run.config["muon_lr"] == 0.05
+    assert run.code == SOURCE
+    assert [(p.step, p.time_ms) for p in run.val_points] == [(0, 0), (10, 1000), (20, 2000)]
+    assert run.torch_version == "2.13.0+cu126" and run.cuda_version == "12.6"
+    assert compare.describe_hardware(run) == f"8x {H100}"
+
+
+def test_parse_upstream_log(tmp_path: Path) -> None:
+    run = compare.load_run(make_log(tmp_path / "up.txt", curve(3.2791), step_ms=90, upstream=True))
+    assert run.config is None and run.code == SOURCE
+    assert run.gpu_names == [H100] * 8 and run.world_size is None
+    assert run.final_val_loss == pytest.approx(3.2791) and run.train_time_ms == 1800
+    assert run.tokens_per_s is None
+
+
+def test_summary_json_is_preferred_and_nulls_ignored(tmp_path: Path) -> None:
+    log = make_log(tmp_path / "r1.txt", curve(3.27))
+    summary = {"run_id": "r1", "final_val_loss": 3.2654, "train_time_ms": 1990.5, "steps": 20, "step_avg_ms": None,
+               "tokens_per_s": 2.5e6, "world_size": 4, "gpu_names": None, "config": None,
+               "val_losses": [[0, 10.8, 0.0], [20, 3.2654, 1990.5]]}
+    log.with_suffix(".json").write_text(json.dumps(summary))
+    run = compare.load_run(log)
+    assert run.has_summary
+    assert run.final_val_loss == 3.2654 and run.train_time_ms == 1990.5 and run.tokens_per_s == 2.5e6
+    assert run.step_avg_ms == pytest.approx(100.0)  # null in the summary: the log's value stays
+    assert run.gpu_names == [H100] * 8 and run.config is not None and run.world_size == 4
+    assert [p.step for p in run.val_points] == [0, 20]
+    assert compare.describe_hardware(run) == f"8x {H100}, world size 4"
+
+
+def test_malformed_summary_falls_back_to_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = make_log(tmp_path / "r1.txt", curve(3.27))
+    log.with_suffix(".json").write_text("{not json")
+    run = compare.load_run(log)
+    assert run.final_val_loss == pytest.approx(3.27) and not run.has_summary
+    assert "unreadable summary" in capsys.readouterr().err
+
+
+def test_record_folder_with_two_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "records" / "2026-01-01_test"
+    make_log(folder / "a.txt", curve(3.2712))
+    make_log(folder / "b.txt", curve(3.2755))
+    (folder / "README.md").write_text("# a record\n")
+    (folder / "notes.txt").write_text("just notes, no steps\n")
+    assert [r.name for r in compare.load_runs([str(folder)])] == ["a", "b"]
+    rc, out, _ = run_main(capsys, "show", str(folder))
+    assert rc == 0 and "3.2712" in out and "3.2755" in out and "notes" not in out
+
+
+def test_same_stem_in_two_folders_gets_folder_prefix(tmp_path: Path) -> None:
+    make_log(tmp_path / "x" / "run.txt", curve(3.27))
+    make_log(tmp_path / "y" / "run.txt", curve(3.28))
+    runs = compare.load_runs([str(tmp_path / "x"), str(tmp_path / "y"), str(tmp_path / "x" / "run.txt")])
+    assert [r.name for r in runs] == ["x/run", "y/run"]  # the repeated log is counted once
+
+
+# -----------------------------------------------------------------------------
+# show
+
+
+def test_show_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = make_log(tmp_path / "ours.txt", curve(3.2712))
+    b = make_log(tmp_path / "upstream.txt", curve(3.2795), step_ms=90, upstream=True)
+    rc, out, err = run_main(capsys, "show", str(a), str(b))
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["run", "val", "loss"]
+    ours = next(line for line in lines if line.startswith("ours"))
+    assert ours.split()[:6] == ["ours", "3.2712", "2.00", "20", "100.00", "1,000,020"]
+    assert f"8x {H100}" in ours
+    upstream = next(line for line in lines if line.startswith("upstream"))
+    assert upstream.split()[:6] == ["upstream", "3.2795", "1.80", "20", "90.00", "-"]
+
+
+def test_show_log_without_val_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = make_log(tmp_path / "noval.txt", {})
+    rc, out, err = run_main(capsys, "show", str(log))
+    assert rc == 0
+    row = next(line for line in out.splitlines() if line.startswith("noval"))
+    assert row.split()[1:3] == ["-", "2.00"]
+    assert "noval: no validation line" in err and len(err.strip().splitlines()) == 1
+
+
+# -----------------------------------------------------------------------------
+# diff
+
+
+def test_diff_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = make_log(tmp_path / "a.txt", {0: 10.8258, 10: 4.0, 20: 3.2800})
+    b = make_log(tmp_path / "b.txt", {0: 10.8258, 10: 3.9900, 20: 3.2750}, step_ms=90, source=SOURCE_B,
+                 config=dict(CONFIG, muon_lr=0.06))
+    rc, out, _ = run_main(capsys, "diff", str(a), str(b))
+    assert rc == 0
+    assert "muon_lr: 0.05 -> 0.06" in out and 'run_id: "a" -> "b"' in out and "num_steps" not in out
+    assert "-    return 0.05" in out and "+    return 0.06" in out and "@@" in out
+    assert '"""Toy trainer."""' not in out  # unchanged code far from the hunk is left out
+    timing = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("train time", "step_avg"))}
+    assert timing["train"][-3:] == ["2.00", "1.80", "0.9000"]
+    assert timing["step_avg"][-3:] == ["100.00", "90.00", "0.9000"]
+    val_rows = [line.split() for line in out.split("== val loss at matching steps")[1].splitlines()[3:]]
+    assert val_rows == [["0", "10.8258", "10.8258", "+0.0000"], ["10", "4.0000", "3.9900", "-0.0100"],
+                        ["20", "3.2800", "3.2750", "-0.0050"]]
+
+
+def test_diff_against_upstream_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = make_log(tmp_path / "ours.txt", curve(3.2800))
+    b = make_log(tmp_path / "theirs.txt", curve(3.2790), source=SOURCE_B, upstream=True)
+    rc, out, _ = run_main(capsys, "diff", str(a), str(b))
+    assert rc == 0
+    assert "no config recorded for theirs" in out
+    assert "+    return 0.06" in out
+
+
+def test_diff_identical_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = make_log(tmp_path / "a.txt", curve(3.28))
+    rc, out, _ = run_main(capsys, "diff", str(a), str(a))
+    assert rc == 0 and "(no differences)" in out and "(identical)" in out
+
+
+# -----------------------------------------------------------------------------
+# stats: numbers must match scipy computed here on the same values.
+
+LOSSES = [3.2750, 3.2790, 3.2810, 3.2720, 3.2770]
+STEP_MS = [100.0, 101.5, 99.0, 100.5, 98.5]
+BASE_LOSSES = [3.2805, 3.2790, 3.2830]
+BASE_STEP_MS = [104.0, 105.5, 103.0]
+
+
+def make_group(folder: Path, losses: list[float], step_ms: list[float], num_steps: int = 20) -> list[str]:
+    return [str(make_log(folder / f"run{i}.txt", curve(loss, num_steps), num_steps=num_steps, step_ms=ms))
+            for i, (loss, ms) in enumerate(zip(losses, step_ms))]
+
+
+def test_stats_target_ttest_matches_scipy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_main(capsys, "stats", *make_group(tmp_path, LOSSES, STEP_MS), "--target", "3.28")
+    assert rc == 0 and err == ""
+    expected = stats.ttest_1samp(LOSSES, 3.28, alternative="less")
+    match = re.search(r"one-sided t-test, H1 mean val loss < 3\.28: t = (\S+), p = (\S+)", out)
+    assert match is not None
+    assert float(match.group(1)) == pytest.approx(expected.statistic, abs=1e-4)
+    assert float(match.group(2)) == pytest.approx(expected.pvalue, rel=1e-5)
+    mean, std = compare.mean_std(LOSSES)
+    assert f"{mean:.4f} ± {std:.4f}" in out and "n=5" in out
+    assert std == pytest.approx(stats.tstd(LOSSES))
+    times_s = [20 * ms / 1000 for ms in STEP_MS]
+    assert f"{sum(times_s) / 5:.3f} ± {stats.tstd(times_s):.3f} s" in out
+    t, p = compare.target_test(LOSSES, 3.28)  # type: ignore[misc]
+    assert p == pytest.approx(expected.pvalue, rel=1e-12)
+
+
+def test_stats_welch_against_baseline_matches_scipy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = make_group(tmp_path / "new", LOSSES, STEP_MS)
+    base = make_group(tmp_path / "old", BASE_LOSSES, BASE_STEP_MS)
+    rc, out, _ = run_main(capsys, "stats", *runs, "--baseline", *base)
+    assert rc == 0 and "baseline (n=3)" in out
+    times = [20 * ms / 1000 for ms in STEP_MS]
+    base_times = [20 * ms / 1000 for ms in BASE_STEP_MS]
+    for metric, x, y in (("train time", times, base_times), ("val loss", LOSSES, BASE_LOSSES)):
+        match = re.search(rf"Welch t-test \(two-sided\), {metric}, runs vs baseline: t = (\S+), p = (\S+)", out)
+        assert match is not None, metric
+        expected = stats.ttest_ind(x, y, equal_var=False)
+        assert float(match.group(2)) == pytest.approx(expected.pvalue, rel=1e-5)
+
+
+def test_stats_with_one_run_says_it_needs_two(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    one = make_group(tmp_path, LOSSES[:1], STEP_MS[:1])
+    rc, out, _ = run_main(capsys, "stats", *one, "--baseline", *one)
+    assert rc == 0
+    assert "needs at least 2 runs (have 1)" in out and "needs at least 2 runs in each group" in out
+
+
+def test_stats_runs_of_different_lengths_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = make_group(tmp_path / "a", LOSSES[:2], STEP_MS[:2]) + make_group(tmp_path / "b", LOSSES[2:3], STEP_MS[2:3],
+                                                                           num_steps=18)
+    rc, out, err = run_main(capsys, "stats", *runs)
+    assert rc == 0 and "p = " in out
+    assert err.count("\n") == 1 and "different steps (18, 20)" in err
+
+
+# -----------------------------------------------------------------------------
+# plot
+
+
+def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import matplotlib.image
+
+    a = make_log(tmp_path / "a.txt", curve(3.27))
+    b = make_log(tmp_path / "b.txt", curve(3.28), upstream=True, step_ms=90)
+    out_png = tmp_path / "plots" / "cmp.png"
+    rc, out, _ = run_main(capsys, "plot", str(a), str(b), "-o", str(out_png))
+    assert rc == 0 and str(out_png) in out
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out_png.stat().st_size > 10_000
+    image = matplotlib.image.imread(out_png)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+# -----------------------------------------------------------------------------
+# Bad input through the real command line: one `error:` line, exit code 2, no traceback.
+
+
+def no_code_log(tmp_path: Path) -> Path:
+    path = tmp_path / "nocode.txt"
+    path.write_text("\n".join(step_lines(curve(3.28), 20, 100.0, upstream=False)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "not_a_log", "empty_folder", "diff_no_code", "plot_no_val"])
+def test_cli_bad_input(tmp_path: Path, case: str) -> None:
+    good = make_log(tmp_path / "good.txt", curve(3.28))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("some notes\nno step lines here\n")
+    (tmp_path / "empty").mkdir()
+    args, message = {
+        "missing": (["show", str(tmp_path / "nope.txt")], "no such file or directory"),
+        "not_a_log": (["show", str(notes)], "not a run log: found no 'step:S/T ...' lines (expected the script source"),
+        "empty_folder": (["stats", str(tmp_path / "empty")], "no run logs in this folder"),
+        "diff_no_code": (["diff", str(good), str(no_code_log(tmp_path))], "no code snapshot (expected the script"),
+        "plot_no_val": (["plot", str(make_log(tmp_path / "noval.txt", {})), "-o", str(tmp_path / "x.png")],
+                        "nothing to plot"),
+    }[case]
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_help() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0 and all(c in result.stdout for c in ("show", "diff", "stats", "plot"))
+
+
+def test_log_without_code_still_shows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_main(capsys, "show", str(no_code_log(tmp_path)))
+    assert rc == 0 and "3.2800" in out

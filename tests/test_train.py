@@ -1,0 +1,132 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import train_gpt as T
+from conftest import REPO, SAMPLE_TRAIN, free_port, tiny_args
+
+
+def _run_rank(rank: int, world_size: int, port: int, args: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = T.run(args)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result.val_losses))
+
+
+def run_world(world_size: int, args: list[str], tmp_path: Path) -> list[tuple[int, float]]:
+    out = tmp_path / f"val_w{world_size}.json"
+    mp.spawn(_run_rank, args=(world_size, free_port(), args, str(out)), nprocs=world_size, join=True)
+    return [tuple(x) for x in json.loads(out.read_text())]
+
+
+def test_training_on_sample_lowers_val_loss(tmp_path):
+    result = T.run(tiny_args(tmp_path, num_steps=30, val_every=15, val_tokens=4096))
+    losses = [loss for _, loss in result.val_losses]
+    assert [s for s, _ in result.val_losses] == [0, 15, 30]
+    assert losses[0] == pytest.approx(np.log(50304), abs=1e-3)
+    assert losses[1] < losses[0] - 1.0 and losses[2] < losses[1]
+
+
+def test_world_size_one_and_two_take_the_same_steps(tmp_path):
+    args = tiny_args(tmp_path, num_steps=4, val_every=2)
+    one = run_world(1, args, tmp_path)
+    two = run_world(2, args, tmp_path)
+    assert [s for s, _ in one] == [s for s, _ in two] == [0, 2, 4]
+    for (_, a), (_, b) in zip(one, two):
+        assert a == pytest.approx(b, abs=2e-3)
+
+
+def test_warmup_leaves_no_trace_in_training(tmp_path):
+    cold = T.run(tiny_args(tmp_path, num_steps=3, warmup_steps=0))
+    warm = T.run(tiny_args(tmp_path, num_steps=3, warmup_steps=2))
+    assert cold.val_losses == warm.val_losses
+    for a, b in zip(cold.model.parameters(), warm.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_token_stream_is_identical_for_every_world_size():
+    files = T.find_shards(SAMPLE_TRAIN)
+    steps = 5
+
+    def global_batches(world_size: int) -> list[torch.Tensor]:
+        """Gather, for each step, the sequences of every rank in (micro-step, rank) order."""
+        loaders = [T.DataLoader(T.TrainTokenStream(files, 128, 8, 50304), r, world_size, torch.device("cpu"))
+                   for r in range(world_size)]
+        batches = []
+        for _ in range(steps):
+            per_rank = [loader.next_step() for loader in loaders]
+            rows = [per_rank[r][m][0] for m in range(8 // world_size) for r in range(world_size)]
+            batches.append(torch.stack(rows))
+        return batches
+
+    reference = global_batches(1)
+    for world_size in [2, 4, 8]:
+        for a, b in zip(reference, global_batches(world_size)):
+            assert torch.equal(a, b)
+    first = reference[0]
+    assert (first[:, 0] == T.BOS_ID).all()  # every sequence starts a document
+    assert len({tuple(r.tolist()) for b in reference for r in b}) == steps * 8  # no sequence repeats
+
+
+def test_importing_has_no_side_effects(tmp_path):
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import train_gpt, torch.distributed as d; " \
+           "assert not d.is_initialized()"
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO)], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def cli(args: list[str], cwd: Path, env: dict | None = None, launcher: list[str] | None = None):
+    cmd = (launcher or [sys.executable]) + [str(REPO / "train_gpt.py"), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def test_torchrun_two_cpu_processes_finish_with_a_val_line(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = cli(tiny_args(tmp_path, num_steps=2, val_every=0) + ["--device=cpu"], tmp_path, launcher=launcher)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step:2/2 val_loss:" in proc.stdout
+    logs = list((tmp_path / "logs").glob("*.txt"))
+    assert len(logs) == 1  # rank 0 alone writes the log
+    text = logs[0].read_text()
+    assert text.startswith(Path(REPO / "train_gpt.py").read_text())
+    assert "world size 2" in text and "peak memory allocated:" in text
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--bogus=1"], {}, "unknown option --bogus"),
+    (["--num_steps=ten"], {}, "--num_steps expects int"),
+    (["--preset=huge"], {}, "unknown preset 'huge'"),
+    (["--num_steps=0"], {}, "--num_steps must be positive"),
+    (["--device=tpu"], {}, "--device must be auto, cuda or cpu"),
+    ([], {"WORLD_SIZE": "3"}, "not divisible by the world size 3"),
+    (["--device=cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "no CUDA GPU is visible"),
+    (["--train_files=nowhere/*.bin"], {}, "no files match 'nowhere/*.bin'"),
+    (["--num_steps=100000"], {}, "the run needs at least"),
+    (["--val_tokens=1048576", "--val_seq_len=1024"], {}, "validation needs 1048577 tokens"),
+])
+def test_bad_input_stops_with_one_clear_line(tmp_path, args, env, message):
+    base = [a for a in tiny_args(tmp_path) if not a.startswith(tuple(x.split("=")[0] + "=" for x in args))]
+    proc = cli(base + args, tmp_path, env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_lists_every_field(tmp_path):
+    proc = cli(["--help"], tmp_path)
+    assert proc.returncode == 0
+    for f in ["--num_steps=1695", "--train_epochs=1", "--preset=", "tiny"]:
+        assert f in proc.stdout

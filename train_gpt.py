@@ -1,0 +1,992 @@
+"""Speedrun GPT trainer: the whole recipe in one file, in data-flow order.
+
+config -> data -> model -> optimizer -> logging -> training loop -> main().
+Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
+(N in 1, 2, 4, 8) or plain `python train_gpt.py --preset=tiny` on a CPU.
+Importing this module has no side effects; the tests import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import glob
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# -----------------------------------------------------------------------------
+# Config
+# One dataclass holds every knob; each field is overridable as --field=value.
+# The defaults are the 8xH100 recipe (record #28 of the NanoGPT speedrun);
+# presets are named sets of fields applied before the explicit overrides.
+
+
+@dataclass
+class Config:
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    train_epochs: int = 1  # passes over the training files, in order
+    train_seq_len: int = 48 * 1024  # tokens per sequence; one sequence per micro-step
+    global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
+    val_seq_len: int = 4 * 64 * 1024
+    val_tokens: int = 10_485_760
+    # model
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
+    num_layers: int = 12
+    model_dim: int = 768
+    num_heads: int = 6
+    head_dim: int = 128
+    mlp_ratio: int = 4
+    num_value_embeds: int = 3  # tables used by the first and again by the last layers
+    attn_pattern: str = "LSSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
+    attn_scale: float = 0.12
+    gate_channels: int = 12  # leading channels of the attention input that drive the head gates
+    logit_cap: float = 30.0
+    logit_temp: float = 7.5
+    block_size: int = 128  # attention block granularity (FlexAttention tile)
+    final_window_tokens: int = 1728  # long window grows linearly to this over the run
+    # optimizer and schedule
+    num_steps: int = 1695
+    cooldown_frac: float = 0.45
+    final_lr_frac: float = 0.1
+    muon_lr: float = 0.05
+    muon_momentum_start: float = 0.85
+    muon_momentum_end: float = 0.95
+    muon_momentum_warmup_steps: int = 300
+    embed_lr: float = 0.6
+    head_lr: float = 0.008
+    scalar_lr: float = 0.04
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    # run
+    val_every: int = 125  # 0 validates only at the start and the end
+    warmup_steps: int = 10  # untimed kernel warmup; model and optimizer are restored afterwards
+    device: str = "auto"  # auto | cuda | cpu
+    compile: bool = True  # torch.compile on CUDA (ignored on CPU)
+    fp8_head: bool = True  # FP8 lm_head matmul in training on CUDA (also off with DISABLE_FP8=1)
+    seed: int = -1  # -1 draws a random seed (always printed)
+    run_id: str = ""  # default: a fresh uuid
+    log_dir: str = "logs"
+    preset: str = ""
+
+
+PRESETS: dict[str, dict[str, object]] = {
+    # A CPU-sized model on the bundled sample: the whole pipeline in about a minute on 2 cores.
+    "tiny": dict(
+        train_files="data/sample/sample_train_*.bin",
+        val_files="data/sample/sample_val_*.bin",
+        train_seq_len=128,
+        val_seq_len=1024,
+        val_tokens=16384,
+        num_layers=4,
+        model_dim=128,
+        num_heads=2,
+        head_dim=64,
+        num_value_embeds=1,
+        attn_pattern="LS-L",
+        gate_channels=8,
+        block_size=32,
+        final_window_tokens=128,
+        num_steps=100,
+        muon_momentum_warmup_steps=20,
+        val_every=25,
+        warmup_steps=2,
+    ),
+}
+
+
+class UsageError(Exception):
+    """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
+
+
+def _parse_value(name: str, kind: type, text: str) -> object:
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on", ""):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise UsageError(f"--{name} expects true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
+
+
+def parse_config(argv: list[str]) -> Config:
+    """Defaults, then the preset's fields, then explicit --field=value overrides."""
+    kinds = {f.name: {"int": int, "float": float, "bool": bool, "str": str}[f.type] for f in dataclasses.fields(Config)}
+    overrides: dict[str, object] = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
+        name, _, text = arg[2:].partition("=")
+        if name not in kinds:
+            raise UsageError(f"unknown option --{name} (see --help for the list)")
+        if kinds[name] is not bool and "=" not in arg:
+            raise UsageError(f"--{name} needs a value: --{name}=VALUE")
+        overrides[name] = _parse_value(name, kinds[name], text)
+    preset = str(overrides.get("preset", ""))
+    if preset and preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    fields = {**PRESETS.get(preset, {}), **overrides}
+    return Config(**fields)
+
+
+def config_help() -> str:
+    lines = ["usage: train_gpt.py [--field=value ...]", "", "fields (default):"]
+    for f in dataclasses.fields(Config):
+        lines.append(f"  --{f.name}={f.default}")
+    lines.append(f"presets: {', '.join(PRESETS)} (--preset=NAME)")
+    return "\n".join(lines)
+
+
+def validate_config(cfg: Config, world_size: int) -> int:
+    """Check what can be checked before touching data or devices; returns grad accumulation steps."""
+    positive = ["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
+                "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size", "num_steps",
+                "final_window_tokens"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise UsageError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    for name in ["warmup_steps", "val_every", "muon_momentum_warmup_steps", "num_value_embeds", "gate_channels"]:
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if not 0.0 <= cfg.cooldown_frac <= 1.0:
+        raise UsageError(f"--cooldown_frac must be in [0, 1], got {cfg.cooldown_frac}")
+    if cfg.global_batch_seqs % world_size:
+        raise UsageError(f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the world size {world_size}; "
+                         f"launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)")
+    if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
+        raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer ({cfg.num_layers} layers)")
+    if cfg.num_layers % 2:
+        raise UsageError(f"--num_layers={cfg.num_layers} must be even (U-net skips pair layer i with num_layers-1-i)")
+    if 2 * cfg.num_value_embeds > cfg.num_layers:
+        raise UsageError(f"--num_value_embeds={cfg.num_value_embeds} needs at least {2 * cfg.num_value_embeds} layers")
+    if cfg.head_dim % 4:
+        raise UsageError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)")
+    if cfg.gate_channels > cfg.model_dim:
+        raise UsageError(f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}")
+    for name in ["train_seq_len", "val_seq_len"]:
+        if getattr(cfg, name) % cfg.block_size:
+            raise UsageError(f"--{name}={getattr(cfg, name)} must be a multiple of --block_size={cfg.block_size}")
+    if cfg.val_tokens % cfg.val_seq_len:
+        raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
+    if cfg.device not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
+    return cfg.global_batch_seqs // world_size
+
+
+# -----------------------------------------------------------------------------
+# Data
+# Shards are a 256-int32 header (magic, version, token count) then uint16 GPT-2 tokens; every
+# document starts with BOS (50256). Each step takes global_batch_seqs sequences that start at a
+# BOS, in a fixed global order, so any world size sees the same token stream.
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+BOS_ID = 50256
+DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Write tokens in the shard format, atomically (temporary name, then rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError("shard tokens must fit in uint16")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
+
+def shard_token_count(path: Path) -> int:
+    """Validate a shard's header against its file size and return its token count."""
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    except OSError as e:
+        raise UsageError(f"cannot read shard {path}: {e.strerror}") from None
+    if len(header) < HEADER_INTS:
+        raise UsageError(f"shard {path} is truncated: {size} bytes, shorter than the {4 * HEADER_INTS}-byte header")
+    if header[0] != SHARD_MAGIC:
+        raise UsageError(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC}: not a token shard")
+    if header[1] != SHARD_VERSION:
+        raise UsageError(f"shard {path} has version {header[1]}, expected {SHARD_VERSION}")
+    count = int(header[2])
+    expected = 4 * HEADER_INTS + 2 * count
+    if size != expected:
+        raise UsageError(f"shard {path} header says {count} tokens ({expected} bytes) but the file has {size} bytes; "
+                         f"it is truncated or corrupt: delete it and download or tokenize it again")
+    return count
+
+
+def load_shard(path: Path, vocab_size: int) -> np.ndarray:
+    count = shard_token_count(path)
+    tokens = np.fromfile(path, dtype="<u2", offset=4 * HEADER_INTS, count=count)
+    if count and int(tokens.max()) >= vocab_size:
+        bad = int(np.argmax(tokens >= vocab_size))
+        raise UsageError(f"shard {path} holds token id {int(tokens[bad])} at position {bad}, "
+                         f"outside the vocabulary (< {vocab_size})")
+    return tokens
+
+
+def find_shards(pattern: str) -> list[Path]:
+    files = sorted(Path(p) for p in glob.glob(pattern))
+    if not files:
+        raise UsageError(f"no files match {pattern!r}; download FineWeb with `{DOWNLOAD_HINT}` "
+                         f"or point --train_files/--val_files at your shards")
+    return files
+
+
+class TrainTokenStream:
+    """BOS-aligned training sequences in one global order, shared by every world size.
+
+    Each step opens a window of 2 * global_batch_seqs * seq_len tokens at the current position and
+    takes global_batch_seqs starts: a BOS s is accepted once the next BOS e has e - s >= seq_len,
+    and the next candidate is e (the tail of the last document is skipped). When the window would
+    run past the shard, the next shard is loaded and the leftover tail is dropped.
+    """
+
+    def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int, epochs: int = 1):
+        self.files = files * epochs
+        self.seq_len, self.batch_seqs, self.vocab_size = seq_len, batch_seqs, vocab_size
+        self.window = 2 * batch_seqs * seq_len
+        self.next_file = 0
+        self.tokens = np.zeros(0, dtype=np.uint16)
+        self.bos = np.zeros(0, dtype=np.int64)
+        self.pos = 0
+
+    def _load_next_shard(self) -> None:
+        if self.next_file >= len(self.files):
+            passes = f" ({len(self.files) // max(1, len(set(self.files)))} passes)" if len(self.files) > 1 else ""
+            raise UsageError(f"training data exhausted after {len(self.files)} shard(s){passes}: "
+                             f"add shards, or raise --train_epochs, or lower --num_steps")
+        self.tokens = load_shard(self.files[self.next_file], self.vocab_size)
+        self.bos = np.flatnonzero(self.tokens == BOS_ID)
+        self.next_file += 1
+        self.pos = 0
+
+    def _take_starts(self) -> list[int] | None:
+        """The step's starts from self.pos within the shard, or None when the shard cannot supply them."""
+        i = int(np.searchsorted(self.bos, self.pos))
+        starts: list[int] = []
+        while i < len(self.bos) and len(starts) < self.batch_seqs:
+            s, j = int(self.bos[i]), i + 1
+            while j < len(self.bos) and self.bos[j] - s < self.seq_len:
+                j += 1
+            if j == len(self.bos):
+                return None
+            starts.append(s)
+            i = j
+        if len(starts) < self.batch_seqs:
+            return None
+        self.pos = int(self.bos[i])
+        return starts
+
+    def next_step(self, out: Tensor) -> None:
+        """Fill out (batch_seqs, seq_len + 1) int32 with this step's sequences, in global order."""
+        while True:
+            starts = None
+            if self.pos + self.window + 1 < len(self.tokens):
+                starts = self._take_starts()
+            if starts is not None:
+                break
+            self._load_next_shard()
+        rows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+        out.copy_(torch.from_numpy(rows.astype(np.int32)))
+
+
+class ValTokens:
+    """The first val_tokens tokens (+1 target) of the val shards, cut into contiguous chunks, not BOS-aligned."""
+
+    def __init__(self, files: list[Path], val_tokens: int, vocab_size: int):
+        need, parts, have = val_tokens + 1, [], 0
+        for path in files:
+            parts.append(load_shard(path, vocab_size)[: need - have])
+            have += len(parts[-1])
+            if have >= need:
+                break
+        if have < need:
+            raise UsageError(f"validation needs {need} tokens but the val files hold {have}; lower --val_tokens")
+        self.tokens = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+
+    def chunks(self, seq_len: int, rank: int, world_size: int) -> Iterator[Tensor]:
+        """This rank's chunks (rank, rank + W, ...) as (seq_len + 1,) int32 tensors."""
+        for c in range(rank, (len(self.tokens) - 1) // seq_len, world_size):
+            yield self.tokens[c * seq_len: (c + 1) * seq_len + 1]
+
+
+def check_train_data(cfg: Config, files: list[Path]) -> None:
+    """Refuse up front a run whose training files cannot hold the tokens it will consume."""
+    held = sum(shard_token_count(p) for p in files) * cfg.train_epochs
+    needed = cfg.num_steps * cfg.global_batch_seqs * (cfg.train_seq_len + 1)
+    if held < needed:
+        raise UsageError(f"the run needs at least {needed:,} training tokens ({cfg.num_steps} steps x "
+                         f"{cfg.global_batch_seqs} x {cfg.train_seq_len + 1}) but {len(files)} file(s) x "
+                         f"{cfg.train_epochs} epoch(s) hold {held:,}; add shards (`{DOWNLOAD_HINT}`), "
+                         f"raise --train_epochs or lower --num_steps")
+
+
+class DataLoader:
+    """Delivers each rank's micro-batches for a step: micro-step m of rank r gets global sequence m * W + r."""
+
+    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, device: torch.device):
+        self.stream, self.rank, self.world_size, self.device = stream, rank, world_size, device
+        self.host = torch.empty(stream.batch_seqs, stream.seq_len + 1, dtype=torch.int32,
+                                pin_memory=device.type == "cuda")
+
+    def next_step(self) -> list[tuple[Tensor, Tensor]]:
+        self.stream.next_step(self.host)
+        mine = self.host[self.rank::self.world_size].to(self.device, non_blocking=True)
+        return [(row[:-1], row[1:].long()) for row in mine]
+
+
+# -----------------------------------------------------------------------------
+# Model
+# The record-#28 GPT: token + value embeddings, U-net skips, per-block mixing with x0, QK-norm,
+# half-truncated RoPE, sparse head gates, ReLU^2 MLP, soft-capped logits. One mask rule for
+# attention, two kernels: FlexAttention block masks on CUDA, a dense SDPA mask on CPU
+# (FlexAttention has no CPU backward).
+
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor) -> Tensor:
+    """Token rule: causal and within one document."""
+    return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+
+
+def window_blocks(step: int, cfg: Config) -> int:
+    """Long-window size in blocks at a step: the smallest block multiple >= final_window * step / num_steps."""
+    return max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
+
+
+def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
+
+    A key block is visible when it is not after the query block and their document ranges overlap;
+    it is full (no per-token mask) when strictly earlier and both lie in one document. The window
+    keeps at most window - 1 full blocks and max(window - all full blocks, 1) partial ones.
+    `window` is a 0-dim tensor so a new size never triggers a recompile.
+    """
+    nb = docs.numel() // block_size
+    blocks = docs.view(nb, block_size)
+    first, last = blocks[:, 0], blocks[:, -1]
+    q = torch.arange(nb, device=docs.device)[:, None]
+    k = torch.arange(nb, device=docs.device)[None, :]
+    visible = (q >= k) & (first[:, None] <= last[None, :])
+    full = (q > k) & (last[:, None] == first[None, :])
+    partial = visible & ~full
+
+    def nearest_first(mask: Tensor) -> tuple[Tensor, Tensor]:
+        order = torch.argsort(torch.where(mask, k, -1), dim=-1, descending=True, stable=True)
+        return mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    partial_n, partial_idx = nearest_first(partial)
+    full_n, full_idx = nearest_first(full)
+    partial_n = torch.minimum(partial_n, torch.clamp_min(window - full_n, 1))
+    full_n = torch.minimum(full_n, window - 1)
+    return partial_n, partial_idx, full_n, full_idx
+
+
+def block_mask(input_seq: Tensor, block_size: int, window: Tensor) -> BlockMask:
+    docs = (input_seq == BOS_ID).cumsum(0)
+    partial_n, partial_idx, full_n, full_idx = block_window_selection(docs, block_size, window)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return may_attend(q_idx, kv_idx, docs)
+
+    return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
+                                    full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
+
+
+def dense_mask(input_seq: Tensor, block_size: int, window: Tensor) -> Tensor:
+    """The same mask as block_mask, as a (T, T) boolean for scaled_dot_product_attention."""
+    docs = (input_seq == BOS_ID).cumsum(0)
+    partial_n, partial_idx, full_n, full_idx = block_window_selection(docs, block_size, window)
+    nb = partial_n.numel()
+    rank = torch.arange(nb, device=docs.device)[None, :]
+    chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
+    chosen.scatter_(1, partial_idx.long(), rank < partial_n[:, None])
+    chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
+    pos = torch.arange(docs.numel(), device=docs.device)
+    blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs)
+
+
+class Rotary(nn.Module):
+    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all."""
+
+    def __init__(self, head_dim: int, max_len: int):
+        super().__init__()
+        n_rot = head_dim // 4
+        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n_rot), torch.zeros(head_dim // 2 - n_rot)])
+        theta = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
+        self.register_buffer("cos", theta.cos(), persistent=False)
+        self.register_buffer("sin", theta.sin(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # (1, T, H, D)
+        cos, sin = self.cos[None, : x.size(-3), None, :], self.sin[None, : x.size(-3), None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T with both operands scaled into float8_e4m3; returns the bf16 product and the fp8 operands."""
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                           scale_a=x.new_tensor(x_s, dtype=torch.float32),
+                           scale_b=x.new_tensor(w_s, dtype=torch.float32))
+    return out, x_f8, w_f8
+
+
+@fp8_mm.register_fake
+def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16), x.to(torch.float8_e4m3fn),
+            w.to(torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[Tensor, Tensor]:
+    """Gradients of fp8_mm with the output gradient in float8_e5m2; grad_w in fp32, no fast accumulation."""
+    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    scale = lambda s: g.new_tensor(s, dtype=torch.float32)  # noqa: E731
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=scale(grad_s), scale_b=scale(w_s))
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=scale(x_s), scale_b=scale(grad_s)).T
+    return grad_x, grad_w
+
+
+@fp8_mm_backward.register_fake
+def _(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+
+
+def _fp8_mm_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.scales = inputs[2:]
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _fp8_mm_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: Config, max_len: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
+        hdim = cfg.num_heads * cfg.head_dim
+        # q, k, v, o in one tensor; Muon orthogonalizes the four matrices separately.
+        self.qkvo_w = nn.Parameter(torch.empty(4, hdim, cfg.model_dim))
+        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
+        with torch.no_grad():
+            self.qkvo_w[:3].uniform_(-bound, bound)
+            self.qkvo_w[3].zero_()
+        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
+        self.rotary = Rotary(cfg.head_dim, max_len)
+
+    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask: BlockMask | Tensor) -> Tensor:
+        T = x.size(1)
+        qkv = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x))
+        q, k, v = qkv.view(1, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
+        q, k = self.rotary(norm(q)), self.rotary(norm(k))
+        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if isinstance(mask, BlockMask):
+            y = flex_attention(q, k, v, block_mask=mask, scale=self.scale)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w.type_as(x)))
+        y = y.transpose(1, 2) * gate.unsqueeze(-1)
+        return F.linear(y.flatten(-2), self.qkvo_w[3].T.type_as(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.model_dim
+        # Both stored (dim, hidden) so they share a Muon shape group.
+        self.c_fc = nn.Parameter(torch.empty(cfg.model_dim, hidden))
+        self.c_proj = nn.Parameter(torch.zeros(cfg.model_dim, hidden))
+        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
+        with torch.no_grad():
+            self.c_fc.uniform_(-bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(x @ self.c_fc.type_as(x)).square()
+        return F.linear(h, self.c_proj.type_as(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, has_attn: bool, max_len: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg, max_len) if has_attn else None
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: Tensor, sa_lambdas: Tensor,
+                mask: BlockMask | Tensor) -> Tensor:
+        x = mix[0] * x + mix[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(norm(x), ve, sa_lambdas, mask)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool):
+        super().__init__()
+        self.cfg, self.use_flex, self.fp8_head = cfg, use_flex, fp8_head
+        L, d = cfg.num_layers, cfg.model_dim
+        max_len = max(cfg.train_seq_len, cfg.val_seq_len)
+        self.embed = nn.Embedding(cfg.vocab_size, d).bfloat16()
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d).bfloat16()
+                                          for _ in range(cfg.num_value_embeds))
+        self.blocks = nn.ModuleList(Block(cfg, c != "-", max_len) for c in cfg.attn_pattern)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        nn.init.zeros_(self.lm_head.weight)
+        # One vector: U-net skip weights, per-block (a, b) mixing with x0, per-layer value lambdas.
+        self.scalars = nn.Parameter(torch.cat([torch.ones(L // 2), torch.tensor([1.0, 0.0]).repeat(L),
+                                               torch.tensor([0.5, 0.5]).repeat(L)]))
+
+    def value_embeds_per_layer(self, input_seq: Tensor) -> list[Tensor | None]:
+        ve = [table(input_seq) for table in self.value_embeds]
+        return ve + [None] * (self.cfg.num_layers - 2 * len(ve)) + ve
+
+    def attention_masks(self, input_seq: Tensor, window: Tensor) -> dict[str, BlockMask | Tensor]:
+        build = block_mask if self.use_flex else dense_mask
+        return {"L": build(input_seq, self.cfg.block_size, window),
+                "S": build(input_seq, self.cfg.block_size, window // 2)}
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window: Tensor) -> Tensor:
+        """Summed cross-entropy in training, mean in eval. input_seq is one packed (T,) sequence."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        skip_w, mix, sa = self.scalars[: L // 2], self.scalars[L // 2: 5 * L // 2], self.scalars[5 * L // 2:]
+        ves = self.value_embeds_per_layer(input_seq)
+        masks = self.attention_masks(input_seq, window)
+        x = x0 = norm(self.embed(input_seq)[None])
+        skips = []
+        for i, block in enumerate(self.blocks):
+            if i >= L // 2:
+                x = x + skip_w[i - L // 2] * skips.pop()
+            mask = masks.get(cfg.attn_pattern[i], masks["L"])
+            x = block(x, x0, ves[i], mix[2 * i: 2 * i + 2], sa[2 * i: 2 * i + 2], mask)
+            if i < L // 2:
+                skips.append(x)
+        x = norm(x).flatten(0, 1)
+        if self.training and self.fp8_head:
+            # x is RMS-normed, so |x| <= sqrt(d): x_s maps that onto e4m3's max of 448.
+            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, math.sqrt(cfg.model_dim) / 448, 2**-9,
+                                               1 / 448)[0]
+        else:
+            logits = F.linear(x, self.lm_head.weight.type_as(x))
+        logits = cfg.logit_cap * torch.sigmoid(logits.float() / cfg.logit_temp)
+        return F.cross_entropy(logits, target_seq, reduction="sum" if self.training else "mean")
+
+
+# -----------------------------------------------------------------------------
+# Optimizer
+# Muon (momentum + Newton-Schulz orthogonalization) for the block matrices, Adam for embeddings,
+# head and scalars. The update math is plain functions; the optimizer class only decides which
+# gradients are communicated how, so the sharded step swaps communication alone.
+
+
+def newton_schulz(G: Tensor, steps: int = 5) -> Tensor:
+    """Approximately orthogonalize each matrix of G (batched over leading dims) in bf16."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16()
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+def muon_update_(p: Tensor, grad: Tensor, buf: Tensor, lr: float, momentum: float, orthogonalize=newton_schulz) -> None:
+    """Nesterov momentum then an orthogonalized step, scaled by sqrt(max(1, rows/cols))."""
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum)
+    scale = math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
+    p.add_(orthogonalize(update).type_as(p), alpha=-lr * scale)
+
+
+def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float) -> None:
+    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v)."""
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    p.addcdiv_(m, v.sqrt().add_(eps), value=-step_size)
+
+
+@dataclass
+class ParamGroup:
+    kind: str  # "muon" or "adam"
+    lr: float
+    params: list[nn.Parameter]
+    names: list[str] = field(default_factory=list)
+
+
+class MuonAdam:
+    """Muon + Adam over named parameter groups; gradients are summed across ranks, then every rank updates all."""
+
+    def __init__(self, groups: list[ParamGroup], cfg: Config, world_size: int, compile_ns: bool):
+        self.groups, self.cfg, self.world_size = groups, cfg, world_size
+        self.orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True) if compile_ns else newton_schulz
+        self.lr_mult, self.momentum, self.step_count = 1.0, cfg.muon_momentum_start, 0
+        self.state: dict[nn.Parameter, dict[str, Tensor]] = {}
+        for g in groups:
+            for p in g.params:
+                if g.kind == "muon":
+                    self.state[p] = {"momentum": torch.zeros_like(p, dtype=torch.float32)}
+                else:
+                    self.state[p] = {"m": torch.zeros_like(p), "v": torch.zeros_like(p)}
+
+    def all_params(self) -> list[nn.Parameter]:
+        return [p for g in self.groups for p in g.params]
+
+    def _reduce_grads(self) -> None:
+        if self.world_size > 1:
+            works = [dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True) for p in self.all_params()]
+            for w in works:
+                w.wait()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self._reduce_grads()
+        self.step_count += 1
+        c = self.cfg
+        for g in self.groups:
+            lr = g.lr * self.lr_mult
+            for p in g.params:
+                s = self.state[p]
+                if g.kind == "muon":
+                    muon_update_(p, p.grad, s["momentum"], lr, self.momentum, self.orthogonalize)
+                else:
+                    adam_update_(p, p.grad, s["m"], s["v"], self.step_count, lr, c.adam_beta1, c.adam_beta2, c.adam_eps)
+
+    def state_tensors(self) -> list[Tensor]:
+        return [t for s in self.state.values() for t in s.values()]
+
+
+def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
+    """Muon takes every block matrix; Adam the embeddings (one lr), the head and the scalars."""
+    named = dict(model.named_parameters())
+    embed = [n for n in named if n.startswith(("embed.", "value_embeds."))]
+    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2]
+    spec = [("muon", cfg.muon_lr, muon), ("adam", cfg.embed_lr, embed), ("adam", cfg.head_lr, ["lm_head.weight"]),
+            ("adam", cfg.scalar_lr, ["scalars"])]
+    groups = [ParamGroup(kind, lr, [named[n] for n in names], names) for kind, lr, names in spec]
+    assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
+    return groups
+
+
+def lr_multiplier(step: int, cfg: Config) -> float:
+    """1.0, then a linear cooldown to final_lr_frac over the last cooldown_frac of the steps."""
+    x = step / cfg.num_steps
+    if x < 1 - cfg.cooldown_frac:
+        return 1.0
+    w = (1 - x) / cfg.cooldown_frac
+    return w + (1 - w) * cfg.final_lr_frac
+
+
+def muon_momentum(step: int, cfg: Config) -> float:
+    frac = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
+    return cfg.muon_momentum_start + frac * (cfg.muon_momentum_end - cfg.muon_momentum_start)
+
+
+# -----------------------------------------------------------------------------
+# Logging
+# Rank 0 prints and appends to logs/<run_id>.txt: the source, the environment, the resolved config,
+# then speedrun-grammar step lines. The file stays open (buffered) for the whole run.
+
+SEPARATOR = "=" * 100
+
+
+def environment_report(device: torch.device) -> str:
+    lines = [f"Running Python {sys.version.split()[0]} on {platform.platform()}",
+             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}"]
+    try:
+        import triton
+        lines.append(f"Running Triton version {triton.__version__}")
+    except ImportError:
+        lines.append("Triton not installed")
+    if device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"GPUs: {', '.join(names)}")
+    else:
+        lines.append(f"CPU run ({os.cpu_count()} cores)")
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
+        lines.append(smi.stdout.rstrip())
+    return "\n".join(lines)
+
+
+class RunLog:
+    """Console and log file on rank 0; silent elsewhere."""
+
+    def __init__(self, path: Path | None):
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w", buffering=1 << 16)
+
+    def __call__(self, line: str, console: bool = True) -> None:
+        if self.file is None:
+            return
+        if console:
+            print(line, flush=True)
+        self.file.write(line + "\n")
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+# -----------------------------------------------------------------------------
+# Training
+# Untimed warmup on real batches (compiles and autotunes), then the model and optimizer state are
+# restored in place; the clock runs only over training steps, stopped (with a synchronize) around
+# every validation. Gradients of each micro-step are scaled by 1/global_batch_seqs and summed across
+# ranks, so every world size takes the same update.
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+@dataclass
+class TrainResult:
+    val_losses: list[tuple[int, float]]
+    train_time_ms: float
+    model: GPT
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, window: Tensor) -> float:
+    """Mean cross-entropy over the val tokens; one all-reduce for the whole validation."""
+    model.eval()
+    totals = torch.zeros(2, device=rt.device)
+    for chunk in val.chunks(cfg.val_seq_len, rt.rank, rt.world_size):
+        chunk = chunk.to(rt.device, non_blocking=True)
+        totals[0] += model(chunk[:-1], chunk[1:].long(), window)
+        totals[1] += 1
+    if rt.world_size > 1:
+        dist.all_reduce(totals)
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+class StateSnapshot:
+    """Device-side clones of tensors, restored in place (the warmup reset)."""
+
+    def __init__(self, tensors: list[Tensor]):
+        self.tensors = tensors
+        self.saved = [t.detach().clone() for t in tensors]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for t, s in zip(self.tensors, self.saved):
+            t.copy_(s)
+
+
+def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
+    grad_accum = validate_config(cfg, rt.world_size)
+    train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
+    check_train_data(cfg, train_files)
+    val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
+
+    on_cuda = rt.device.type == "cuda"
+    fp8 = on_cuda and cfg.fp8_head and not os.environ.get("DISABLE_FP8")
+    raw_model = GPT(cfg, use_flex=on_cuda, fp8_head=fp8).to(rt.device)
+    model: nn.Module = torch.compile(raw_model, dynamic=False) if on_cuda and cfg.compile else raw_model
+    optimizer = MuonAdam(build_param_groups(raw_model, cfg), cfg, rt.world_size, compile_ns=on_cuda and cfg.compile)
+    log(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters, fp8 head {fp8}, "
+        f"compile {on_cuda and cfg.compile}, world size {rt.world_size}, grad accumulation {grad_accum}")
+
+    windows = torch.tensor([window_blocks(s, cfg) for s in range(cfg.num_steps + 1)], dtype=torch.int32,
+                           device=rt.device)
+    loss_scale = 1.0 / cfg.global_batch_seqs
+
+    def train_step(loader: DataLoader, step: int, micro_steps: int) -> None:
+        for inputs, targets in loader.next_step()[:micro_steps]:
+            (model(inputs, targets, windows[step]) * loss_scale).backward()
+        optimizer.step()
+        raw_model.zero_grad(set_to_none=True)
+
+    def new_loader() -> DataLoader:
+        stream = TrainTokenStream(train_files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
+                                  cfg.train_epochs)
+        return DataLoader(stream, rt.rank, rt.world_size, rt.device)
+
+    # Warmup: one micro-batch per step at the first window, then everything is put back.
+    t0 = time.perf_counter()
+    snapshot = StateSnapshot([*raw_model.parameters(), *optimizer.state_tensors()])
+    warm_loader = new_loader()
+    for _ in range(cfg.warmup_steps):
+        train_step(warm_loader, 1, micro_steps=1)
+    snapshot.restore()
+    optimizer.step_count = 0
+    del snapshot, warm_loader
+    synchronize(rt.device)
+    log(f"warmup: {cfg.warmup_steps} steps in {time.perf_counter() - t0:.1f}s (untimed; state restored)")
+
+    loader = new_loader()
+    val_losses: list[tuple[int, float]] = []
+    train_ms = 0.0
+    synchronize(rt.device)
+    t0 = time.perf_counter()
+    for step in range(cfg.num_steps + 1):
+        last = step == cfg.num_steps
+        if last or (cfg.val_every and step % cfg.val_every == 0) or step == 0:
+            synchronize(rt.device)
+            train_ms += 1000 * (time.perf_counter() - t0)
+            val_loss = evaluate(model, val, cfg, rt, windows[step])
+            val_losses.append((step, val_loss))
+            log(f"step:{step}/{cfg.num_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                f"step_avg:{train_ms / max(step, 1):.2f}ms")
+            log.flush()
+            synchronize(rt.device)
+            t0 = time.perf_counter()
+        if last:
+            break
+        optimizer.lr_mult, optimizer.momentum = lr_multiplier(step, cfg), muon_momentum(step, cfg)
+        train_step(loader, step, grad_accum)
+        approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
+        log(f"step:{step + 1}/{cfg.num_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+
+    if on_cuda:
+        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    else:
+        log("peak memory allocated: 0 MiB reserved: 0 MiB (CPU run)")
+    return TrainResult(val_losses, train_ms, raw_model)
+
+
+# -----------------------------------------------------------------------------
+# Main
+# Reads the launch environment (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), picks the device and the
+# process-group backend (NCCL on CUDA, gloo on CPU), seeds every rank alike, and runs training.
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device=cuda but no CUDA GPU is visible; use --device=cpu (or --preset=tiny)")
+        visible = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local_world > visible:
+            raise UsageError(f"{local_world} processes per node but only {visible} GPU(s) visible; "
+                             f"launch with --nproc_per_node={visible} or fewer")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if
+                                device.type == "cuda" else None)
+    return Runtime(rank, world_size, local_rank, device)
+
+
+def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
+    """Rank 0 draws the seed and run id when they are not given; every rank uses rank 0's."""
+    ident = [cfg.seed if cfg.seed >= 0 else random.SystemRandom().randrange(2**31),
+             cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"]
+    if rt.world_size > 1:
+        dist.broadcast_object_list(ident, src=0)
+    cfg.seed, cfg.run_id = ident
+
+
+def run(argv: list[str]) -> TrainResult:
+    """Parse, set up the process group and train; raises UsageError for anything the user can fix."""
+    rt, log = None, RunLog(None)
+    try:
+        cfg = parse_config(argv)
+        validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        rt = setup_runtime(cfg)
+        agree_on_run_identity(cfg, rt)
+        torch.manual_seed(cfg.seed)
+        if rt.rank == 0:
+            log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt")
+            log(Path(__file__).read_text(), console=False)
+            log(SEPARATOR, console=False)
+            log(environment_report(rt.device))
+            log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+            log(SEPARATOR)
+            log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
+        return train(cfg, rt, log)
+    finally:
+        log.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        print(config_help())
+        return
+    try:
+        run(argv)
+    except UsageError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
