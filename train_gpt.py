@@ -15,15 +15,17 @@ import json
 import math
 import os
 import platform
+import queue
 import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -49,6 +51,7 @@ class Config:
     global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
     val_seq_len: int = 4 * 64 * 1024
     val_tokens: int = 10_485_760
+    prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, in the main thread
     # model
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
     num_layers: int = 12
@@ -168,7 +171,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise UsageError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    for name in ["warmup_steps", "val_every", "muon_momentum_warmup_steps", "num_value_embeds", "gate_channels"]:
+    for name in ["prefetch_depth", "warmup_steps", "val_every", "muon_momentum_warmup_steps", "num_value_embeds", "gate_channels"]:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     if not 0.0 <= cfg.cooldown_frac <= 1.0:
@@ -271,53 +274,84 @@ class TrainTokenStream:
     run past the shard, the next shard is loaded and the leftover tail is dropped.
     """
 
-    def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int, epochs: int = 1):
+    def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int, epochs: int = 1,
+                 preload: bool = False):
         self.files = files * epochs
         self.seq_len, self.batch_seqs, self.vocab_size = seq_len, batch_seqs, vocab_size
         self.window = 2 * batch_seqs * seq_len
-        self.next_file = 0
+        self.next_file, self.steps_served = 0, 0
         self.tokens = np.zeros(0, dtype=np.uint16)
         self.bos = np.zeros(0, dtype=np.int64)
         self.pos = 0
+        # Reading and scanning a 100M-token shard takes a large fraction of a second: do it ahead, off the loop.
+        self.preloader = ThreadPoolExecutor(1, thread_name_prefix="shard-preload") if preload else None
+        self.upcoming: Future | None = None
+
+    def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        tokens = load_shard(self.files[index], self.vocab_size)
+        return tokens, np.flatnonzero(tokens == BOS_ID)
 
     def _load_next_shard(self) -> None:
         if self.next_file >= len(self.files):
-            passes = f" ({len(self.files) // max(1, len(set(self.files)))} passes)" if len(self.files) > 1 else ""
-            raise UsageError(f"training data exhausted after {len(self.files)} shard(s){passes}: "
-                             f"add shards, or raise --train_epochs, or lower --num_steps")
-        self.tokens = load_shard(self.files[self.next_file], self.vocab_size)
-        self.bos = np.flatnonzero(self.tokens == BOS_ID)
+            held = sum(shard_token_count(p) for p in self.files)
+            raise UsageError(f"training data exhausted at step {self.steps_served}: {len(self.files)} shard(s) "
+                             f"(with epochs) hold {held:,} tokens, less than the run consumes; add shards, "
+                             f"raise --train_epochs or lower --num_steps")
+        if self.upcoming is not None:
+            self.tokens, self.bos = self.upcoming.result()
+        else:
+            self.tokens, self.bos = self._read(self.next_file)
         self.next_file += 1
         self.pos = 0
+        has_next = self.next_file < len(self.files)
+        self.upcoming = self.preloader.submit(self._read, self.next_file) if self.preloader and has_next else None
+
+    def close(self) -> None:
+        if self.preloader is not None:
+            self.preloader.shutdown(wait=True, cancel_futures=True)
 
     def _take_starts(self) -> list[int] | None:
         """The step's starts from self.pos within the shard, or None when the shard cannot supply them."""
         i = int(np.searchsorted(self.bos, self.pos))
         starts: list[int] = []
-        while i < len(self.bos) and len(starts) < self.batch_seqs:
-            s, j = int(self.bos[i]), i + 1
-            while j < len(self.bos) and self.bos[j] - s < self.seq_len:
-                j += 1
-            if j == len(self.bos):
+        while len(starts) < self.batch_seqs:
+            if i >= len(self.bos):
+                return None
+            s = int(self.bos[i])
+            i = int(np.searchsorted(self.bos, s + self.seq_len))  # the first BOS at least seq_len after s
+            if i == len(self.bos):
                 return None
             starts.append(s)
-            i = j
-        if len(starts) < self.batch_seqs:
-            return None
         self.pos = int(self.bos[i])
         return starts
 
-    def next_step(self, out: Tensor) -> None:
-        """Fill out (batch_seqs, seq_len + 1) int32 with this step's sequences, in global order."""
+    def next_starts(self) -> list[int]:
+        """Start offsets (into self.tokens) of this step's global_batch_seqs sequences, in global order."""
         while True:
-            starts = None
             if self.pos + self.window + 1 < len(self.tokens):
                 starts = self._take_starts()
-            if starts is not None:
-                break
+                if starts is not None:
+                    self.steps_served += 1
+                    return starts
             self._load_next_shard()
-        rows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
-        out.copy_(torch.from_numpy(rows.astype(np.int32)))
+
+
+class TrainBatches:
+    """This rank's rows of each training step: micro-step m of rank r holds global sequence m * W + r."""
+
+    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int):
+        self.stream, self.rank, self.world_size = stream, rank, world_size
+        self.shape = (stream.batch_seqs // world_size, stream.seq_len + 1)
+
+    def fill(self, out: Tensor) -> bool:
+        starts = self.stream.next_starts()[self.rank::self.world_size]
+        rows = out.numpy()
+        for m, s in enumerate(starts):
+            rows[m] = self.stream.tokens[s: s + self.stream.seq_len + 1]
+        return True
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 class ValTokens:
@@ -332,12 +366,26 @@ class ValTokens:
                 break
         if have < need:
             raise UsageError(f"validation needs {need} tokens but the val files hold {have}; lower --val_tokens")
-        self.tokens = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+        self.tokens = np.concatenate(parts)
 
-    def chunks(self, seq_len: int, rank: int, world_size: int) -> Iterator[Tensor]:
-        """This rank's chunks (rank, rank + W, ...) as (seq_len + 1,) int32 tensors."""
-        for c in range(rank, (len(self.tokens) - 1) // seq_len, world_size):
-            yield self.tokens[c * seq_len: (c + 1) * seq_len + 1]
+
+class ValBatches:
+    """This rank's validation chunks (rank, rank + W, ...), one (1, seq_len + 1) row per batch."""
+
+    def __init__(self, val: ValTokens, seq_len: int, rank: int, world_size: int):
+        self.val, self.seq_len = val, seq_len
+        self.chunks = iter(range(rank, (len(val.tokens) - 1) // seq_len, world_size))
+        self.shape = (1, seq_len + 1)
+
+    def fill(self, out: Tensor) -> bool:
+        c = next(self.chunks, None)
+        if c is None:
+            return False
+        out.numpy()[0] = self.val.tokens[c * self.seq_len: (c + 1) * self.seq_len + 1]
+        return True
+
+    def close(self) -> None:
+        pass
 
 
 def check_train_data(cfg: Config, files: list[Path]) -> None:
@@ -351,18 +399,113 @@ def check_train_data(cfg: Config, files: list[Path]) -> None:
                          f"raise --train_epochs or lower --num_steps")
 
 
-class DataLoader:
-    """Delivers each rank's micro-batches for a step: micro-step m of rank r gets global sequence m * W + r."""
+class PrefetchLoader:
+    """Batches from a source (TrainBatches or ValBatches), prepared ahead and copied to the device off the compute stream.
 
-    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, device: torch.device):
-        self.stream, self.rank, self.world_size, self.device = stream, rank, world_size, device
-        self.host = torch.empty(stream.batch_seqs, stream.seq_len + 1, dtype=torch.int32,
-                                pin_memory=device.type == "cuda")
+    With depth K > 0 a background thread fills a ring of K pinned host buffers (allocated once) while the
+    model computes; the main thread copies batch N+1 to the GPU on a dedicated copy stream as soon as it
+    hands out batch N. The compute stream waits on the copy's event before reading, the device batch is
+    tied to the compute stream with record_stream, and a host buffer is refilled only after its copy's
+    event has completed. depth=0 does the same work synchronously in the main thread (debugging, A/B).
+    Errors in the thread surface in the main thread with their message; close() always stops the thread.
+    """
 
-    def next_step(self) -> list[tuple[Tensor, Tensor]]:
-        self.stream.next_step(self.host)
-        mine = self.host[self.rank::self.world_size].to(self.device, non_blocking=True)
-        return [(row[:-1], row[1:].long()) for row in mine]
+    def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device):
+        self.source, self.depth, self.device = source, depth, device
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self.buffers = [torch.empty(source.shape, dtype=torch.int32, pin_memory=cuda) for _ in range(max(depth, 1))]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
+        self.pending: tuple[Tensor, torch.cuda.Event | None] | None = None
+        self.done = False
+        if depth:
+            self.free: queue.Queue[int] = queue.Queue()
+            self.ready: queue.Queue[int | BaseException | None] = queue.Queue()
+            for i in range(depth):
+                self.free.put(i)
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._produce, name="prefetch", daemon=True)
+            self.thread.start()
+
+    def _fill(self, i: int) -> bool:
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()  # the previous copy out of this buffer has finished
+        return self.source.fill(self.buffers[i])
+
+    def _produce(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    i = self.free.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if not self._fill(i):
+                    self.ready.put(None)
+                    return
+                self.ready.put(i)
+        except BaseException as e:  # handed to the main thread, which re-raises it
+            self.ready.put(e)
+
+    def _next_host(self) -> int | None:
+        if not self.depth:
+            return 0 if self._fill(0) else None
+        while True:
+            try:
+                item = self.ready.get(timeout=1.0)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("prefetch thread stopped without a batch or an error") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _start_copy(self) -> tuple[Tensor, torch.cuda.Event | None] | None:
+        """Issue the copy of the next host batch; never on the compute stream."""
+        i = self._next_host()
+        if i is None:
+            self.done = True
+            return None
+        host = self.buffers[i]
+        if self.copy_stream is None:
+            batch, event = host.clone(), None
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                batch = host.to(self.device, non_blocking=True)
+                event = self.copied[i]
+                event.record(self.copy_stream)
+        if self.depth:
+            self.free.put(i)
+        return batch, event
+
+    def __iter__(self) -> "PrefetchLoader":
+        return self
+
+    def __next__(self) -> Tensor:
+        """The next (rows, seq_len + 1) int32 device batch, safe to read on the current stream."""
+        current = self.pending if self.pending is not None or self.done else self._start_copy()
+        if current is None:
+            raise StopIteration
+        batch, event = current
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            batch.record_stream(compute)
+        # With prefetching, batch N+1's copy is in flight while batch N computes.
+        self.pending = self._start_copy() if self.depth else None
+        return batch
+
+    def close(self) -> None:
+        if self.depth and self.thread.is_alive():
+            self.stop.set()
+            self.thread.join()
+        self.source.close()
+
+    def __enter__(self) -> "PrefetchLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -----------------------------------------------------------------------------
@@ -818,10 +961,11 @@ def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, window:
     """Mean cross-entropy over the val tokens; one all-reduce for the whole validation."""
     model.eval()
     totals = torch.zeros(2, device=rt.device)
-    for chunk in val.chunks(cfg.val_seq_len, rt.rank, rt.world_size):
-        chunk = chunk.to(rt.device, non_blocking=True)
-        totals[0] += model(chunk[:-1], chunk[1:].long(), window)
-        totals[1] += 1
+    with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
+                        rt.device) as batches:
+        for batch in batches:
+            totals[0] += model(batch[0, :-1], batch[0, 1:].long(), window)
+            totals[1] += 1
     if rt.world_size > 1:
         dist.all_reduce(totals)
     model.train()
@@ -859,26 +1003,27 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
                            device=rt.device)
     loss_scale = 1.0 / cfg.global_batch_seqs
 
-    def train_step(loader: DataLoader, step: int, micro_steps: int) -> None:
-        for inputs, targets in loader.next_step()[:micro_steps]:
-            (model(inputs, targets, windows[step]) * loss_scale).backward()
+    def train_step(loader: PrefetchLoader, step: int, micro_steps: int) -> None:
+        batch = next(loader)
+        for row in batch[:micro_steps]:
+            (model(row[:-1], row[1:].long(), windows[step]) * loss_scale).backward()
         optimizer.step()
         raw_model.zero_grad(set_to_none=True)
 
-    def new_loader() -> DataLoader:
+    def new_loader() -> PrefetchLoader:
         stream = TrainTokenStream(train_files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
-                                  cfg.train_epochs)
-        return DataLoader(stream, rt.rank, rt.world_size, rt.device)
+                                  cfg.train_epochs, preload=cfg.prefetch_depth > 0)
+        return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size), cfg.prefetch_depth, rt.device)
 
     # Warmup: one micro-batch per step at the first window, then everything is put back.
     t0 = time.perf_counter()
     snapshot = StateSnapshot([*raw_model.parameters(), *optimizer.state_tensors()])
-    warm_loader = new_loader()
-    for _ in range(cfg.warmup_steps):
-        train_step(warm_loader, 1, micro_steps=1)
+    with new_loader() as warm_loader:
+        for _ in range(cfg.warmup_steps):
+            train_step(warm_loader, 1, micro_steps=1)
     snapshot.restore()
     optimizer.step_count = 0
-    del snapshot, warm_loader
+    del snapshot
     synchronize(rt.device)
     log(f"warmup: {cfg.warmup_steps} steps in {time.perf_counter() - t0:.1f}s (untimed; state restored)")
 
@@ -906,6 +1051,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
         log(f"step:{step + 1}/{cfg.num_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
 
+    loader.close()
     if on_cuda:
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")

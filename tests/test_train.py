@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import REPO, SAMPLE_TRAIN, free_port, tiny_args
+from conftest import REPO, free_port, tiny_args
 
 
 def _run_rank(rank: int, world_size: int, port: int, args: list[str], out: str) -> None:
@@ -51,30 +51,6 @@ def test_warmup_leaves_no_trace_in_training(tmp_path):
     assert cold.val_losses == warm.val_losses
     for a, b in zip(cold.model.parameters(), warm.model.parameters()):
         assert torch.equal(a, b)
-
-
-def test_token_stream_is_identical_for_every_world_size():
-    files = T.find_shards(SAMPLE_TRAIN)
-    steps = 5
-
-    def global_batches(world_size: int) -> list[torch.Tensor]:
-        """Gather, for each step, the sequences of every rank in (micro-step, rank) order."""
-        loaders = [T.DataLoader(T.TrainTokenStream(files, 128, 8, 50304), r, world_size, torch.device("cpu"))
-                   for r in range(world_size)]
-        batches = []
-        for _ in range(steps):
-            per_rank = [loader.next_step() for loader in loaders]
-            rows = [per_rank[r][m][0] for m in range(8 // world_size) for r in range(world_size)]
-            batches.append(torch.stack(rows))
-        return batches
-
-    reference = global_batches(1)
-    for world_size in [2, 4, 8]:
-        for a, b in zip(reference, global_batches(world_size)):
-            assert torch.equal(a, b)
-    first = reference[0]
-    assert (first[:, 0] == T.BOS_ID).all()  # every sequence starts a document
-    assert len({tuple(r.tolist()) for b in reference for r in b}) == steps * 8  # no sequence repeats
 
 
 def test_importing_has_no_side_effects(tmp_path):

@@ -1,0 +1,171 @@
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import SAMPLE_TRAIN
+
+CPU = torch.device("cpu")
+
+
+def synthetic_shards(tmp_path: Path, n: int = 3, tokens: int = 10000, seed: int = 0) -> list[Path]:
+    """Shards of random documents (lengths 1..300) that each start with BOS."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(n):
+        docs, size = [], 0
+        while size < tokens:
+            doc = np.concatenate([[T.BOS_ID], rng.integers(0, 50000, rng.integers(1, 300))])
+            docs.append(doc)
+            size += len(doc)
+        paths.append(tmp_path / f"syn_train_{i + 1:06d}.bin")
+        T.write_shard(paths[-1], np.concatenate(docs))
+    return paths
+
+
+def global_batches(files: list[Path], world_size: int, depth: int, steps: int, seq_len: int = 128,
+                   epochs: int = 1) -> list[torch.Tensor]:
+    """Each step's sequences from every rank, gathered in (micro-step, rank) order."""
+    loaders = [T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, seq_len, 8, 50304, epochs, depth > 0),
+                                               r, world_size), depth, CPU) for r in range(world_size)]
+    try:
+        batches = []
+        for _ in range(steps):
+            per_rank = [next(loader) for loader in loaders]
+            batches.append(torch.stack([per_rank[r][m] for m in range(8 // world_size) for r in range(world_size)]))
+        return batches
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+def plain_reference(files: list[Path], steps: int, seq_len: int = 128, epochs: int = 1) -> list[torch.Tensor]:
+    """The recipe's BOS-aligned rule written out directly, one shard at a time, for 8 sequences per step."""
+    shards = [np.fromfile(f, dtype="<u2", offset=1024) for f in files] * epochs
+    out, shard_i, pos = [], 0, 0
+    tokens = shards[0]
+    while len(out) < steps:
+        if pos + 2 * 8 * seq_len + 1 >= len(tokens):
+            shard_i, pos = shard_i + 1, 0
+            tokens = shards[shard_i]
+            continue
+        bos = [i for i in range(pos, len(tokens)) if tokens[i] == T.BOS_ID]
+        starts, k = [], 0
+        while len(starts) < 8 and k < len(bos):
+            nxt = next((b for b in bos[k + 1:] if b - bos[k] >= seq_len), None)
+            if nxt is None:
+                break
+            starts.append(bos[k])
+            k = bos.index(nxt)
+        if len(starts) < 8:
+            shard_i, pos = shard_i + 1, 0
+            tokens = shards[shard_i]
+            continue
+        pos = bos[k]
+        out.append(torch.tensor(np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)))
+    return out
+
+
+def test_token_stream_equals_plain_reference_across_shards_and_epochs(tmp_path):
+    files = synthetic_shards(tmp_path)
+    expected = plain_reference(files, steps=14, epochs=2)
+    got = global_batches(files, world_size=1, depth=0, steps=14, epochs=2)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_token_stream_is_identical_for_every_world_size_and_depth(tmp_path, world_size):
+    files = synthetic_shards(tmp_path)
+    reference = global_batches(files, 1, depth=0, steps=8)
+    for depth in [0, 2]:
+        for a, b in zip(reference, global_batches(files, world_size, depth, steps=8)):
+            assert torch.equal(a, b)
+
+
+def test_sample_sequences_start_documents_and_never_repeat():
+    batches = global_batches(T.find_shards(SAMPLE_TRAIN), 2, depth=2, steps=5)
+    assert all((b[:, 0] == T.BOS_ID).all() for b in batches)
+    assert len({tuple(r.tolist()) for b in batches for r in b}) == 5 * 8
+
+
+def test_validation_chunks_are_contiguous_and_split_across_ranks(tmp_path):
+    path = tmp_path / "val.bin"
+    T.write_shard(path, np.arange(5000) % 50000)
+    val = T.ValTokens([path], 4096, 50304)
+    seen = {}
+    for rank in range(3):
+        with T.PrefetchLoader(T.ValBatches(val, 1024, rank, 3), 2, CPU) as loader:
+            seen[rank] = [b[0] for b in loader]
+    assert [len(seen[r]) for r in range(3)] == [2, 1, 1]
+    chunks = sorted((int(c[0]), c) for r in seen for c in seen[r])
+    for i, (first, chunk) in enumerate(chunks):
+        assert first == i * 1024 and torch.equal(chunk, torch.arange(i * 1024, (i + 1) * 1024 + 1, dtype=torch.int32))
+
+
+def write_raw(path: Path, header: list[int], tokens: np.ndarray) -> Path:
+    h = np.zeros(256, dtype="<i4")
+    h[: len(header)] = header
+    path.write_bytes(h.tobytes() + tokens.astype("<u2").tobytes())
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("magic", "has magic 12345, expected 20240520"),
+    ("version", "has version 7, expected 1"),
+    ("size", "header says 100 tokens (1224 bytes) but the file has 1184 bytes"),
+    ("header", "is truncated: 100 bytes, shorter than the 1024-byte header"),
+    ("vocab", "holds token id 60000 at position 3, outside the vocabulary (< 50304)"),
+])
+def test_bad_shards_name_the_file_and_the_problem(tmp_path, case, message):
+    path = tmp_path / "bad_train_000001.bin"
+    toks = np.full(100, 7)
+    if case == "magic":
+        write_raw(path, [12345, 1, 100], toks)
+    elif case == "version":
+        write_raw(path, [T.SHARD_MAGIC, 7, 100], toks)
+    elif case == "size":
+        write_raw(path, [T.SHARD_MAGIC, 1, 100], toks[:80])
+    elif case == "header":
+        path.write_bytes(b"\0" * 100)
+    else:
+        toks[3] = 60000
+        write_raw(path, [T.SHARD_MAGIC, 1, 100], toks)
+    with pytest.raises(T.UsageError) as err:
+        T.load_shard(path, 50304)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_missing_files_name_the_pattern_and_the_download_command():
+    with pytest.raises(T.UsageError, match=r"no files match 'nowhere/\*\.bin'.*python data/cached_fineweb10B.py"):
+        T.find_shards("nowhere/*.bin")
+
+
+def test_running_out_of_data_says_how_much_the_files_hold(tmp_path):
+    files = synthetic_shards(tmp_path, n=1, tokens=4000)
+    loader = T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304), 0, 1), 2, CPU)
+    with pytest.raises(T.UsageError, match=r"training data exhausted at step \d+: 1 shard\(s\) .* hold [\d,]+ tokens"):
+        for _ in range(100):
+            next(loader)
+    loader.close()
+    assert not loader.thread.is_alive()
+
+
+def test_prefetch_thread_exits_after_normal_end_and_after_errors(tmp_path):
+    files = synthetic_shards(tmp_path, n=1)
+    before = threading.active_count()
+    loader = T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304, preload=True), 0, 1), 2, CPU)
+    next(loader)
+    loader.close()
+    assert not loader.thread.is_alive()
+
+    bad = write_raw(tmp_path / "bad.bin", [1, 1, 0], np.zeros(0))
+    loader = T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream([bad], 128, 8, 50304), 0, 1), 2, CPU)
+    with pytest.raises(T.UsageError, match="has magic 1"):
+        next(loader)
+    loader.close()
+    assert not loader.thread.is_alive()
+    assert threading.active_count() == before  # shard preloader and prefetch threads are gone
