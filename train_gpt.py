@@ -600,14 +600,18 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
 
 
+def _scale(value: float, like: Tensor) -> Tensor:
+    # A fill kernel, not a host-to-device copy: a copy of a Python scalar would synchronize the host.
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
 @torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
 def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x @ w.T with both operands scaled into float8_e4m3; returns the bf16 product and the fp8 operands."""
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
     w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
-                           scale_a=x.new_tensor(x_s, dtype=torch.float32),
-                           scale_b=x.new_tensor(w_s, dtype=torch.float32))
+                           scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
     return out, x_f8, w_f8
 
 
@@ -622,11 +626,10 @@ def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: floa
                     grad_s: float) -> tuple[Tensor, Tensor]:
     """Gradients of fp8_mm with the output gradient in float8_e5m2; grad_w in fp32, no fast accumulation."""
     g_f8 = g.div(grad_s).to(torch.float8_e5m2)
-    scale = lambda s: g.new_tensor(s, dtype=torch.float32)  # noqa: E731
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                              scale_a=scale(grad_s), scale_b=scale(w_s))
+                              scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g))
     grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=scale(x_s), scale_b=scale(grad_s)).T
+                              scale_a=_scale(x_s, g), scale_b=_scale(grad_s, g)).T
     return grad_x, grad_w
 
 
