@@ -84,6 +84,8 @@ class Config:
     # run
     val_every: int = 125  # 0 validates only at the start and the end
     warmup_steps: int = 10  # untimed kernel warmup; model and optimizer are restored afterwards
+    log_every: int = 1  # train metrics every N steps (and the last); N never changes training
+    peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
     device: str = "auto"  # auto | cuda | cpu
     compile: bool = True  # torch.compile on CUDA (ignored on CPU)
     fp8_head: bool = True  # FP8 lm_head matmul in training on CUDA (also off with DISABLE_FP8=1)
@@ -174,6 +176,10 @@ def validate_config(cfg: Config, world_size: int) -> int:
     for name in ["prefetch_depth", "warmup_steps", "val_every", "muon_momentum_warmup_steps", "num_value_embeds", "gate_channels"]:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.log_every < 1:
+        raise UsageError(f"--log_every must be >= 1, got {cfg.log_every}")
+    if cfg.peak_tflops < 0:
+        raise UsageError(f"--peak_tflops must be >= 0 (0 looks the GPU up), got {cfg.peak_tflops}")
     if not 0.0 <= cfg.cooldown_frac <= 1.0:
         raise UsageError(f"--cooldown_frac must be in [0, 1], got {cfg.cooldown_frac}")
     if cfg.global_batch_seqs % world_size:
@@ -881,9 +887,30 @@ def muon_momentum(step: int, cfg: Config) -> float:
 # -----------------------------------------------------------------------------
 # Logging
 # Rank 0 prints and appends to logs/<run_id>.txt: the source, the environment, the resolved config,
-# then speedrun-grammar step lines. The file stays open (buffered) for the whole run.
+# then speedrun-grammar step lines. logs/<run_id>.jsonl gets one JSON object per logged step and per
+# validation; logs/<run_id>.json the run summary at the end. The log files stay open (buffered).
+# Train metrics stay on the device between logging steps (class Metrics): one all-gather per logging
+# step, copied to pinned memory without blocking and printed once that copy has landed.
 
 SEPARATOR = "=" * 100
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """Print on rank 0 only; every other rank stays silent. For user-facing output (flushed)."""
+    if _rank_and_world()[0] == 0:
+        print(*args, **{"flush": True, **kwargs})
+
+
+def print_all(*args: object, **kwargs: object) -> None:
+    """Print on every rank, prefixed with `[rank R/W]`. For debugging per-rank state (flushed)."""
+    rank, world_size = _rank_and_world()
+    print(f"[rank {rank}/{world_size}]", *args, **{"flush": True, **kwargs})
 
 
 def environment_report(device: torch.device) -> str:
@@ -905,30 +932,316 @@ def environment_report(device: torch.device) -> str:
     return "\n".join(lines)
 
 
-class RunLog:
-    """Console and log file on rank 0; silent elsewhere."""
+def json_safe(value: object) -> object:
+    """value with every non-finite float (a diverged loss) as None, so the JSON stays strict."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
-    def __init__(self, path: Path | None):
-        self.file = None
+
+class RunLog:
+    """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there)."""
+
+    def __init__(self, path: Path | None, jsonl_path: Path | None = None):
+        self.file = self.jsonl = None
+        for p in (path, jsonl_path):
+            if p is not None:
+                p.parent.mkdir(parents=True, exist_ok=True)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "w", buffering=1 << 16)
+        if jsonl_path is not None:
+            self.jsonl = open(jsonl_path, "w", buffering=1 << 16)
 
     def __call__(self, line: str, console: bool = True) -> None:
         if self.file is None:
             return
         if console:
-            print(line, flush=True)
+            print0(line)
         self.file.write(line + "\n")
 
+    def record(self, entry: dict[str, object]) -> None:
+        """Append one JSON object as one line of the JSONL log."""
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(json_safe(entry)) + "\n")
+
     def flush(self) -> None:
-        if self.file is not None:
-            self.file.flush()
+        for f in (self.file, self.jsonl):
+            if f is not None:
+                f.flush()
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        for f in (self.file, self.jsonl):
+            if f is not None:
+                f.close()
+        self.file = self.jsonl = None
+
+
+# Peak dense (no sparsity) bf16 tensor-core TFLOP/s per GPU, matched as a substring of the CUDA device
+# name, most specific first ("NVIDIA H100 80GB HBM3" is the SXM part). --peak_tflops overrides it.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
+    ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0),
+    ("L4", 121.0),
+]
+
+
+def peak_tflops_for(gpu_name: str) -> float | None:
+    """The table's peak dense bf16 TFLOP/s for a CUDA device name, None when it is not listed."""
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key.lower() in gpu_name.lower()), None)
+
+
+def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: --peak_tflops when set, else the table; None (MFU unknown) on a CPU."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    tflops = peak_tflops_for(torch.cuda.get_device_name(device))
+    return None if tflops is None else tflops * 1e12
+
+
+def matmul_params(cfg: Config) -> int:
+    """Weights used in matmuls: attention q/k/v/o and head gates, MLP, lm_head. Embedding and value
+    embedding lookups and the scalar vector do no matmul and are not counted."""
+    d, hdim = cfg.model_dim, cfg.num_heads * cfg.head_dim
+    attn_layers = sum(c != "-" for c in cfg.attn_pattern)
+    mlp = 2 * d * cfg.mlp_ratio * d
+    return attn_layers * (4 * hdim * d + cfg.num_heads * cfg.gate_channels) + cfg.num_layers * mlp + \
+        d * cfg.vocab_size
+
+
+def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
+    """Mean over query positions t = 1..T of min(t, W): keys seen under a causal sliding window."""
+    w = min(window_tokens, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+
+def flops_per_token(cfg: Config, window: int) -> float:
+    """Model FLOPs per trained token (forward + backward) with the long window at `window` blocks:
+
+        6 * N  +  12 * H * Dh * sum over attention layers of T_eff(layer)
+
+    N = matmul_params(cfg); 6 = 2 FLOPs per multiply-add x 3 (forward, and twice that backward).
+    Attention: QK^T and AV cost 2 * 2 * H * Dh FLOPs per query-key pair forward, x3 with backward.
+    T_eff = mean_keys_per_query(W, train_seq_len), W the layer's window in tokens (long layers
+    window * block_size, short layers half the blocks, at least one). This is the standard
+    6N + 12 * L * H * Dh * T with the causal, windowed key count in place of T; document masking is
+    ignored (an upper bound of the attention work actually done).
+    """
+    per_layer = {"L": max(window, 1) * cfg.block_size, "S": max(window // 2, 1) * cfg.block_size}
+    t_eff = sum(mean_keys_per_query(per_layer[c], cfg.train_seq_len) for c in cfg.attn_pattern if c != "-")
+    return 6 * matmul_params(cfg) + 12 * cfg.num_heads * cfg.head_dim * t_eff
+
+
+def all_gather_into_tensor(output: Tensor, local: Tensor) -> None:
+    """dist.all_gather_into_tensor, under its new name (all_gather_single) where torch has one."""
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, local)
+
+
+def format_eta(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+@dataclass
+class PendingLine:
+    """A logging step whose rank statistics are on their way to host slot `slot` (done when event is)."""
+    step: int
+    train_ms: float
+    slot: int
+    event: torch.cuda.Event | None
+    timers: list[tuple[torch.cuda.Event, torch.cuda.Event]]
+
+
+class Metrics:
+    """Per-step train metrics kept on the device; one collective per logging step; printed when landed.
+
+    Each step the loop calls begin_step, add_loss per micro-step (the detached SUM of token
+    cross-entropy: it is added on the device) and end_step. A step only adds to device tensors and
+    records two CUDA events (the host clock on CPU): no collective and no host sync. At a logging step
+    (logs_at) every rank packs its numbers for the steps since the previous logging step into one
+    vector (FIELDS), one all-gather collects the vectors, mean/sum/min/max over ranks are taken on
+    the device, and rank 0 copies them non-blocking into a pinned host slot and records an event. A
+    later call prints the line once event.query() says the copy has landed; flush() synchronizes
+    and prints whatever is pending (before each validation line and at the end). World size 1
+    uses no collective at all.
+
+    Step line: train_loss is the token-mean over every micro-step, rank and step since the previous
+    logged step; tok/s and mfu use the GPU time of those steps (CUDA events on rank 0; the slowest
+    rank's host clock on CPU); train_time and step_avg are the host clock, approximate on a GPU.
+    """
+
+    FIELDS = ("loss_sum", "tokens", "steps", "window", "lr_mult", "muon_momentum", "peak_mem_mib", "host_ms")
+    STATS = ("mean", "sum", "min", "max")
+    SLOTS = 8  # pinned host slots; with all in flight, the oldest is waited for (GPU far behind)
+
+    def __init__(self, cfg: Config, rt: Runtime, log: RunLog):
+        self.cfg, self.rt, self.log = cfg, rt, log
+        self.on_cuda = rt.device.type == "cuda"
+        self.peak = peak_flops(rt.device, cfg.peak_tflops)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        self.tokens, self.steps, self.host_ms = 0, 0, 0.0
+        self.timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.start: torch.cuda.Event | None = None
+        self.t0 = 0.0
+        self.host = torch.zeros(self.SLOTS, len(self.STATS), len(self.FIELDS), dtype=torch.float64,
+                                pin_memory=self.on_cuda)
+        self.host_view = self.host.numpy()  # read as numpy: no Tensor call on the host side
+        self.pending: list[PendingLine] = []
+        self.next_slot = 0
+
+    def logs_at(self, step: int) -> bool:
+        """Whether step (1-based: the step that `step:S/T` names) ends with a collective and a line."""
+        return step % self.cfg.log_every == 0 or step == self.cfg.num_steps
+
+    def begin_step(self, step: int) -> None:
+        """Open step `step` (1-based; the argument is also the tests' hook to know where the loop is)."""
+        if self.on_cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+
+    def add_loss(self, loss_sum: Tensor, tokens: int) -> None:
+        """Add a micro-step's summed token loss (detached, on the device) and its token count."""
+        self.loss_sum += loss_sum
+        self.tokens += tokens
+
+    def end_step(self, step: int, train_ms: float, lr_mult: float, momentum: float, window: Tensor) -> None:
+        """Close step `step`; at a logging step pack, gather and stage it. Then print what has landed."""
+        if self.on_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.timers.append((self.start, end))
+        self.host_ms += 1000 * (time.perf_counter() - self.t0)
+        self.steps += 1
+        if self.logs_at(step):
+            self._gather(step, train_ms, lr_mult, momentum, window)
+        self.poll()
+
+    @staticmethod
+    def reduce_ranks(local: Tensor, world_size: int) -> Tensor:
+        """Rows mean, sum, min, max (STATS) over ranks of each entry of `local`: one all-gather, or
+        none at world size 1; the reductions run locally on the device."""
+        if world_size == 1:
+            return local.unsqueeze(0).repeat(len(Metrics.STATS), 1)
+        gathered = local.new_empty(world_size * local.numel())  # flat: the one shape gloo accepts too
+        all_gather_into_tensor(gathered, local)
+        gathered = gathered.view(world_size, -1)
+        return torch.stack([gathered.mean(0), gathered.sum(0), gathered.amin(0), gathered.amax(0)])
+
+    def _gather(self, step: int, train_ms: float, lr_mult: float, momentum: float, window: Tensor) -> None:
+        peak_mem = torch.cuda.max_memory_allocated(self.rt.device) / 2**20 if self.on_cuda else 0.0
+        local = torch.empty(len(self.FIELDS), dtype=torch.float64, device=self.rt.device)
+        local[0].copy_(self.loss_sum)
+        local[3].copy_(window)
+        # Host numbers go in as kernel arguments (fill_): no host-to-device copy.
+        for i, value in ((1, self.tokens), (2, self.steps), (4, lr_mult), (5, momentum), (6, peak_mem),
+                         (7, self.host_ms)):
+            local[i].fill_(value)
+        stats = self.reduce_ranks(local, self.rt.world_size)
+        if self.rt.rank == 0:
+            if len(self.pending) == self.SLOTS:
+                self._print(self.pending.pop(0), wait=True)
+            slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.SLOTS
+            self.host[slot].copy_(stats, non_blocking=self.on_cuda)
+            event = None
+            if self.on_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            self.pending.append(PendingLine(step, train_ms, slot, event, self.timers))
+        self.loss_sum.zero_()
+        self.tokens, self.steps, self.host_ms, self.timers = 0, 0, 0.0, []
+
+    def poll(self) -> None:
+        """Print, in order, the pending lines whose copy has landed; never waits."""
+        while self.pending and (self.pending[0].event is None or self.pending[0].event.query()):
+            self._print(self.pending.pop(0))
+
+    def flush(self) -> None:
+        """Wait for and print every pending line (before validation lines and at the end)."""
+        while self.pending:
+            self._print(self.pending.pop(0), wait=True)
+
+    def _print(self, p: PendingLine, wait: bool = False) -> None:
+        if wait and p.event is not None:
+            p.event.synchronize()
+        mean, total, low, high = (dict(zip(self.FIELDS, map(float, row))) for row in self.host_view[p.slot])
+        cfg, steps = self.cfg, max(int(mean["steps"]), 1)
+        time_ms = sum(a.elapsed_time(b) for a, b in p.timers) if p.timers else high["host_ms"]
+        tok_s = total["tokens"] / (time_ms / 1000) if time_ms > 0 else None
+        window = int(high["window"])
+        mfu = None
+        if self.peak and tok_s:
+            mfu = 100 * flops_per_token(cfg, window) * tok_s / (self.peak * self.rt.world_size)
+        train_loss = total["loss_sum"] / max(total["tokens"], 1)
+        step_avg = p.train_ms / p.step
+        eta_s = step_avg * (cfg.num_steps - p.step) / 1000
+        self.log(f"step:{p.step}/{cfg.num_steps} train_loss:{train_loss:.4f} train_time:{p.train_ms:.0f}ms "
+                 f"step_avg:{step_avg:.2f}ms tok/s:{'-' if tok_s is None else f'{tok_s:.0f}'} "
+                 f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}")
+        rank_tokens = max(mean["tokens"], 1)
+        self.log.record({
+            "step": p.step, "total": cfg.num_steps, "train_loss": train_loss, "train_time_ms": p.train_ms,
+            "step_avg_ms": step_avg, "tokens_per_s": tok_s, "mfu_pct": mfu, "eta_s": eta_s,
+            "step_ms": time_ms / steps, "steps": steps, "tokens": int(total["tokens"]),
+            "lr_mult": mean["lr_mult"], "muon_momentum": mean["muon_momentum"],
+            "window_tokens": window * cfg.block_size,
+            "peak_mem_allocated_mib": high["peak_mem_mib"] if self.on_cuda else None,
+            "train_loss_rank_min": low["loss_sum"] / rank_tokens,
+            "train_loss_rank_max": high["loss_sum"] / rank_tokens,
+        })
+
+
+def git_commit(directory: Path) -> str | None:
+    """HEAD of the git checkout holding `directory`; None when it is not one, git is missing, or anything fails."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = proc.stdout.strip()
+    ok = proc.returncode == 0 and len(commit) in (40, 64) and all(c in "0123456789abcdef" for c in commit)
+    return commit if ok else None
+
+
+def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_ms: float,
+                gpu_names: list[str]) -> dict[str, object]:
+    """The end-of-run summary, logs/<run_id>.json (records/compare.py reads these keys)."""
+    on_cuda = rt.device.type == "cuda"
+    tokens = cfg.num_steps * cfg.global_batch_seqs * cfg.train_seq_len
+    return {
+        "run_id": cfg.run_id,
+        "final_val_loss": val_points[-1][1] if val_points else None,
+        "train_time_ms": train_ms,
+        "steps": cfg.num_steps,
+        "step_avg_ms": train_ms / cfg.num_steps,
+        "tokens_per_s": tokens / (train_ms / 1000) if train_ms > 0 else None,
+        "peak_mem_allocated_mib": torch.cuda.max_memory_allocated(rt.device) / 2**20 if on_cuda else None,
+        "peak_mem_reserved_mib": torch.cuda.max_memory_reserved(rt.device) / 2**20 if on_cuda else None,
+        "world_size": rt.world_size,
+        "gpu_names": gpu_names,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "git_commit": git_commit(Path(__file__).resolve().parent),
+        "seed": cfg.seed,
+        "config": dataclasses.asdict(cfg),
+        "val_losses": [list(p) for p in val_points],
+    }
+
+
+def write_json_atomic(path: Path, data: dict[str, object]) -> None:
+    """Write JSON to a temporary file beside path, then rename it over path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(json_safe(data), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 # -----------------------------------------------------------------------------
@@ -952,6 +1265,7 @@ class TrainResult:
     val_losses: list[tuple[int, float]]
     train_time_ms: float
     model: GPT
+    summary: dict | None = None  # what rank 0 wrote to logs/<run_id>.json
 
 
 def synchronize(device: torch.device) -> None:
@@ -1006,10 +1320,12 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
                            device=rt.device)
     loss_scale = 1.0 / cfg.global_batch_seqs
 
-    def train_step(loader: PrefetchLoader, step: int, micro_steps: int) -> None:
-        batch = next(loader)
-        for row in batch[:micro_steps]:
-            (model(row[:-1], row[1:].long(), windows[step]) * loss_scale).backward()
+    def train_step(loader: PrefetchLoader, step: int, micro_steps: int, metrics: Metrics | None = None) -> None:
+        for row in next(loader)[:micro_steps]:
+            loss = model(row[:-1], row[1:].long(), windows[step])
+            (loss * loss_scale).backward()
+            if metrics is not None:
+                metrics.add_loss(loss.detach(), row.numel() - 1)
         optimizer.step()
         raw_model.zero_grad(set_to_none=True)
 
@@ -1030,8 +1346,13 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     synchronize(rt.device)
     log(f"warmup: {cfg.warmup_steps} steps in {time.perf_counter() - t0:.1f}s (untimed; state restored)")
 
+    metrics = Metrics(cfg, rt, log)
+    peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
+    log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(cfg, window_blocks(cfg.num_steps, cfg)):.4g} "
+        f"FLOPs/token at the final window; peak {peak} per device")
     loader = new_loader()
     val_losses: list[tuple[int, float]] = []
+    val_points: list[tuple[int, float, float]] = []
     train_ms = 0.0
     synchronize(rt.device)
     t0 = time.perf_counter()
@@ -1040,19 +1361,25 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         if last or (cfg.val_every and step % cfg.val_every == 0) or step == 0:
             synchronize(rt.device)
             train_ms += 1000 * (time.perf_counter() - t0)
+            metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
             val_loss = evaluate(model, val, cfg, rt, windows[step])
             val_losses.append((step, val_loss))
+            val_points.append((step, val_loss, train_ms))
             log(f"step:{step}/{cfg.num_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                 f"step_avg:{train_ms / max(step, 1):.2f}ms")
+            log.record({"step": step, "total": cfg.num_steps, "val_loss": val_loss, "train_time_ms": train_ms,
+                        "step_avg_ms": train_ms / max(step, 1)})
             log.flush()
             synchronize(rt.device)
             t0 = time.perf_counter()
         if last:
             break
         optimizer.lr_mult, optimizer.momentum = lr_multiplier(step, cfg), muon_momentum(step, cfg)
-        train_step(loader, step, grad_accum)
+        metrics.begin_step(step + 1)
+        train_step(loader, step, grad_accum, metrics)
         approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
-        log(f"step:{step + 1}/{cfg.num_steps} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+        metrics.end_step(step + 1, approx_ms, optimizer.lr_mult, optimizer.momentum, windows[step])
+    metrics.flush()
 
     loader.close()
     if on_cuda:
@@ -1060,7 +1387,17 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     else:
         log("peak memory allocated: 0 MiB reserved: 0 MiB (CPU run)")
-    return TrainResult(val_losses, train_ms, raw_model)
+    gpu_names = [torch.cuda.get_device_name(rt.device)] if on_cuda else []
+    if on_cuda and rt.world_size > 1:
+        every: list[object] = [None] * rt.world_size
+        dist.all_gather_object(every, gpu_names[0])
+        gpu_names = [str(n) for n in every]
+    summary = None
+    if rt.rank == 0:
+        summary = run_summary(cfg, rt, val_points, train_ms, gpu_names)
+        write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
+        log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
+    return TrainResult(val_losses, train_ms, raw_model, summary)
 
 
 # -----------------------------------------------------------------------------
@@ -1110,7 +1447,7 @@ def run(argv: list[str]) -> TrainResult:
         agree_on_run_identity(cfg, rt)
         torch.manual_seed(cfg.seed)
         if rt.rank == 0:
-            log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt")
+            log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt", Path(cfg.log_dir) / f"{cfg.run_id}.jsonl")
             log(Path(__file__).read_text(), console=False)
             log(SEPARATOR, console=False)
             log(environment_report(rt.device))
@@ -1127,13 +1464,12 @@ def run(argv: list[str]) -> TrainResult:
 def main() -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
-        print(config_help())
+        print0(config_help())
         return
     try:
         run(argv)
     except UsageError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        print0(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

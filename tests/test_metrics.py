@@ -1,0 +1,297 @@
+"""Sync-free train metrics (class Metrics), the JSONL step log and the run summary."""
+
+import json
+import os
+import threading
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train_gpt as T
+from conftest import REPO, free_port, tiny_args
+
+# Small runs (two sequences a step, a narrower model) keep a step under a second on a shared 2-core machine.
+SMALL = dict(global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, val_seq_len=1024)
+
+SUMMARY_KEYS = {"run_id", "final_val_loss", "train_time_ms", "steps", "step_avg_ms", "tokens_per_s",
+                "peak_mem_allocated_mib", "peak_mem_reserved_mib", "world_size", "gpu_names", "torch_version",
+                "cuda_version", "git_commit", "seed", "config", "val_losses"}
+
+
+def load_compare():
+    """records/compare.py, imported the way tests/test_records.py does."""
+    if str(REPO / "records") not in sys.path:
+        sys.path.insert(0, str(REPO / "records"))
+    import compare
+    return compare
+
+
+def count_gathers(counter: dict[str, int]) -> None:
+    """Wrap (in a spawned process) the all-gather entry points of torch.distributed, counting calls."""
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def wrapped(*args, _original=original, **kwargs):
+            counter["gather"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+
+
+# -- one collective per logging step ------------------------------------------------------------------
+
+def _gather_rank(rank: int, world_size: int, ports: tuple[int, int], args: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(ports[0]))
+    torch.set_num_threads(1)
+    counter = {"gather": 0}
+    count_gathers(counter)
+
+    # A 4-step training run logging every 2 steps: exactly one all-gather per logging step.
+    T.run(args)
+    gathers_in_training = counter["gather"]
+
+    # The packed gather against one all-reduce per metric and reduction.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=world_size)
+    gen = torch.Generator().manual_seed(100 + rank)
+    local = torch.randn(len(T.Metrics.FIELDS), generator=gen, dtype=torch.float64) * 10
+    counter["gather"] = 0
+    packed = T.Metrics.reduce_ranks(local, world_size)
+    gathers_in_reduce = counter["gather"]
+    separate = torch.empty_like(packed)
+    for i in range(local.numel()):
+        for row, op in ((1, dist.ReduceOp.SUM), (2, dist.ReduceOp.MIN), (3, dist.ReduceOp.MAX)):
+            x = local[i].clone()
+            dist.all_reduce(x, op=op)
+            separate[row, i] = x
+        separate[0, i] = separate[1, i] / world_size
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"packed": packed.tolist(), "separate": separate.tolist(),
+                                         "gathers_in_training": gathers_in_training,
+                                         "gathers_in_reduce": gathers_in_reduce}))
+
+
+def test_packed_gather_matches_separate_all_reduces_and_runs_once_per_logging_step(tmp_path):
+    args = tiny_args(tmp_path, num_steps=4, val_every=0, log_every=2, **SMALL)
+    out = tmp_path / "gather.json"
+    mp.spawn(_gather_rank, args=(2, (free_port(), free_port()), args, str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["gathers_in_reduce"] == 1
+    assert result["gathers_in_training"] == 2  # steps 2 and 4 log; steps 1 and 3 gather nothing
+    assert torch.allclose(torch.tensor(result["packed"]), torch.tensor(result["separate"]), rtol=1e-12, atol=0)
+
+
+def test_world_size_one_uses_no_collective(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("no collective at world size 1")
+
+    for name in ("all_gather_single", "all_gather_into_tensor", "all_reduce"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, forbidden)
+    local = torch.arange(len(T.Metrics.FIELDS), dtype=torch.float64)
+    stats = T.Metrics.reduce_ranks(local, 1)
+    assert stats.shape == (len(T.Metrics.STATS), local.numel())
+    assert all(torch.equal(row, local) for row in stats)
+
+
+# -- logging never changes training -------------------------------------------------------------------
+
+def test_log_every_does_not_change_training(tmp_path):
+    runs = {n: T.run(tiny_args(tmp_path, num_steps=12, val_every=6, log_every=n, run_id=f"every{n}", **SMALL))
+            for n in (1, 10)}
+    assert runs[1].val_losses == runs[10].val_losses
+    for a, b in zip(runs[1].model.parameters(), runs[10].model.parameters()):
+        assert torch.equal(a, b)
+    compare = load_compare()
+    for n, logged in ((1, list(range(1, 13))), (10, [10, 12])):
+        text = (tmp_path / "logs" / f"every{n}.txt").read_text().split(T.SEPARATOR)[-1]
+        lines = [compare.parse_step_line(x) for x in text.splitlines() if x.startswith("step:")]
+        assert [s.step for s in lines if s.train_loss is not None] == logged
+    # log_every=1 prints each step's own mean loss; log_every=10's line at step 10 is the mean of steps 1..10.
+    per_step = [json.loads(x) for x in (tmp_path / "logs" / "every1.jsonl").read_text().splitlines()]
+    per_ten = [json.loads(x) for x in (tmp_path / "logs" / "every10.jsonl").read_text().splitlines()]
+    losses = {e["step"]: e["train_loss"] for e in per_step if "train_loss" in e}
+    ten = next(e for e in per_ten if e.get("train_loss") is not None and e["step"] == 10)
+    assert ten["train_loss"] == pytest.approx(sum(losses[s] for s in range(1, 11)) / 10, rel=1e-9)
+    assert ten["steps"] == 10 and ten["tokens"] == 10 * 2 * 128
+
+
+# -- no host sync between logging steps ----------------------------------------------------------------
+
+# Tensor calls that copy device data to the host (and so wait for the device on a GPU).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def test_no_host_sync_on_non_logging_steps(tmp_path, monkeypatch):
+    state = {"active": False, "in_loader": False, "calls": [], "all_calls": 0, "quiet_steps": 0}
+
+    def counting(name, original):
+        def wrapped(self, *args, **kwargs):
+            state["all_calls"] += 1
+            if state["active"] and not state["in_loader"] and threading.current_thread() is threading.main_thread():
+                state["calls"].append(name)
+            return original(self, *args, **kwargs)
+        return wrapped
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+
+    # The window opens when a non-logging step begins and closes after that step's end_step returns,
+    # so it covers the loader, forward/backward, the optimizer and the per-step metrics path.
+    begin, end = T.Metrics.begin_step, T.Metrics.end_step
+
+    def begin_step(self, step):
+        state["active"] = not self.logs_at(step)
+        state["quiet_steps"] += state["active"]
+        return begin(self, step)
+
+    def end_step(self, *args, **kwargs):
+        try:
+            return end(self, *args, **kwargs)
+        finally:
+            state["active"] = False
+
+    monkeypatch.setattr(T.Metrics, "begin_step", begin_step)
+    monkeypatch.setattr(T.Metrics, "end_step", end_step)
+
+    # The data loader's host-side work is excluded explicitly: cutting shards into host buffers (on the
+    # prefetch thread, or in the main thread with --prefetch_depth=0) reads no device memory, whatever
+    # Tensor calls it makes on host tensors.
+    fill = T.TrainBatches.fill
+
+    def loader_fill(self, out):
+        state["in_loader"] = threading.current_thread() is threading.main_thread()
+        try:
+            return fill(self, out)
+        finally:
+            state["in_loader"] = False
+
+    monkeypatch.setattr(T.TrainBatches, "fill", loader_fill)
+
+    T.run(tiny_args(tmp_path, num_steps=6, val_every=0, log_every=3, **SMALL))
+    assert state["quiet_steps"] == 4  # steps 1, 2, 4, 5
+    assert state["calls"] == []
+    assert state["all_calls"] > 0  # the counters work: validation reads its loss with .item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_cuda_sync_on_steady_state_non_logging_steps(tmp_path, monkeypatch):
+    begin, end = T.Metrics.begin_step, T.Metrics.end_step
+    checked = []
+
+    def begin_step(self, step):
+        begin(self, step)
+        if step > 3 and not self.logs_at(step):  # steady state: past the first steps' allocations
+            checked.append(step)
+            torch.cuda.set_sync_debug_mode("error")
+
+    def end_step(self, *args, **kwargs):
+        try:
+            return end(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(T.Metrics, "begin_step", begin_step)
+    monkeypatch.setattr(T.Metrics, "end_step", end_step)
+    T.run(tiny_args(tmp_path, num_steps=12, val_every=0, log_every=5, warmup_steps=2, device="cuda", **SMALL))
+    assert checked == [4, 6, 7, 8, 9, 11]
+
+
+# -- step lines, JSONL and summary ---------------------------------------------------------------------
+
+def test_run_writes_step_lines_jsonl_and_summary(tmp_path):
+    result = T.run(tiny_args(tmp_path, num_steps=4, val_every=2, log_every=1, peak_tflops=1.0, run_id="r1",
+                             **SMALL))
+    logs = tmp_path / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["r1.json", "r1.jsonl", "r1.txt"]  # no temp file left
+
+    text = (logs / "r1.txt").read_text().split(T.SEPARATOR)[-1]
+    train_lines = [x for x in text.splitlines() if x.startswith("step:") and "train_loss:" in x]
+    assert len(train_lines) == 4
+    for line in train_lines:
+        assert " tok/s:" in line and " mfu:" in line and "% eta:" in line and " step_avg:" in line
+    assert "step:2/4 val_loss:" in text
+
+    entries = [json.loads(x) for x in (logs / "r1.jsonl").read_text().splitlines()]
+    assert [(e["step"], "val_loss" in e) for e in entries] == [
+        (0, True), (1, False), (2, False), (2, True), (3, False), (4, False), (4, True)]
+    cfg = T.parse_config(tiny_args(tmp_path, num_steps=4, **SMALL))
+    for e in entries:
+        if "train_loss" in e:
+            assert 0 < e["train_loss"] < 11.5 and e["tokens"] == 256 and e["tokens_per_s"] > 0
+            flops = T.flops_per_token(cfg, e["window_tokens"] // cfg.block_size)
+            assert e["mfu_pct"] == pytest.approx(100 * flops * e["tokens_per_s"] / 1e12)
+            assert e["train_loss_rank_min"] == e["train_loss_rank_max"] == pytest.approx(e["train_loss"])
+    assert [e["val_loss"] for e in entries if "val_loss" in e] == [loss for _, loss in result.val_losses]
+
+    summary = json.loads((logs / "r1.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary == result.summary
+    assert summary["run_id"] == "r1" and summary["steps"] == 4 and summary["world_size"] == 1
+    assert summary["final_val_loss"] == result.val_losses[-1][1]
+    assert [(s, v) for s, v, _ in summary["val_losses"]] == result.val_losses
+    assert summary["val_losses"][-1][2] == summary["train_time_ms"] == result.train_time_ms
+    assert summary["gpu_names"] == [] and summary["seed"] == 1 and summary["config"]["log_every"] == 1
+    assert summary["torch_version"] == torch.__version__
+    commit = summary["git_commit"]
+    assert commit is None or (len(commit) == 40 and int(commit, 16) >= 0)
+
+    run = load_compare().load_run(logs / "r1.txt")
+    assert run.has_summary and run.final_val_loss == summary["final_val_loss"] and run.tokens_per_s > 0
+
+
+def test_git_commit_is_none_outside_a_checkout(tmp_path):
+    assert T.git_commit(tmp_path) is None
+    assert T.git_commit(tmp_path / "missing") is None
+
+
+# -- pieces ---------------------------------------------------------------------------------------------
+
+def test_matmul_params_match_the_model_and_flops_formula():
+    cfg = T.parse_config(["--preset=tiny"])
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    named = dict(model.named_parameters())
+    counted = sum(p.numel() for n, p in named.items() if n.startswith("blocks.") or n == "lm_head.weight")
+    assert T.matmul_params(cfg) == counted
+    # Window covering the whole sequence on every attention layer: T_eff = (T + 1) / 2.
+    full = cfg.train_seq_len // cfg.block_size * 2
+    attn_layers = sum(c != "-" for c in cfg.attn_pattern)
+    expected = 6 * counted + 12 * cfg.num_heads * cfg.head_dim * attn_layers * (cfg.train_seq_len + 1) / 2
+    assert T.flops_per_token(cfg, full) == pytest.approx(expected)
+    assert T.mean_keys_per_query(1, 10) == 1 and T.mean_keys_per_query(2, 4) == pytest.approx(7 / 4)
+    assert T.flops_per_token(cfg, 1) < T.flops_per_token(cfg, full)
+
+
+def test_peak_flops_table_and_override():
+    assert T.peak_tflops_for("NVIDIA H100 80GB HBM3") == 989
+    assert T.peak_tflops_for("NVIDIA H100 PCIe") == 756
+    assert T.peak_tflops_for("NVIDIA H200") == 989
+    assert T.peak_tflops_for("NVIDIA A100-SXM4-80GB") == 312
+    assert T.peak_tflops_for("NVIDIA L40S") == 362 and T.peak_tflops_for("NVIDIA L4") == 121
+    assert T.peak_tflops_for("Some Future GPU") is None
+    assert T.peak_flops(torch.device("cpu")) is None
+    assert T.peak_flops(torch.device("cpu"), 100.0) == 1e14
+
+
+def test_format_eta_and_log_every_validation():
+    assert T.format_eta(0) == "0m00s" and T.format_eta(83.4) == "1m23s" and T.format_eta(3725) == "1h02m05s"
+    with pytest.raises(T.UsageError, match="--log_every must be >= 1"):
+        T.validate_config(T.parse_config(["--log_every=0"]), 1)
+
+
+def test_print0_and_print_all(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    T.print0("hidden")
+    T.print_all("shown")
+    assert capsys.readouterr().out == "[rank 1/2] shown\n"
+    monkeypatch.setenv("RANK", "0")
+    T.print0("visible")
+    assert capsys.readouterr().out == "visible\n"
