@@ -8,9 +8,11 @@ Importing this module has no side effects; the tests import it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import glob
+import gzip
 import json
 import math
 import os
@@ -93,6 +95,10 @@ class Config:
     run_id: str = ""  # default: a fresh uuid
     log_dir: str = "logs"
     preset: str = ""
+    # profiling and benchmark (see the Profiling and benchmark section)
+    profile: str = ""  # START:END traces training steps START..END-1 to <log_dir>/<run_id>/trace_rank<R>.json.gz
+    bench: bool = False  # a short steady-state benchmark instead of the run; report in <log_dir>/<run_id>_bench.json
+    bench_steps: int = 20  # timed steps, then as many traced steps
 
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -203,6 +209,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
+    check_profiling_config(cfg)
     return cfg.global_batch_seqs // world_size
 
 
@@ -1246,6 +1253,389 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
 
 
 # -----------------------------------------------------------------------------
+# Profiling and benchmark
+# --profile=START:END traces the 0-based training steps START..END-1 (log lines step:START+1 ..
+# step:END) with torch.profiler: CPU activity, plus CUDA kernels and copies on a GPU, written as one
+# gzipped Chrome/Perfetto trace per rank, <log_dir>/<run_id>/trace_rank<R>.json.gz (ui.perfetto.dev and
+# chrome://tracing open it as is). --bench replaces the run by a short benchmark: after the warmup,
+# BENCH_SETTLE_STEPS untimed steps, bench_steps steps timed with CUDA events (untraced), one profiler
+# warmup step, then bench_steps traced and timed steps; no validation. It reports median ms/step,
+# tokens/s, MFU, peak memory and, from the trace, the GPU idle fraction and how much of the H2D copies
+# and NCCL kernels overlap compute, printed and written to <log_dir>/<run_id>_bench.json. The steps use
+# the schedule of the configured run (its first steps: the recipe's smallest attention window). The
+# trace analysis is pure functions over the Chrome trace's event list (times in microseconds).
+
+STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
+BENCH_SETTLE_STEPS = 2  # untimed steps between the warmup and the timed ones
+Interval = tuple[float, float]
+
+
+def profile_steps(spec: str, num_steps: int) -> range:
+    """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
+    start, sep, end = spec.partition(":")
+    try:
+        a, b = int(start), int(end)
+    except ValueError:
+        raise UsageError(f"--profile expects START:END (0-based training steps, e.g. --profile=10:15), "
+                         f"got {spec!r}") from None
+    if not sep or not 0 <= a < b:
+        raise UsageError(f"--profile={spec}: needs 0 <= START < END (it traces steps START..END-1)")
+    if b > num_steps:
+        raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
+    return range(a, b)
+
+
+def check_profiling_config(cfg: Config) -> None:
+    if cfg.profile:
+        profile_steps(cfg.profile, cfg.num_steps)
+    if cfg.bench:
+        if cfg.profile:
+            raise UsageError("--bench traces its own steps; leave out --profile")
+        if cfg.bench_steps <= 0:
+            raise UsageError(f"--bench_steps must be positive, got {cfg.bench_steps}")
+        need = BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
+        if need > cfg.num_steps:
+            raise UsageError(f"--bench with --bench_steps={cfg.bench_steps} runs {need} steps but --num_steps is "
+                             f"{cfg.num_steps}; lower --bench_steps or raise --num_steps")
+
+
+def interval_union(intervals: list[Interval]) -> list[Interval]:
+    """Sorted disjoint intervals covering the same points; empty intervals dropped, touching ones merged."""
+    out: list[Interval] = []
+    for s, e in sorted((float(s), float(e)) for s, e in intervals if e > s):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def intervals_length(intervals: list[Interval]) -> float:
+    return sum(e - s for s, e in interval_union(intervals))
+
+
+def interval_intersection(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The points in both unions, as sorted disjoint intervals."""
+    a, b = interval_union(a), interval_union(b)
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def overlap_fraction(a: list[Interval], b: list[Interval]) -> float | None:
+    """Share of the time covered by a that b also covers; None when a covers nothing."""
+    total = intervals_length(a)
+    return intervals_length(interval_intersection(a, b)) / total if total > 0 else None
+
+
+def idle_fraction(busy: list[Interval], window: Interval | list[Interval]) -> float | None:
+    """Share of the window(s) that no busy interval covers; None for an empty window."""
+    windows = [window] if window and isinstance(window[0], (int, float)) else list(window)
+    total = intervals_length(windows)
+    return 1.0 - intervals_length(interval_intersection(busy, windows)) / total if total > 0 else None
+
+
+def load_trace(path: Path) -> list[dict]:
+    """The event list of a Chrome trace file (.json or .json.gz; an object with traceEvents, or a bare list)."""
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _cat(e: dict) -> str:
+    return str(e.get("cat", "")).lower()
+
+
+def _span(e: dict) -> Interval:
+    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
+
+
+def _step_of(e: dict, mark: str) -> int | None:
+    name = str(e.get("name", ""))
+    return int(name[len(mark):]) if name.startswith(mark) and name[len(mark):].isdigit() else None
+
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def cpu_step_spans(events: list[dict], mark: str = STEP_MARK) -> dict[int, Interval]:
+    """step -> CPU-side span of its record_function annotation."""
+    return {s: _span(e) for e in events if e.get("ph") == "X" and _cat(e) == "user_annotation"
+            and (s := _step_of(e, mark)) is not None}
+
+
+def gpu_step_spans(events: list[dict], mark: str = STEP_MARK) -> dict[int, Interval]:
+    """step -> span of its GPU work (first start to last end).
+
+    From the profiler's gpu_user_annotation events when every annotated step has one; otherwise each
+    GPU event (kernel, memcpy, memset) is assigned, through its correlation id, to the step whose CPU
+    annotation holds its launch (cuda_runtime / cuda_driver event).
+    """
+    cpu = cpu_step_spans(events, mark)
+    gpu: dict[int, Interval] = {}
+    for e in events:
+        if e.get("ph") == "X" and _cat(e) == "gpu_user_annotation" and (s := _step_of(e, mark)) is not None:
+            a, b = _span(e)
+            gpu[s] = (min(a, gpu[s][0]), max(b, gpu[s][1])) if s in gpu else (a, b)
+    if gpu and set(gpu) >= set(cpu):
+        return gpu
+    launches = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                if _cat(e) in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    order = sorted(cpu.items(), key=lambda kv: kv[1][0])
+    starts = [span[0] for _, span in order]
+    spans: dict[int, Interval] = {}
+    for e in events:
+        if e.get("ph") != "X" or _cat(e) not in GPU_CATS:
+            continue
+        t = launches.get(e.get("args", {}).get("correlation"))
+        if t is None:
+            continue
+        i = int(np.searchsorted(starts, t, side="right")) - 1
+        if i < 0 or t > order[i][1][1]:
+            continue
+        s, (a, b) = order[i][0], _span(e)
+        spans[s] = (min(a, spans[s][0]), max(b, spans[s][1])) if s in spans else (a, b)
+    return spans
+
+
+def step_windows(spans: dict[int, Interval]) -> list[Interval]:
+    """Start-to-start windows, in step order: a step runs from its first event to the next step's first
+    (so the gap between steps counts against the step before it); the last step ends at its last event."""
+    ordered = [spans[s] for s in sorted(spans)]
+    return [(a, max(a, ordered[i + 1][0]) if i + 1 < len(ordered) else b) for i, (a, b) in enumerate(ordered)]
+
+
+def trace_summary(events: list[dict], step_windows_: list[Interval] | None = None) -> dict:
+    """GPU figures of the steps inside the windows (default: the GPU windows of the train_step# marks).
+
+    compute kernels: the kernels, NCCL ones excepted, on the (device, stream) that runs the most of them
+    (the default stream in the trainer); GPU idle fraction: the share of the windows with no compute
+    kernel running; H2D overlap: the share of host-to-device memcpy time during which a compute kernel
+    runs (also for the copies off the compute stream alone, the loader's); comm overlap: the same for
+    NCCL kernels. Figures without events are None (a CPU trace).
+    """
+    events = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    gpu = [e for e in events if _cat(e) in GPU_CATS]
+    if step_windows_ is None:
+        step_windows_ = step_windows(gpu_step_spans(events) if gpu else cpu_step_spans(events))
+    out: dict = {"steps": len(step_windows_), "trace_ms_per_step_median": None, "compute_stream": None,
+                 "gpu_idle_frac": None, "h2d_overlap_frac": None, "h2d_off_stream_overlap_frac": None,
+                 "comm_overlap_frac": None,
+                 "compute_ms_per_step": None, "h2d_ms_per_step": None, "comm_ms_per_step": None}
+    if not step_windows_:
+        return out
+    out["trace_ms_per_step_median"] = float(np.median([(b - a) / 1000 for a, b in step_windows_]))
+    if not gpu:
+        return out
+    windows = interval_union(step_windows_)
+    kernels = [e for e in gpu if _cat(e) == "kernel"]
+    is_nccl = lambda e: "nccl" in str(e.get("name", "")).lower()  # noqa: E731
+    nccl = [e for e in kernels if is_nccl(e)]
+    busy: dict[tuple, list[Interval]] = {}
+    for e in kernels:
+        if not is_nccl(e):
+            args = e.get("args", {})
+            busy.setdefault((args.get("device"), args.get("stream")), []).append(_span(e))
+    in_windows = lambda spans: interval_intersection(spans, windows)  # noqa: E731
+    lengths = {key: intervals_length(in_windows(spans)) for key, spans in busy.items()}
+    compute: list[Interval] = []
+    key = None
+    if lengths and max(lengths.values()) > 0:
+        key = max(lengths, key=lengths.get)
+        out["compute_stream"] = key[1]
+        compute = in_windows(busy[key])
+    copies = [e for e in gpu if _cat(e) == "gpu_memcpy" and "htod" in str(e.get("name", "")).lower()]
+    h2d = in_windows([_span(e) for e in copies])
+    # copies issued on the compute stream itself (e.g. small scalars) cannot overlap it; the loader's are off it
+    off = in_windows([_span(e) for e in copies
+                      if (e.get("args", {}).get("device"), e.get("args", {}).get("stream")) != key])
+    comm = in_windows([_span(e) for e in nccl])
+    n = len(step_windows_)
+    out.update(gpu_idle_frac=idle_fraction(compute, windows), h2d_overlap_frac=overlap_fraction(h2d, compute),
+               h2d_off_stream_overlap_frac=overlap_fraction(off, compute),
+               comm_overlap_frac=overlap_fraction(comm, compute),
+               compute_ms_per_step=intervals_length(compute) / 1000 / n,
+               h2d_ms_per_step=intervals_length(h2d) / 1000 / n, comm_ms_per_step=intervals_length(comm) / 1000 / n)
+    return out
+
+
+class StepProfiler:
+    """The --profile / --bench hooks of the training loop; inert when neither is set.
+
+    `with profiler.step(step): ...` around each training step starts torch.profiler one step ahead of the
+    traced range (a discarded profiler warmup step), marks each traced step with record_function
+    train_step#<step>, exports the trace after the range, and (bench) records a timing mark at the start
+    of each timed step: a CUDA event on the compute stream, or the wall clock on the CPU.
+    """
+
+    def __init__(self, cfg: Config, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        self.traced: range | None = None
+        self.timed: range | None = None
+        self.stop_step: int | None = None  # bench: the loop ends here
+        if cfg.bench:
+            first = BENCH_SETTLE_STEPS
+            self.timed = range(first, first + cfg.bench_steps)
+            self.traced = range(self.timed.stop + 1, self.timed.stop + 1 + cfg.bench_steps)
+            self.stop_step = self.traced.stop
+        elif cfg.profile:
+            self.traced = profile_steps(cfg.profile, cfg.num_steps)
+        self.trace_path = Path(cfg.log_dir) / cfg.run_id / f"trace_rank{rt.rank}.json.gz"
+        self.prof: torch.profiler.profile | None = None
+        self.marks: dict[int, torch.cuda.Event | float] = {}
+        self.exported = False
+
+    def _mark(self, step: int) -> None:
+        if self.rt.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[step] = event
+        else:
+            self.marks[step] = time.perf_counter()
+
+    def _export(self, prof: torch.profiler.profile) -> None:
+        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.trace_path))
+        self.exported = True
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.rt.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        warmup = 1 if self.traced.start > 0 else 0
+        schedule = torch.profiler.schedule(wait=0, warmup=warmup, active=len(self.traced), repeat=1)
+        self.prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._export)
+        self.prof.__enter__()
+
+    def close(self) -> None:
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        if self.traced is None:
+            yield
+            return
+        if self.timed is not None and self.timed.start <= step < self.traced.stop:
+            self._mark(step)
+            if step == self.timed.start and self.rt.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.rt.device)
+        if step == max(self.traced.start - 1, 0) and self.prof is None and not self.exported:
+            self._start()
+        try:
+            with torch.profiler.record_function(f"{STEP_MARK}{step}") if self.prof else contextlib.nullcontext():
+                yield
+        except BaseException:
+            self.close()
+            raise
+        if self.timed is not None and step == self.traced.stop - 1:
+            self._mark(step + 1)
+        if self.prof is not None:
+            self.prof.step()
+            if step == self.traced.stop - 1:
+                self.close()
+
+    def _step_ms(self, steps: range) -> list[float]:
+        marks = [self.marks[s] for s in range(steps.start, steps.stop + 1)]
+        if self.rt.device.type == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        return [1000 * (b - a) for a, b in zip(marks, marks[1:])]
+
+    def finish(self, log: RunLog) -> dict | None:
+        """Close the profiler; with --bench, analyse the trace and report (rank 0). Returns the bench report."""
+        self.close()
+        if self.traced is None:
+            return None
+        folder = self.trace_path.parent
+        if not self.cfg.bench:
+            log(f"profile: steps {self.traced.start}..{self.traced.stop - 1} traced to "
+                f"{folder}/trace_rank<R>.json.gz ({self.rt.world_size} file(s))")
+            return None
+        synchronize(self.rt.device)
+        timed, traced = self._step_ms(self.timed), self._step_ms(self.traced)
+        mine = {"rank": self.rt.rank, "trace": str(self.trace_path), "step_ms": timed, "traced_step_ms": traced,
+                **trace_summary(load_trace(self.trace_path))}
+        ranks = [mine]
+        if self.rt.world_size > 1:
+            ranks = [None] * self.rt.world_size if self.rt.rank == 0 else None
+            dist.gather_object(mine, ranks, dst=0)
+        if self.rt.rank != 0:
+            return None
+        return bench_report(self.cfg, self.rt, self.timed, self.traced, ranks, log)
+
+
+def bench_report(cfg: Config, rt: Runtime, timed: range, traced: range, ranks: list[dict], log: RunLog) -> dict:
+    """Headline figures from rank 0's timings and the mean over ranks of the trace figures; printed and saved."""
+    cuda = rt.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(rt.device) if cuda else f"cpu ({os.cpu_count()} cores)"
+    ms = float(np.median(ranks[0]["step_ms"]))
+    tokens_per_step = cfg.global_batch_seqs * cfg.train_seq_len
+    tok_s = tokens_per_step / (ms / 1000)
+    flops = float(np.mean([flops_per_token(cfg, window_blocks(step, cfg)) for step in traced]))
+    peak = peak_flops(rt.device, cfg.peak_tflops)
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in ranks if r.get(key) is not None]
+        return float(np.mean(vals)) if vals else None
+
+    report = {
+        "run_id": cfg.run_id, "device": device_name, "world_size": rt.world_size,
+        "timed_steps": [timed.start, timed.stop - 1], "traced_steps": [traced.start, traced.stop - 1],
+        "ms_per_step_median": ms, "ms_per_step_mean": float(np.mean(ranks[0]["step_ms"])),
+        "ms_per_step_traced_median": float(np.median(ranks[0]["traced_step_ms"])),
+        "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
+        "flops_per_token": flops, "peak_flops_per_gpu": peak,
+        "mfu": flops * tok_s / (peak * rt.world_size) if peak else None,
+        "peak_memory_allocated_mib": torch.cuda.max_memory_allocated(rt.device) / 2**20 if cuda else None,
+        "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(rt.device) / 2**20 if cuda else None,
+        "gpu_idle_frac": mean("gpu_idle_frac"), "h2d_overlap_frac": mean("h2d_overlap_frac"),
+        "h2d_off_stream_overlap_frac": mean("h2d_off_stream_overlap_frac"),
+        "comm_overlap_frac": mean("comm_overlap_frac"),
+        "config": {k: getattr(cfg, k) for k in ("train_seq_len", "global_batch_seqs", "num_steps", "compile",
+                                                "fp8_head", "prefetch_depth", "bench_steps")},
+        "per_rank": ranks,
+    }
+    path = Path(cfg.log_dir) / f"{cfg.run_id}_bench.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+    def pct(x: float | None, why: str) -> str:
+        return f"{100 * x:.1f}%" if x is not None else f"n/a ({why})"
+
+    gpu_why = "no GPU kernels in the trace"
+    mem = (f"{report['peak_memory_allocated_mib']:.0f} MiB allocated, {report['peak_memory_reserved_mib']:.0f} MiB "
+           f"reserved" if cuda else "n/a (CPU run)")
+    for name, value in [
+        ("device", f"{device_name} x {rt.world_size}"),
+        ("steps", f"timed {timed.start}..{timed.stop - 1}, traced {traced.start}..{traced.stop - 1} "
+                  f"({tokens_per_step:,} tokens/step)"),
+        ("ms/step", f"{ms:.2f} median, {report['ms_per_step_mean']:.2f} mean "
+                    f"({report['ms_per_step_traced_median']:.2f} median under the profiler)"),
+        ("tokens/s", f"{tok_s:,.0f}"),
+        ("MFU", pct(report["mfu"], "no bf16 peak known for this device") +
+                f" at {flops / 1e6:.1f} MFLOP/token"),
+        ("peak memory", mem),
+        ("GPU idle", pct(report["gpu_idle_frac"], gpu_why)),
+        ("H2D overlapped", pct(report["h2d_overlap_frac"], gpu_why if not cuda else "no H2D copies traced") +
+                           (f" (copies off the compute stream: {pct(report['h2d_off_stream_overlap_frac'], '')})"
+                            if report["h2d_off_stream_overlap_frac"] is not None else "")),
+        ("comm overlapped", pct(report["comm_overlap_frac"], gpu_why if not cuda else "no NCCL kernels traced")),
+        ("trace", f"{Path(cfg.log_dir) / cfg.run_id}/trace_rank<R>.json.gz"),
+        ("json", str(path)),
+    ]:
+        log(f"bench: {name:<16}{value}")
+    return report
+
+
+# -----------------------------------------------------------------------------
 # Training
 # Untimed warmup on real batches (compiles and autotunes), then the model and optimizer state are
 # restored in place; the clock runs only over training steps, stopped (with a synchronize) around
@@ -1267,6 +1657,7 @@ class TrainResult:
     train_time_ms: float
     model: GPT
     summary: dict | None = None  # what rank 0 wrote to logs/<run_id>.json
+    bench: dict | None = None  # --bench: the report (rank 0)
 
 
 def synchronize(device: torch.device) -> None:
@@ -1352,14 +1743,15 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(cfg, window_blocks(cfg.num_steps, cfg)):.4g} "
         f"FLOPs/token at the final window; peak {peak} per device")
     loader = new_loader()
+    profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     val_losses: list[tuple[int, float]] = []
     val_points: list[tuple[int, float, float]] = []
     train_ms = 0.0
     synchronize(rt.device)
     t0 = time.perf_counter()
     for step in range(cfg.num_steps + 1):
-        last = step == cfg.num_steps
-        if last or (cfg.val_every and step % cfg.val_every == 0) or step == 0:
+        last = step == cfg.num_steps or step == profiler.stop_step
+        if not cfg.bench and (last or (cfg.val_every and step % cfg.val_every == 0) or step == 0):
             synchronize(rt.device)
             train_ms += 1000 * (time.perf_counter() - t0)
             metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
@@ -1377,7 +1769,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
             break
         optimizer.lr_mult, optimizer.momentum = lr_multiplier(step, cfg), muon_momentum(step, cfg)
         metrics.begin_step(step + 1)
-        train_step(loader, step, grad_accum, metrics)
+        with profiler.step(step):
+            train_step(loader, step, grad_accum, metrics)
         approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
         metrics.end_step(step + 1, approx_ms, optimizer.lr_mult, optimizer.momentum, windows[step])
     metrics.flush()
@@ -1388,6 +1781,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     else:
         log("peak memory allocated: 0 MiB reserved: 0 MiB (CPU run)")
+    bench = profiler.finish(log)
     gpu_names = [torch.cuda.get_device_name(rt.device)] if on_cuda else []
     if on_cuda and rt.world_size > 1:
         every: list[object] = [None] * rt.world_size
@@ -1398,7 +1792,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         summary = run_summary(cfg, rt, val_points, train_ms, gpu_names)
         write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
-    return TrainResult(val_losses, train_ms, raw_model, summary)
+    return TrainResult(val_losses, train_ms, raw_model, summary, bench)
 
 
 # -----------------------------------------------------------------------------
