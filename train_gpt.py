@@ -83,6 +83,8 @@ class Config:
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
     adam_eps: float = 1e-10
+    bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
+    comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
     # run
     val_every: int = 125  # 0 validates only at the start and the end
     warmup_steps: int = 10  # untimed kernel warmup; model and optimizer are restored afterwards
@@ -125,6 +127,9 @@ PRESETS: dict[str, dict[str, object]] = {
         warmup_steps=2,
     ),
 }
+
+
+COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
 
 
 class UsageError(Exception):
@@ -207,6 +212,10 @@ def validate_config(cfg: Config, world_size: int) -> int:
             raise UsageError(f"--{name}={getattr(cfg, name)} must be a multiple of --block_size={cfg.block_size}")
     if cfg.val_tokens % cfg.val_seq_len:
         raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
+    if cfg.bucket_mb <= 0:
+        raise UsageError(f"--bucket_mb must be positive, got {cfg.bucket_mb}")
+    if cfg.comm_overlap not in COMM_OVERLAP:
+        raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
     check_profiling_config(cfg)
@@ -780,8 +789,9 @@ class GPT(nn.Module):
 # -----------------------------------------------------------------------------
 # Optimizer
 # Muon (momentum + Newton-Schulz orthogonalization) for the block matrices, Adam for embeddings,
-# head and scalars. The update math is plain functions; the optimizer class only decides which
-# gradients are communicated how, so the sharded step swaps communication alone.
+# head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as backward
+# finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
+# functions, and the shards are all-gathered back into the parameters, awaited only where next read.
 
 
 def newton_schulz(G: Tensor, steps: int = 5) -> Tensor:
@@ -824,46 +834,251 @@ class ParamGroup:
     names: list[str] = field(default_factory=list)
 
 
-class MuonAdam:
-    """Muon + Adam over named parameter groups; gradients are summed across ranks, then every rank updates all."""
+def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
+    """Async SUM reduce-scatter: each micro-step's loss is already scaled by 1/global_batch_seqs (gloo has no AVG)."""
+    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single and made the old name warn.
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
 
-    def __init__(self, groups: list[ParamGroup], cfg: Config, world_size: int, compile_ns: bool):
-        self.groups, self.cfg, self.world_size = groups, cfg, world_size
+
+def _all_gather(out: Tensor, inp: Tensor) -> dist.Work:
+    """Async all-gather into one tensor; inp may be this rank's slice of out (in place)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, async_op=True)
+
+
+def grad_ready_order(model: nn.Module) -> list[str]:
+    """Parameter names in about the order backward finishes their gradients: reverse registration order,
+    except `scalars`, which every layer reads, so its gradient is final only at the very end."""
+    names = [n for n, _ in model.named_parameters()][::-1]
+    return [n for n in names if n != "scalars"] + [n for n in names if n == "scalars"]
+
+
+def plan_buckets(groups: list[ParamGroup], ready_order: list[str], bucket_mb: float,
+                 world_size: int) -> list[tuple[ParamGroup, list[str]]]:
+    """Split each group into buckets of one dtype (and one matrix shape for Muon), in gradient-ready order.
+
+    A bucket closes at about bucket_mb; a parameter is never split (it stays a view of one buffer), so
+    one larger than that gets a bucket to itself.
+    A Muon bucket takes at least world_size matrices, and a multiple of it where it can, so padding
+    is left to the last bucket of a shape. Buckets are ordered by when backward finishes their last
+    gradient: the fixed order in which every rank launches them.
+    """
+    pos = {n: i for i, n in enumerate(ready_order)}
+    entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
+    open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
+    closed: list[tuple[int, ParamGroup, list[str]]] = []
+    for i, g, name, p in entries:
+        unit = tuple(p.shape[-2:]) if g.kind == "muon" else ()
+        unit_bytes = math.prod(unit) * p.element_size()
+        units = p.numel() // math.prod(unit)
+        limit = max(1, int(bucket_mb * 2**20) // unit_bytes)
+        if g.kind == "muon":
+            limit = max(world_size, limit // world_size * world_size)
+        key = (id(g), p.dtype, unit)
+        _, names, held = open_buckets.pop(key, (g, [], 0))
+        if names and held + units > limit:
+            closed.append((pos[names[-1]], g, names))
+            names, held = [], 0
+        names, held = names + [name], held + units
+        if held >= limit:
+            closed.append((i, g, names))
+        else:
+            open_buckets[key] = (g, names, held)
+    closed += [(pos[names[-1]], g, names) for g, names, _ in open_buckets.values()]
+    return [(g, names) for _, g, names in sorted(closed, key=lambda c: c[0])]
+
+
+class Bucket:
+    """Parameters of one group, dtype and (Muon) matrix shape, living in one flat buffer.
+
+    The buffer is a row of units (a matrix for Muon, an element for Adam) padded with zero units to a
+    multiple of the world size; rank r owns units [r*k, (r+1)*k) and keeps optimizer state for those
+    alone. Parameters and their .grad are views into the buffers, so the reduce-scatter reads the
+    accumulated gradients and the all-gather writes the parameters without copies.
+    """
+
+    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
+        self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
+        self.world_size = world_size
+        self.unit = list(params[0].shape[-2:]) if self.kind == "muon" else []
+        unit_numel = math.prod(self.unit)
+        self.counts = [p.numel() // unit_numel for p in params]
+        self.starts = [sum(self.counts[:j]) for j in range(len(params))]
+        self.shard_units = -(-sum(self.counts) // world_size)
+        self.data = torch.zeros(self.shard_units * world_size * unit_numel, dtype=params[0].dtype,
+                                device=params[0].device)
+        self.grad = torch.zeros_like(self.data)
+        self.grad_views: list[Tensor] = []
+        with torch.no_grad():
+            for p, start, count in zip(params, self.starts, self.counts):
+                lo, hi = start * unit_numel, (start + count) * unit_numel
+                self.data[lo:hi].copy_(p.flatten())
+                p.data = self.data[lo:hi].view_as(p)
+                self.grad_views.append(self.grad[lo:hi].view_as(p))
+                p.grad = self.grad_views[-1]
+        self.first_unit = rank * self.shard_units
+        n = self.shard_units * unit_numel
+        shape = (self.shard_units, *self.unit)
+        self.shard = self.data[rank * n:(rank + 1) * n].view(shape)
+        # At W = 1 the whole buffer is the shard; otherwise the reduce-scatter needs its own output.
+        self.grad_shard = self.grad.view(shape) if world_size == 1 else torch.empty(shape, dtype=self.grad.dtype,
+                                                                                     device=self.grad.device)
+        if self.kind == "muon":
+            self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device)}
+        else:
+            self.state = {"m": torch.zeros_like(self.shard), "v": torch.zeros_like(self.shard)}
+        self.pending = len(params)  # gradients not yet final in this step's last micro-step
+        self.reduce_work: dist.Work | None = None
+        self.gather_work: dist.Work | None = None
+
+    def _bind_grads(self) -> None:
+        """Bring back gradients that left the buffer (e.g. model.zero_grad(set_to_none=True)), at the cost of a copy."""
+        for p, view in zip(self.params, self.grad_views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() == view.data_ptr():
+                continue
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def reduce_grads(self) -> None:
+        self._bind_grads()
+        if self.world_size > 1:
+            self.reduce_work = _reduce_scatter(self.grad_shard.view(-1), self.grad)
+
+    def wait_grads(self) -> None:
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
+
+    def gather_params(self) -> None:
+        if self.world_size > 1:
+            self.gather_work = _all_gather(self.data, self.shard.view(-1))
+
+    def wait_params(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
+    def layout(self) -> dict:
+        """What a checkpoint needs to check that its shard fits this bucket."""
+        return {"kind": self.kind, "dtype": str(self.data.dtype), "unit": self.unit, "names": self.names,
+                "counts": self.counts, "shard_units": self.shard_units}
+
+    def owned(self) -> Iterator[tuple[str, int, int, dict[str, Tensor]]]:
+        """Per parameter with units in this rank's shard: name, its first and end unit, and views of their state."""
+        end_unit = self.first_unit + self.shard_units
+        for name, start, count in zip(self.names, self.starts, self.counts):
+            lo, hi = max(start, self.first_unit), min(start + count, end_unit)
+            if lo < hi:
+                rows = slice(lo - self.first_unit, hi - self.first_unit)
+                yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
+
+
+class ShardedMuonAdam:
+    """Muon + Adam, ZeRO-1 sharded: each rank does the update and keeps the state for 1/W of every bucket.
+
+    Per step: reduce-scatter each bucket's gradients (from backward hooks on the last micro-step, or
+    all after backward), update this rank's shard, all-gather the shards back into the parameters.
+    Call wait_for_params() before anything reads the parameters (forward, validation, checkpoint).
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True) if compile_ns else newton_schulz
         self.lr_mult, self.momentum, self.step_count = 1.0, cfg.muon_momentum_start, 0
-        self.state: dict[nn.Parameter, dict[str, Tensor]] = {}
-        for g in groups:
-            for p in g.params:
-                if g.kind == "muon":
-                    self.state[p] = {"momentum": torch.zeros_like(p, dtype=torch.float32)}
-                else:
-                    self.state[p] = {"m": torch.zeros_like(p), "v": torch.zeros_like(p)}
+        named = dict(model.named_parameters())
+        plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
+        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
+        self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
+        self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
+        if world_size > 1 and cfg.comm_overlap == "hooks":
+            for b in self.buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(lambda _, b=b: self._grad_final(b))
 
-    def all_params(self) -> list[nn.Parameter]:
-        return [p for g in self.groups for p in g.params]
-
-    def _reduce_grads(self) -> None:
-        if self.world_size > 1:
-            works = [dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True) for p in self.all_params()]
-            for w in works:
-                w.wait()
+    def _grad_final(self, bucket: Bucket) -> None:
+        if not self.final_micro_step:
+            return  # still accumulating: nothing is final before the last micro-step
+        bucket.pending -= 1
+        # Launch in bucket order only: every rank must issue its collectives in the same order.
+        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
+            self.buckets[self.launched].reduce_grads()
+            self.launched += 1
 
     @torch.no_grad()
     def step(self) -> None:
-        self._reduce_grads()
+        # after_backward launches everything here; so do hooks for buckets with a gradient that never arrived.
+        for b in self.buckets[self.launched:]:
+            b.reduce_grads()
         self.step_count += 1
         c = self.cfg
-        for g in self.groups:
-            lr = g.lr * self.lr_mult
-            for p in g.params:
-                s = self.state[p]
-                if g.kind == "muon":
-                    muon_update_(p, p.grad, s["momentum"], lr, self.momentum, self.orthogonalize)
-                else:
-                    adam_update_(p, p.grad, s["m"], s["v"], self.step_count, lr, c.adam_beta1, c.adam_beta2, c.adam_eps)
+        for b in self.buckets:
+            b.wait_grads()
+            lr = b.lr * self.lr_mult
+            if b.kind == "muon":
+                muon_update_(b.shard, b.grad_shard, b.state["momentum"], lr, self.momentum, self.orthogonalize)
+            else:
+                adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.step_count, lr, c.adam_beta1,
+                             c.adam_beta2, c.adam_eps)
+            b.gather_params()
+            b.pending = len(b.params)
+        self.launched, self.final_micro_step = 0, False
+
+    def wait_for_params(self) -> None:
+        """Block until the last step's all-gathers have written every parameter."""
+        for b in self.buckets:
+            b.wait_params()
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers in place (set_to_none would detach .grad from them)."""
+        for b in self.buckets:
+            b.grad.zero_()
+            for p, view in zip(b.params, b.grad_views):
+                p.grad = view
 
     def state_tensors(self) -> list[Tensor]:
-        return [t for s in self.state.values() for t in s.values()]
+        return [t for b in self.buckets for t in b.state.values()]
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    def state_dict(self) -> dict:
+        """This rank's shard keyed by parameter name, with the bucket layout needed to reassemble it.
+
+        params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor}: the state of units lo..hi-1
+        of that parameter (matrices for Muon, flat elements for Adam); names this rank owns nothing of
+        are absent. Tensors are clones, so saving one does not save its whole bucket.
+        """
+        params = {}
+        for i, b in enumerate(self.buckets):
+            for name, lo, hi, state in b.owned():
+                params[name] = {"bucket": i, "units": (lo, hi), **{k: t.clone() for k, t in state.items()}}
+        return {"world_size": self.world_size, "rank": self.rank, "step_count": self.step_count,
+                "buckets": [b.layout() for b in self.buckets], "params": params}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Load a state_dict saved by the same rank of the same world size and bucket layout."""
+        if (sd["world_size"], sd["rank"]) != (self.world_size, self.rank):
+            raise ValueError(f"optimizer state of rank {sd['rank']} of {sd['world_size']} cannot be loaded "
+                             f"on rank {self.rank} of {self.world_size}")
+        if sd["buckets"] != [b.layout() for b in self.buckets]:
+            raise ValueError("optimizer state has a different bucket layout (model, config or --bucket_mb changed)")
+        expected = {name for b in self.buckets for name, *_ in b.owned()}
+        if set(sd["params"]) != expected:
+            raise ValueError(f"optimizer state holds parameters {sorted(set(sd['params']) ^ expected)} unexpectedly")
+        for i, b in enumerate(self.buckets):
+            for name, lo, hi, state in b.owned():
+                saved = sd["params"][name]
+                if saved["bucket"] != i or tuple(saved["units"]) != (lo, hi):
+                    raise ValueError(f"optimizer state for {name} covers other units than this rank owns")
+                for k, t in state.items():
+                    t.copy_(saved[k])
+        self.step_count = sd["step_count"]
 
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
@@ -1704,22 +1919,27 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     fp8 = on_cuda and cfg.fp8_head and not os.environ.get("DISABLE_FP8")
     raw_model = GPT(cfg, use_flex=on_cuda, fp8_head=fp8).to(rt.device)
     model: nn.Module = torch.compile(raw_model, dynamic=False) if on_cuda and cfg.compile else raw_model
-    optimizer = MuonAdam(build_param_groups(raw_model, cfg), cfg, rt.world_size, compile_ns=on_cuda and cfg.compile)
+    optimizer = ShardedMuonAdam(raw_model, cfg, rt.rank, rt.world_size, compile_ns=on_cuda and cfg.compile)
     log(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters, fp8 head {fp8}, "
         f"compile {on_cuda and cfg.compile}, world size {rt.world_size}, grad accumulation {grad_accum}")
+    log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
+        f"{len(optimizer.buckets)} buckets)")
 
     windows = torch.tensor([window_blocks(s, cfg) for s in range(cfg.num_steps + 1)], dtype=torch.int32,
                            device=rt.device)
     loss_scale = 1.0 / cfg.global_batch_seqs
 
     def train_step(loader: PrefetchLoader, step: int, micro_steps: int, metrics: Metrics | None = None) -> None:
-        for row in next(loader)[:micro_steps]:
-            loss = model(row[:-1], row[1:].long(), windows[step])
+        batch = next(loader)
+        optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
+        for m in range(micro_steps):
+            optimizer.final_micro_step = m == micro_steps - 1  # arms the reduce-scatter hooks
+            loss = model(batch[m, :-1], batch[m, 1:].long(), windows[step])
             (loss * loss_scale).backward()
             if metrics is not None:
-                metrics.add_loss(loss.detach(), row.numel() - 1)
+                metrics.add_loss(loss.detach(), batch.size(1) - 1)
         optimizer.step()
-        raw_model.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
 
     def new_loader() -> PrefetchLoader:
         stream = TrainTokenStream(train_files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
@@ -1732,6 +1952,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     with new_loader() as warm_loader:
         for _ in range(cfg.warmup_steps):
             train_step(warm_loader, 1, micro_steps=1)
+    optimizer.wait_for_params()
     snapshot.restore()
     optimizer.step_count = 0
     del snapshot
@@ -1752,6 +1973,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     for step in range(cfg.num_steps + 1):
         last = step == cfg.num_steps or step == profiler.stop_step
         if not cfg.bench and (last or (cfg.val_every and step % cfg.val_every == 0) or step == 0):
+            optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
             synchronize(rt.device)
             train_ms += 1000 * (time.perf_counter() - t0)
             metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
@@ -1775,6 +1997,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         metrics.end_step(step + 1, approx_ms, optimizer.lr_mult, optimizer.momentum, windows[step])
     metrics.flush()
 
+    optimizer.wait_for_params()
     loader.close()
     if on_cuda:
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "

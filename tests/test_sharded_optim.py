@@ -1,0 +1,315 @@
+"""ShardedMuonAdam against a single-process reference, on gloo ranks spawned on the CPU.
+
+A small GPT (3 attention layers: 12 qkvo matrices, 3 gate matrices that divide by neither 2 nor 4
+ranks, 8 MLP matrices) trains 3 steps of 8 sequences with gradient accumulation. The small bucket
+size splits groups into several buckets; the default one cuts parameters across ranks' shards.
+
+Two variants. "recipe" is the model as trained (bf16 embeddings, bf16 Newton-Schulz): a gradient
+summed in another order rounds differently, and bf16 NS and Adam's normalization blow such last-bit
+differences up, so it is compared bit for bit against a reference summing in the same order (W = 1,
+and W = 2, where one addition has one rounding). "fp32" (fp32 embeddings, a float64 polar factor for
+the orthogonalization, a larger Adam eps) is compared against the plain single-process sum at fp32
+tolerance, W = 2 and 4.
+"""
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train_gpt as T
+from conftest import free_port
+
+STEPS, GLOBAL_SEQS = 3, 8
+LR_MULT = [1.0, 0.8, 0.5]  # varied so the test notices an optimizer that ignores lr_mult or momentum
+MOMENTUM = [0.85, 0.9, 0.95]
+CASES = [(overlap, mb) for overlap in T.COMM_OVERLAP for mb in (25.0, 0.05)]
+CASE_IDS = [f"{overlap}-{mb}MiB" for overlap, mb in CASES]
+COLLECTIVES = {"reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+               "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+               "all_reduce": "other", "reduce_scatter": "other", "all_gather": "other", "broadcast": "other"}
+
+
+def _single_thread():
+    """Tiny matmuls on a shared 2-core machine run far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# Once for the module-scoped fixtures, and again per test, after conftest's own thread setting.
+_one_thread_module = pytest.fixture(autouse=True, scope="module")(_single_thread)
+_one_thread = pytest.fixture(autouse=True)(_single_thread)
+
+
+def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
+    fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
+                  train_seq_len=64, val_seq_len=64)
+    if variant == "fp32":
+        # Adam's step does not shrink with the gradient, so an element whose gradient nearly cancels
+        # turns summation-order noise into a visible step; a larger eps bounds that gain.
+        fields["adam_eps"] = 1e-6
+    return T.parse_config([f"--{k}={v}" for k, v in {**fields, **overrides}.items()])
+
+
+def polar(G: torch.Tensor) -> torch.Tensor:
+    """Exact orthogonalization (U V^T of the SVD) in float64; zero stays zero (the padding)."""
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return (U @ Vh * (G.norm(dim=(-2, -1), keepdim=True) > 0)).float()
+
+
+def make_model(cfg: T.Config, variant: str) -> T.GPT:
+    torch.manual_seed(0)
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    with torch.no_grad():  # break the zero inits so every parameter gets a gradient from step 1
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    if variant == "fp32":
+        model.embed.float()
+        model.value_embeds.float()
+    return model
+
+
+def make_data(cfg: T.Config) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, cfg.vocab_size, (STEPS, GLOBAL_SEQS, cfg.train_seq_len + 1), generator=g)
+
+
+def loss(model: T.GPT, seq: torch.Tensor) -> torch.Tensor:
+    return model(seq[:-1], seq[1:].long(), torch.tensor(2)) / GLOBAL_SEQS
+
+
+def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dict, dict]:
+    """The plain math: one update per parameter on the summed gradients, no buckets, no sharding.
+
+    With sum_like_ranks = W the gradients are summed as W ranks do: per rank over its micro-steps,
+    then the W partial sums in rank order.
+    """
+    model, data = make_model(cfg, variant), make_data(cfg)
+    orthogonalize = polar if variant == "fp32" else T.newton_schulz
+    groups = T.build_param_groups(model, cfg)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for step in range(STEPS):
+        total: dict[str, torch.Tensor] = {}
+        for rank in range(sum_like_ranks):
+            for seq in data[step, rank::sum_like_ranks]:
+                loss(model, seq).backward()
+            for name, p in model.named_parameters():
+                total[name] = total[name] + p.grad if name in total else p.grad.clone()
+            model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for g in groups:
+                lr = g.lr * LR_MULT[step]
+                for name, p in zip(g.names, g.params):
+                    if g.kind == "muon":
+                        s = state.setdefault(name, {"momentum": torch.zeros_like(p)})
+                        T.muon_update_(p, total[name], s["momentum"], lr, MOMENTUM[step], orthogonalize)
+                    else:
+                        s = state.setdefault(name, {"m": torch.zeros_like(p), "v": torch.zeros_like(p)})
+                        T.adam_update_(p, total[name], s["m"], s["v"], step + 1, lr, cfg.adam_beta1, cfg.adam_beta2,
+                                       cfg.adam_eps)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, state
+
+
+class CollectiveCounter:
+    """Wraps the torch.distributed collectives (where the optimizer looks them up) and counts calls by kind."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch | None = None):
+        self.calls: Counter = Counter()
+        for name, kind in COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+
+            def counted(*args, _original=original, _kind=kind, **kwargs):
+                self.calls[_kind] += 1
+                return _original(*args, **kwargs)
+
+            if monkeypatch is not None:
+                monkeypatch.setattr(dist, name, counted)
+            else:
+                setattr(dist, name, counted)
+
+    def take(self) -> dict[str, int]:
+        seen, self.calls = dict(self.calls), Counter()
+        return seen
+
+
+def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, counter: CollectiveCounter,
+                  set_to_none: bool = False) -> dict:
+    """Drive the optimizer the way train() does; record the collectives issued at each point of each step.
+
+    set_to_none clears gradients with model.zero_grad(set_to_none=True) instead of the optimizer's zero_grad.
+    """
+    model, data = make_model(cfg, variant), make_data(cfg)
+    opt = T.ShardedMuonAdam(model, cfg, rank, world_size, compile_ns=False)
+    if variant == "fp32":
+        opt.orthogonalize = polar
+    micro_steps = GLOBAL_SEQS // world_size
+    counter.take()
+    events = []
+    for step in range(STEPS):
+        opt.lr_mult, opt.momentum = LR_MULT[step], MOMENTUM[step]
+        opt.wait_for_params()
+        for m in range(micro_steps):
+            opt.final_micro_step = m == micro_steps - 1
+            loss(model, data[step, m * world_size + rank]).backward()
+            events.append(("final backward" if opt.final_micro_step else "backward", counter.take()))
+        grads_in_buckets = all(p.grad.data_ptr() == view.data_ptr() for b in opt.buckets
+                               for p, view in zip(b.params, b.grad_views))
+        opt.step()
+        events.append(("step", counter.take()))
+        if set_to_none:
+            model.zero_grad(set_to_none=True)
+        else:
+            opt.zero_grad()
+    opt.wait_for_params()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd = opt.state_dict()
+    fresh = T.ShardedMuonAdam(make_model(cfg, variant), cfg, rank, world_size, compile_ns=False)
+    fresh.load_state_dict(sd)
+    restored = fresh.step_count == STEPS and all(
+        torch.equal(a, b) for a, b in zip(opt.state_tensors(), fresh.state_tensors()))
+    return dict(params=params, events=events, buckets=len(opt.buckets), state_bytes=opt.state_bytes(),
+                state_dict=sd, restored=restored, grads_in_buckets=grads_in_buckets)
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        counter = CollectiveCounter()
+        variants = ["fp32", "recipe"] if world_size == 2 else ["fp32"]
+        results = {(v, *case): train_sharded(small_config(v, comm_overlap=case[0], bucket_mb=case[1]), v, rank,
+                                             world_size, counter) for v in variants for case in CASES}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict[int, list[dict]]:
+    """world size -> per rank, {(variant, comm_overlap, bucket_mb): result}, from one spawned world per size."""
+    runs = {}
+    for world_size in (2, 4):
+        out = tmp_path_factory.mktemp(f"w{world_size}")
+        mp.spawn(_rank_main, args=(world_size, free_port(), str(out)), nprocs=world_size, join=True)
+        runs[world_size] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def fp32_reference() -> tuple[dict, dict]:
+    return reference(small_config("fp32"), "fp32")
+
+
+@pytest.fixture(scope="module")
+def recipe_reference() -> dict[int, dict]:
+    """Parameters after the recipe variant's steps, gradients summed as 1 and as 2 ranks do."""
+    return {ranks: reference(small_config(), "recipe", sum_like_ranks=ranks)[0] for ranks in (1, 2)}
+
+
+def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exact: bool = False) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        if exact:
+            assert torch.equal(got[name], want[name]), name
+        else:
+            torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_world_size_one_equals_reference_bit_for_bit_without_collectives(case, recipe_reference, monkeypatch):
+    counter = CollectiveCounter(monkeypatch)
+    result = train_sharded(small_config(comm_overlap=case[0], bucket_mb=case[1]), "recipe", 0, 1, counter)
+    assert_params_close(result["params"], recipe_reference[1], exact=True)
+    assert all(calls == {} for _, calls in result["events"])
+    assert result["restored"] and result["grads_in_buckets"]  # backward accumulated in place, no copies
+
+
+def test_model_zero_grad_set_to_none_costs_a_copy_but_stays_correct(recipe_reference):
+    result = train_sharded(small_config(), "recipe", 0, 1, CollectiveCounter(), set_to_none=True)
+    assert_params_close(result["params"], recipe_reference[1], exact=True)
+    assert not result["grads_in_buckets"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_two_ranks_equal_rank_ordered_reference_bit_for_bit(case, sharded, recipe_reference):
+    for rank_results in sharded[2]:
+        assert_params_close(rank_results[("recipe", *case)]["params"], recipe_reference[2], exact=True)
+        assert rank_results[("recipe", *case)]["grads_in_buckets"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_sharded_params_match_single_process_reference(world_size, case, sharded, fp32_reference):
+    for rank_results in sharded[world_size]:
+        assert_params_close(rank_results[("fp32", *case)]["params"], fp32_reference[0])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_reduce_scatter_and_one_all_gather_per_bucket_per_step(world_size, sharded):
+    for rank_results in sharded[world_size]:
+        for (_, overlap, _), result in rank_results.items():
+            n = result["buckets"]
+            assert len(result["events"]) == STEPS * (GLOBAL_SEQS // world_size + 1)
+            for point, calls in result["events"]:
+                if point == "backward":  # hooks stay idle while gradients still accumulate
+                    assert calls == {}
+                elif point == "final backward":  # hooks launch every bucket before backward returns
+                    assert calls == ({"reduce_scatter": n} if overlap == "hooks" else {})
+                else:
+                    assert calls == ({"all_gather": n} if overlap == "hooks" else {"reduce_scatter": n, "all_gather": n})
+
+
+def test_state_per_rank_at_four_ranks_is_under_a_third_of_one_rank(sharded):
+    cfg = small_config("fp32")
+    one = T.ShardedMuonAdam(make_model(cfg, "fp32"), cfg, 0, 1, compile_ns=False).state_bytes()
+    for rank_results in sharded[4]:
+        assert rank_results[("fp32", "hooks", 25.0)]["state_bytes"] <= 0.3 * one
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_state_dicts_reassemble_to_the_reference_state(world_size, sharded, fp32_reference):
+    _, want = fp32_reference
+    for case in CASES:
+        results = [r[("fp32", *case)] for r in sharded[world_size]]
+        assert all(r["restored"] for r in results)  # load_state_dict on a fresh optimizer gives the same state
+        sds = [r["state_dict"] for r in results]
+        assert [(sd["rank"], sd["world_size"], sd["step_count"]) for sd in sds] == [
+            (r, world_size, STEPS) for r in range(world_size)]
+        for name, state in want.items():
+            pieces = sorted((sd["params"][name] for sd in sds if name in sd["params"]), key=lambda s: s["units"])
+            units = [tuple(s["units"]) for s in pieces]
+            assert units[0][0] == 0 and all(a[1] == b[0] for a, b in zip(units, units[1:])), (name, units)
+            for key, full in state.items():
+                got = torch.cat([s[key] for s in pieces]).view_as(full)
+                torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-4, msg=f"{name} {key}")
+
+
+def test_buckets_pad_uneven_groups_and_split_big_ones():
+    cfg = small_config(bucket_mb=0.05)
+    opt = T.ShardedMuonAdam(make_model(cfg, "recipe"), cfg, 0, 4, compile_ns=False)
+    muon = [(b.unit, sum(b.counts), b.shard_units) for b in opt.buckets if b.kind == "muon"]
+    assert ([2, 8], 3, 1) in muon  # 3 gate matrices padded to 4: one per rank
+    assert [(n, k) for unit, n, k in muon if unit == [64, 128]] == [(4, 1), (4, 1)]  # 8 MLP matrices, 2 buckets
+    assert {str(b.data.dtype) for b in opt.buckets if b.kind == "adam"} == {"torch.float32", "torch.bfloat16"}
+    for b in opt.buckets:
+        assert len({p.dtype for p in b.params}) == 1 and b.shard_units * 4 >= sum(b.counts)
+        for p, view in zip(b.params, b.grad_views):  # parameters and gradients live in the bucket buffers
+            assert p.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+            assert p.grad.data_ptr() == view.data_ptr()
+
+
+def test_comm_overlap_and_bucket_size_are_validated():
+    with pytest.raises(T.UsageError, match="--comm_overlap must be hooks or after_backward, got 'eager'"):
+        T.validate_config(small_config(comm_overlap="eager"), 1)
+    with pytest.raises(T.UsageError, match="--bucket_mb must be positive"):
+        T.validate_config(small_config(bucket_mb=0), 1)
