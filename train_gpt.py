@@ -841,10 +841,10 @@ def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
     return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
 
 
-def _all_gather(out: Tensor, inp: Tensor) -> dist.Work:
-    """Async all-gather into one tensor; inp may be this rank's slice of out (in place)."""
+def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Work | None:
+    """All-gather into one tensor; inp may be this rank's slice of out (in place)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, async_op=True)
+    return fn(out, inp, async_op=async_op)
 
 
 def grad_ready_order(model: nn.Module) -> list[str]:
@@ -955,7 +955,7 @@ class Bucket:
 
     def gather_params(self) -> None:
         if self.world_size > 1:
-            self.gather_work = _all_gather(self.data, self.shard.view(-1))
+            self.gather_work = all_gather_into(self.data, self.shard.view(-1), async_op=True)
 
     def wait_params(self) -> None:
         if self.gather_work is not None:
@@ -1260,11 +1260,6 @@ def flops_per_token(cfg: Config, window: int) -> float:
     return 6 * matmul_params(cfg) + 12 * cfg.num_heads * cfg.head_dim * t_eff
 
 
-def all_gather_into_tensor(output: Tensor, local: Tensor) -> None:
-    """dist.all_gather_into_tensor, under its new name (all_gather_single) where torch has one."""
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, local)
-
-
 def format_eta(seconds: float) -> str:
     seconds = max(0, round(seconds))
     h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
@@ -1353,7 +1348,7 @@ class Metrics:
         if world_size == 1:
             return local.unsqueeze(0).repeat(len(Metrics.STATS), 1)
         gathered = local.new_empty(world_size * local.numel())  # flat: the one shape gloo accepts too
-        all_gather_into_tensor(gathered, local)
+        all_gather_into(gathered, local)
         gathered = gathered.view(world_size, -1)
         return torch.stack([gathered.mean(0), gathered.sum(0), gathered.amin(0), gathered.amax(0)])
 
