@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import glob
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -101,6 +102,10 @@ class Config:
     profile: str = ""  # START:END traces training steps START..END-1 to <log_dir>/<run_id>/trace_rank<R>.json.gz
     bench: bool = False  # a short steady-state benchmark instead of the run; report in <log_dir>/<run_id>_bench.json
     bench_steps: int = 20  # timed steps, then as many traced steps
+    # checkpoints (see the Checkpoints section)
+    save_every: int = 0  # checkpoint every N steps to <log_dir>/<run_id>/ckpt_<step>/; 0 = off
+    save_final: bool = False  # checkpoint after the last step
+    resume: str = ""  # a ckpt_<step> directory: continue that run exactly (same shapes and data; own --run_id)
 
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -219,6 +224,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
     check_profiling_config(cfg)
+    check_checkpoint_config(cfg)
     return cfg.global_batch_seqs // world_size
 
 
@@ -1846,6 +1852,407 @@ def bench_report(cfg: Config, rt: Runtime, timed: range, traced: range, ranks: l
 
 
 # -----------------------------------------------------------------------------
+# Checkpoints
+# --save_every=N and --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop on the
+# device. save() makes a side CUDA stream wait for the compute stream, issues the device-to-host copies
+# (the parameters on rank 0, this rank's optimizer shard on every rank) into pinned buffers allocated once,
+# and makes the compute stream wait on the copies' event, so nothing overwrites those tensors before they
+# are copied; no host wait. A writer thread waits for that event and torch.saves the files. On the CPU the
+# same code copies synchronously (a clone into the host buffers) and there is no stream. Files, each
+# written under a temporary name and then renamed:
+#   model.pt    rank 0: {parameter name: tensor}, a plain state dict of the model (each tensor its own copy)
+#   rank<R>.pt  every rank: its optimizer shard (ShardedMuonAdam.state_dict()'s format), its RNG states,
+#               the step, the train time so far, the consumed steps (data position), config, source hash
+#   meta.json   rank 0, last, once every rank<R>.pt is on disk (its writer thread watches the folder, so
+#               multi-node runs need a shared --log_dir): step, world size, config, train files,
+#               source hash and the size of every file
+# A checkpoint is complete when meta.json parses and every file it lists (model.pt and rank0.pt ..
+# rank<W-1>.pt) exists with its recorded size; --resume takes nothing less. A rank whose write fails
+# leaves rank<R>.failed and the checkpoint stays incomplete (training goes on; the failure is printed).
+# The data position is the number of training steps consumed (the step: the prefetch thread's own
+# position is ahead of it); a resumed run fast-forwards a fresh token stream by that many steps.
+# --resume=DIR restores parameters, optimizer state and step count, RNG states, the step (schedules,
+# validation) and the train time so far: at the same world size it reproduces the uninterrupted run bit
+# for bit (CPU). At another world size (or bucket layout) every rank reads every rank file and takes its
+# own units of each parameter's state. CKPT_MATCH_FIELDS and the train files must match the checkpoint's;
+# every other field may change (the continuation then follows the new values: a longer --num_steps moves
+# the LR cooldown and the window schedule, so it is exact only for schedules that do not depend on it).
+# A run never writes into an existing checkpoint: a resumed run needs its own --run_id.
+
+CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
+CKPT_FORMAT = 1
+# The fields that fix the parameters' shapes, the optimizer's units and the token stream.
+CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "num_value_embeds",
+                     "attn_pattern", "gate_channels", "block_size", "train_seq_len", "global_batch_seqs",
+                     "train_epochs")
+CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
+CKPT_ERROR_GRACE_S = 30.0  # after an error in the loop, how long it still waits for them
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def checkpoint_dir(cfg: Config, step: int) -> Path:
+    return Path(cfg.log_dir) / cfg.run_id / f"ckpt_{step}"
+
+
+def source_sha256() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def train_files_identity(cfg: Config) -> list[list]:
+    """[file name, token count] of each training shard: the token stream a saved data position refers to."""
+    return [[p.name, shard_token_count(p)] for p in find_shards(cfg.train_files)]
+
+
+def read_checkpoint_meta(folder: Path) -> dict:
+    """The metadata of a complete checkpoint directory; a UsageError saying what is missing or broken otherwise."""
+    where = f"checkpoint {folder}"
+    if not folder.is_dir():
+        raise UsageError(f"{where} does not exist (--resume takes a ckpt_<step> directory)")
+    path = folder / CKPT_META
+    if not path.exists():
+        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last, once every rank's part is "
+                         f"on disk); resume from an earlier checkpoint")
+    try:
+        meta = json.loads(path.read_text())
+        step, world_size, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
+        if meta["format"] != CKPT_FORMAT or not isinstance(meta["config"], dict) or step < 0 or world_size < 1:
+            raise ValueError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"{where}: {CKPT_META} is unreadable or not a checkpoint's metadata (format "
+                         f"{CKPT_FORMAT})") from None
+    for name in [CKPT_MODEL, *map(rank_file, range(world_size))]:
+        if name not in files:
+            raise UsageError(f"{where}: {CKPT_META} does not list {name}")
+    for name, size in files.items():
+        if not (folder / name).is_file():
+            raise UsageError(f"{where} is incomplete: {name} is missing")
+        actual = (folder / name).stat().st_size
+        if actual != size:
+            raise UsageError(f"{where}: {name} has {actual} bytes, {CKPT_META} says {size}: truncated or corrupt")
+    return meta
+
+
+def check_resume_config(cfg: Config, meta: dict, folder: Path) -> None:
+    """Refuse a checkpoint whose shapes or data differ from this run's, or one past its last step."""
+    saved = meta["config"]
+    diffs = [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
+             if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise UsageError(f"checkpoint {folder} needs {', '.join(diffs)}: model shapes and data must match the "
+                         f"checkpoint's")
+    if meta.get("train_files") != train_files_identity(cfg):
+        raise UsageError(f"checkpoint {folder} was trained on other files than --train_files={cfg.train_files} "
+                         f"(it needs {len(meta.get('train_files') or [])} shard(s) with the same names and sizes)")
+    if meta["step"] > cfg.num_steps:
+        raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
+
+
+def check_checkpoint_config(cfg: Config) -> None:
+    """The checkpoint options; with --resume, the checkpoint's completeness and config (read on every rank)."""
+    if cfg.save_every < 0:
+        raise UsageError(f"--save_every must be >= 0 (0 = off), got {cfg.save_every}")
+    if cfg.bench and (cfg.save_every or cfg.save_final or cfg.resume):
+        raise UsageError("--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume")
+    if cfg.resume:
+        folder = Path(cfg.resume)
+        check_resume_config(cfg, read_checkpoint_meta(folder), folder)
+
+
+def check_checkpoint_paths(cfg: Config) -> None:
+    """Never write into a checkpoint: refuse a resumed run under the checkpoint's own run id (its log and
+    checkpoints would land beside, or over, the ones it resumes), and a saving run whose folder already
+    holds checkpoints (a reused --run_id)."""
+    run_dir = Path(cfg.log_dir) / cfg.run_id
+    if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
+        raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
+                         f"its own --run_id (leave it unset for a fresh one)")
+    if (cfg.save_every or cfg.save_final) and run_dir.is_dir() and any(run_dir.glob("ckpt_*")):
+        raise UsageError(f"{run_dir} already holds checkpoints and they are never overwritten; use another --run_id")
+
+
+def rng_state(device: torch.device) -> dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def fast_forward(stream: TrainTokenStream, steps: int) -> None:
+    """Skip the batches of `steps` training steps: the starts only, no token is copied."""
+    for _ in range(steps):
+        stream.next_starts()
+
+
+def save_atomic(obj: object, path: Path) -> None:
+    """torch.save to a temporary name beside path, flushed to disk, then renamed over path."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_part(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UsageError(f"checkpoint file {path} is missing: the checkpoint is incomplete") from None
+    except Exception as e:  # truncated zip, garbage, a foreign pickle
+        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}): truncated or corrupt; "
+                         f"resume from another checkpoint") from None
+
+
+def reshard_optimizer_state(optimizer: ShardedMuonAdam, sds: list[dict]) -> None:
+    """Load optimizer state saved at any world size and bucket layout: each parameter's state is put together
+    from every rank's pieces (units lo..hi-1 each), then this rank copies the units it owns now."""
+    units = {n: (lay["kind"], lay["unit"], c) for lay in sds[0]["buckets"] for n, c in zip(lay["names"], lay["counts"])}
+    mine = {n: (b.kind, b.unit, c) for b in optimizer.buckets for n, c in zip(b.names, b.counts)}
+    if units != mine:
+        raise UsageError("the checkpoint's optimizer state has other parameters or units than this model")
+    pieces: dict[str, list[tuple[int, int, dict[str, Tensor]]]] = {n: [] for n in mine}
+    for sd in sds:
+        for name, entry in sd["params"].items():
+            state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
+            pieces[name].append((*entry["units"], state))
+    full: dict[str, dict[str, Tensor]] = {}
+    for name, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        edges = [0] + [e for lo, hi, _ in parts for e in (lo, hi)] + [mine[name][2]]
+        if edges[0::2] != edges[1::2]:  # each piece starts where the previous one ended, from 0 to the end
+            raise UsageError(f"the checkpoint's optimizer state does not cover {name} exactly once")
+        full[name] = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+    with torch.no_grad():
+        for b in optimizer.buckets:
+            for name, lo, hi, state in b.owned():
+                for k, t in state.items():
+                    t.copy_(full[name][k][lo:hi])
+    optimizer.step_count = sds[0]["step_count"]
+
+
+@dataclass
+class ResumePoint:
+    step: int
+    train_ms: float
+    rng: dict
+
+
+def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
+                     log: RunLog) -> ResumePoint:
+    meta = read_checkpoint_meta(folder)
+    check_resume_config(cfg, meta, folder)
+    step, saved_world = meta["step"], meta["world_size"]
+    params = dict(model.named_parameters())
+    state = load_part(folder / CKPT_MODEL)
+    if not isinstance(state, dict) or set(state) != set(params) or \
+            any(state[n].shape != p.shape or state[n].dtype != p.dtype for n, p in params.items()):
+        raise UsageError(f"checkpoint file {folder / CKPT_MODEL} does not hold this model's parameters")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])
+    layout = [b.layout() for b in optimizer.buckets]
+    try:
+        parts = {rt.rank: load_part(folder / rank_file(rt.rank))} if saved_world == rt.world_size else {}
+        if parts and parts[rt.rank]["optimizer"]["buckets"] == layout:
+            optimizer.load_state_dict(parts[rt.rank]["optimizer"])
+            how = "optimizer shard loaded as saved"
+        else:
+            parts = {r: load_part(folder / rank_file(r)) for r in range(saved_world)}
+            reshard_optimizer_state(optimizer, [parts[r]["optimizer"] for r in range(saved_world)])
+            how = f"optimizer state re-sharded from world size {saved_world} to {rt.world_size}"
+        part = parts[rt.rank] if rt.rank in parts else parts[0]  # a new rank takes rank 0's RNG states
+        if part["step"] != step or part["optimizer"]["step_count"] != step:
+            raise ValueError
+        rng = part["rng"]
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} (other step or "
+                         f"layout)") from None
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
+               if k not in ("run_id", "resume") and hasattr(cfg, k) and getattr(cfg, k) != v]
+    log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} ({how}), train_time so far "
+        f"{meta['train_ms']:.0f}ms, data fast-forwarded {meta['consumed_steps']} steps")
+    if changed:
+        log(f"resume: config differs from the checkpoint's in {', '.join(changed)}")
+    if meta.get("source_sha256") != source_sha256():
+        log(f"resume: train_gpt.py differs from the checkpoint's (sha256 {str(meta.get('source_sha256'))[:12]} -> "
+            f"{source_sha256()[:12]})")
+    return ResumePoint(step, float(meta["train_ms"]), rng)
+
+
+def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
+    """Restore --resume into the model and optimizer (before the warmup snapshot); the returned point carries
+    the step, train time and RNG states. Every rank raises the same UsageError if any rank cannot load."""
+    error, point = None, None
+    try:
+        point = _load_checkpoint(Path(cfg.resume), cfg, rt, model, optimizer, log)
+    except UsageError as e:
+        error = str(e)
+    if rt.world_size > 1:
+        errors: list[object] = [None] * rt.world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise UsageError(error)
+    return point
+
+
+@dataclass
+class PendingCheckpoint:
+    step: int
+    folder: Path
+    stall_ms: float
+    issued: float  # perf_counter when save() handed it to the writer
+    future: Future
+
+
+class Checkpointer:
+    """Asynchronous checkpoints (see the section comment); inert without --save_every or --save_final.
+
+    due(step) says whether to save after `step` steps; save() issues the copies and queues the write (the
+    loop's stall is the time spent in it); poll() logs, in order, the checkpoints that are complete on disk;
+    close() waits for every pending write, also after an error (then rank 0 waits for the other ranks'
+    files for CKPT_ERROR_GRACE_S at most).
+    """
+
+    def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
+                 start_step: int = 0):
+        self.cfg, self.rt, self.log, self.optimizer, self.start_step = cfg, rt, log, optimizer, start_step
+        self.enabled = cfg.save_every > 0 or cfg.save_final
+        self.pending: list[PendingCheckpoint] = []
+        if not self.enabled:
+            return
+        cuda = rt.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(rt.device) if cuda else None
+
+        def host(t: Tensor) -> Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+
+        # (device tensor, host buffer) pairs; the device tensors are views that stay valid for the whole run.
+        self.model_host = {n: (p.detach(), host(p)) for n, p in model.named_parameters()} if rt.rank == 0 else {}
+        self.optim_host = [(i, name, lo, hi, {k: (t, host(t)) for k, t in state.items()})
+                           for i, b in enumerate(optimizer.buckets) for name, lo, hi, state in b.owned()]
+        self.layout = [b.layout() for b in optimizer.buckets]
+        self.source_sha = source_sha256()
+        self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
+        self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
+
+    def due(self, step: int) -> bool:
+        if not self.enabled or step <= self.start_step:
+            return False
+        return bool(self.cfg.save_every and step % self.cfg.save_every == 0) or \
+            (self.cfg.save_final and step == self.cfg.num_steps)
+
+    @torch.no_grad()
+    def save(self, step: int, train_ms: float) -> None:
+        """Checkpoint the state after `step` training steps; train_ms is the train time up to now."""
+        t0 = time.perf_counter()
+        self.poll(block=True)  # the host buffers are reused: the previous write must be done with them
+        self.optimizer.wait_for_params()  # the last step's all-gathers have written the parameters
+        pairs = [*self.model_host.values(), *(pair for *_, state in self.optim_host for pair in state.values())]
+        event = None
+        if self.copy_stream is None:
+            for src, dst in pairs:
+                dst.copy_(src)
+        else:
+            compute = torch.cuda.current_stream(self.rt.device)
+            self.copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self.copy_stream):
+                for src, dst in pairs:
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            compute.wait_event(event)  # the next step writes these tensors only after they are copied
+        cfg, rank = self.cfg, self.rt.rank
+        params = {name: {"bucket": i, "units": (lo, hi), **{k: h for k, (_, h) in state.items()}}
+                  for i, name, lo, hi, state in self.optim_host}
+        optim = {"world_size": self.rt.world_size, "rank": rank, "step_count": self.optimizer.step_count,
+                 "buckets": self.layout, "params": params}
+        common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size, "train_ms": train_ms,
+                  "consumed_steps": step, "config": dataclasses.asdict(cfg), "source_sha256": self.source_sha}
+        part = {**common, "rank": rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
+        model = meta = None
+        if rank == 0:
+            model = {name: h for name, (_, h) in self.model_host.items()}
+            meta = {**common, "run_id": cfg.run_id, "train_files": self.train_files,
+                    "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
+        folder = checkpoint_dir(cfg, step)
+        future = self.writer.submit(self._write, folder, event, part, model, meta)
+        stall_ms = 1000 * (time.perf_counter() - t0)
+        self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future))
+
+    def _write(self, folder: Path, event: torch.cuda.Event | None, part: dict, model: dict | None,
+               meta: dict | None) -> float:
+        """Writer thread: this rank's files; on rank 0 then meta.json once every rank's file is there."""
+        rank, world_size = self.rt.rank, self.rt.world_size
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if event is not None:
+                event.synchronize()
+            if model is not None:
+                save_atomic(model, folder / CKPT_MODEL)
+            save_atomic(part, folder / rank_file(rank))
+            if meta is not None:
+                deadline = time.monotonic() + CKPT_WAIT_S
+                for r in range(1, world_size):
+                    while not (folder / rank_file(r)).exists():
+                        failed = folder / f"rank{r}.failed"
+                        if failed.exists():
+                            raise RuntimeError(f"rank {r} failed to write its part: {failed.read_text().strip()}")
+                        if time.monotonic() > min(deadline, self.give_up_at):
+                            raise RuntimeError(f"rank {r} did not write {rank_file(r)}")
+                        time.sleep(0.01)
+                names = [CKPT_MODEL, *map(rank_file, range(world_size))]
+                meta["files"] = {n: (folder / n).stat().st_size for n in names}
+                write_json_atomic(folder / CKPT_META, meta)
+            return time.perf_counter()
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                (folder / f"rank{rank}.failed").write_text(f"{type(e).__name__}: {e}\n")
+            raise
+
+    def poll(self, block: bool = False) -> None:
+        """Log, in order, the checkpoints that are done (rank 0: complete on disk); block waits for all."""
+        while self.pending and (block or self.pending[0].future.done()):
+            p = self.pending.pop(0)
+            try:
+                done = p.future.result()
+            except Exception as e:  # training goes on; the checkpoint stays incomplete (no meta.json)
+                print_all(f"checkpoint: {p.folder} FAILED ({type(e).__name__}: {e}); the run continues",
+                          file=sys.stderr)
+                continue
+            self.log(f"checkpoint: {p.folder} (step {p.step}: loop stall {p.stall_ms:.2f} ms, on disk "
+                     f"{done - p.issued:.2f} s later)")
+            self.log.record({"step": p.step, "checkpoint": str(p.folder), "stall_ms": p.stall_ms,
+                             "write_s": done - p.issued})
+
+    def close(self, error: bool = False) -> None:
+        """Wait for every pending write (the process must not exit before); after an error rank 0 waits for
+        the other ranks' files CKPT_ERROR_GRACE_S more at most."""
+        if not self.enabled:
+            return
+        if error:
+            self.give_up_at = time.monotonic() + CKPT_ERROR_GRACE_S
+        self.poll(block=True)
+        self.writer.shutdown(wait=True)
+        self.enabled = False
+
+
+# -----------------------------------------------------------------------------
 # Training
 # Untimed warmup on real batches (compiles and autotunes), then the model and optimizer state are
 # restored in place; the clock runs only over training steps, stopped (with a synchronize) around
@@ -1891,8 +2298,20 @@ def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, window:
     return (totals[0] / totals[1]).item()
 
 
+def warmup_state_tensors(model: GPT, optimizer: ShardedMuonAdam) -> list[Tensor]:
+    """What training writes and the warmup reset puts back: the bucket buffers (every parameter is a view
+    into one, padding included: checked here) and the optimizer state. Not cloned: the gradient buffers
+    (zero between steps; train() zeroes them again), lr_mult and momentum (set before every step), the
+    reduce-scatter outputs (overwritten before read) and the step count (kept by train())."""
+    buffers = [b.data for b in optimizer.buckets]
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
+    for name, p in model.named_parameters():
+        assert any(lo <= p.data_ptr() < hi for lo, hi in spans), f"parameter {name} is not in a bucket buffer"
+    return buffers + optimizer.state_tensors()
+
+
 class StateSnapshot:
-    """Device-side clones of tensors, restored in place (the warmup reset)."""
+    """Device-side clones of tensors, restored in place (the warmup reset): no copy through host memory."""
 
     def __init__(self, tensors: list[Tensor]):
         self.tensors = tensors
@@ -1919,6 +2338,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         f"compile {on_cuda and cfg.compile}, world size {rt.world_size}, grad accumulation {grad_accum}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
+    resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
+    start_step = resumed.step if resumed else 0
 
     windows = torch.tensor([window_blocks(s, cfg) for s in range(cfg.num_steps + 1)], dtype=torch.int32,
                            device=rt.device)
@@ -1936,61 +2357,82 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         optimizer.step()
         optimizer.zero_grad()
 
-    def new_loader() -> PrefetchLoader:
+    def new_loader(skip_steps: int = 0) -> PrefetchLoader:
         stream = TrainTokenStream(train_files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
                                   cfg.train_epochs, preload=cfg.prefetch_depth > 0)
+        fast_forward(stream, skip_steps)  # a resumed run continues at the batch training consumed next
         return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size), cfg.prefetch_depth, rt.device)
 
-    # Warmup: one micro-batch per step at the first window, then everything is put back.
+    # Warmup: one micro-batch per step at the first window, then everything (with --resume: the loaded
+    # state) is put back from device-side clones.
+    synchronize(rt.device)
     t0 = time.perf_counter()
-    snapshot = StateSnapshot([*raw_model.parameters(), *optimizer.state_tensors()])
+    snapshot, step_count = StateSnapshot(warmup_state_tensors(raw_model, optimizer)), optimizer.step_count
+    synchronize(rt.device)
+    t1 = time.perf_counter()
     with new_loader() as warm_loader:
         for _ in range(cfg.warmup_steps):
             train_step(warm_loader, 1, micro_steps=1)
     optimizer.wait_for_params()
+    synchronize(rt.device)
+    t2 = time.perf_counter()
     snapshot.restore()
-    optimizer.step_count = 0
+    optimizer.zero_grad()
+    optimizer.step_count = step_count
     del snapshot
     synchronize(rt.device)
-    log(f"warmup: {cfg.warmup_steps} steps in {time.perf_counter() - t0:.1f}s (untimed; state restored)")
+    t3 = time.perf_counter()
+    log(f"warmup: snapshot {1000 * (t1 - t0):.1f} ms, {cfg.warmup_steps} steps {t2 - t1:.1f} s, "
+        f"restore {1000 * (t3 - t2):.1f} ms (untimed; state restored)")
 
     metrics = Metrics(cfg, rt, log)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(cfg, window_blocks(cfg.num_steps, cfg)):.4g} "
         f"FLOPs/token at the final window; peak {peak} per device")
-    loader = new_loader()
+    loader = new_loader(start_step)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
+    checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
     val_losses: list[tuple[int, float]] = []
     val_points: list[tuple[int, float, float]] = []
-    train_ms = 0.0
+    train_ms = resumed.train_ms if resumed else 0.0
+    if resumed:
+        set_rng_state(resumed.rng, rt.device)
     synchronize(rt.device)
     t0 = time.perf_counter()
-    for step in range(cfg.num_steps + 1):
-        last = step == cfg.num_steps or step == profiler.stop_step
-        if not cfg.bench and (last or (cfg.val_every and step % cfg.val_every == 0) or step == 0):
-            optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
-            synchronize(rt.device)
-            train_ms += 1000 * (time.perf_counter() - t0)
-            metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
-            val_loss = evaluate(model, val, cfg, rt, windows[step])
-            val_losses.append((step, val_loss))
-            val_points.append((step, val_loss, train_ms))
-            log(f"step:{step}/{cfg.num_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-                f"step_avg:{train_ms / max(step, 1):.2f}ms")
-            log.record({"step": step, "total": cfg.num_steps, "val_loss": val_loss, "train_time_ms": train_ms,
-                        "step_avg_ms": train_ms / max(step, 1)})
-            log.flush()
-            synchronize(rt.device)
-            t0 = time.perf_counter()
-        if last:
-            break
-        optimizer.lr_mult, optimizer.momentum = lr_multiplier(step, cfg), muon_momentum(step, cfg)
-        metrics.begin_step(step + 1)
-        with profiler.step(step):
-            train_step(loader, step, grad_accum, metrics)
-        approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
-        metrics.end_step(step + 1, approx_ms, optimizer.lr_mult, optimizer.momentum, windows[step])
-    metrics.flush()
+    try:
+        for step in range(start_step, cfg.num_steps + 1):
+            last = step == cfg.num_steps or step == profiler.stop_step
+            if not cfg.bench and (last or (cfg.val_every and step % cfg.val_every == 0) or step == 0):
+                optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
+                synchronize(rt.device)
+                train_ms += 1000 * (time.perf_counter() - t0)
+                metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
+                val_loss = evaluate(model, val, cfg, rt, windows[step])
+                val_losses.append((step, val_loss))
+                val_points.append((step, val_loss, train_ms))
+                log(f"step:{step}/{cfg.num_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                    f"step_avg:{train_ms / max(step, 1):.2f}ms")
+                log.record({"step": step, "total": cfg.num_steps, "val_loss": val_loss, "train_time_ms": train_ms,
+                            "step_avg_ms": train_ms / max(step, 1)})
+                log.flush()
+                synchronize(rt.device)
+                t0 = time.perf_counter()
+            if checkpointer.due(step):
+                checkpointer.save(step, train_ms + 1000 * (time.perf_counter() - t0))
+            if last:
+                break
+            optimizer.lr_mult, optimizer.momentum = lr_multiplier(step, cfg), muon_momentum(step, cfg)
+            metrics.begin_step(step + 1)
+            with profiler.step(step):
+                train_step(loader, step, grad_accum, metrics)
+            approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
+            metrics.end_step(step + 1, approx_ms, optimizer.lr_mult, optimizer.momentum, windows[step])
+            checkpointer.poll()
+        metrics.flush()
+    except BaseException:
+        checkpointer.close(error=True)  # pending writes finish before the error leaves train()
+        raise
+    checkpointer.close()
 
     optimizer.wait_for_params()
     loader.close()
@@ -2058,6 +2500,7 @@ def run(argv: list[str]) -> TrainResult:
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
+        check_checkpoint_paths(cfg)
         torch.manual_seed(cfg.seed)
         if rt.rank == 0:
             log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt", Path(cfg.log_dir) / f"{cfg.run_id}.jsonl")

@@ -1,0 +1,195 @@
+"""Checkpoints and resume on the CPU: exact continuation at W = 1 and 2 (gloo ranks), re-sharding a W = 2
+checkpoint to W = 1, refusal of partial, corrupt or mismatched checkpoints (left untouched), and a
+checkpoint at the last step complete on disk when the process exits."""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import train_gpt as T
+from conftest import REPO, free_port, tiny_args
+
+K = 3
+# Schedules that do not depend on --num_steps (no LR cooldown; the long window stays one block), so a
+# K-step run resumed with --num_steps=2K continues exactly as the 2K-step run.
+STEADY = dict(cooldown_frac=0.0, final_window_tokens=32, val_every=K)
+
+
+def args(tmp_path: Path, run_id: str, **overrides: object) -> list[str]:
+    return tiny_args(tmp_path, run_id=run_id, **{**STEADY, **overrides})
+
+
+def ckpt(tmp_path: Path, run_id: str, step: int) -> Path:
+    return tmp_path / "logs" / run_id / f"ckpt_{step}"
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_same_tensors(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+
+
+def _run_rank(rank: int, world_size: int, port: int, argv: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = T.run(argv)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result.val_losses))
+
+
+def run_world(world_size: int, argv: list[str], tmp_path: Path) -> list[tuple[int, float]]:
+    out = tmp_path / "val.json"
+    mp.spawn(_run_rank, args=(world_size, free_port(), argv, str(out)), nprocs=world_size, join=True)
+    return [tuple(x) for x in json.loads(out.read_text())]
+
+
+def test_resume_at_world_size_one_is_exact(tmp_path):
+    full = T.run(args(tmp_path, "full", num_steps=2 * K, save_every=K))
+    first = T.run(args(tmp_path, "first", num_steps=K, save_final=True))
+    second = T.run(args(tmp_path, "second", num_steps=2 * K, resume=ckpt(tmp_path, "first", K), warmup_steps=2))
+    assert [s for s, _ in full.val_losses] == [0, K, 2 * K]
+    assert first.val_losses == full.val_losses[:2]
+    assert second.val_losses == full.val_losses[1:]  # step K (the loaded state), then 2K: bit for bit
+    for a, b in zip(full.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+    assert_same_tensors(load(ckpt(tmp_path, "full", K) / "model.pt"), load(ckpt(tmp_path, "first", K) / "model.pt"))
+    assert second.summary["train_time_ms"] > first.summary["train_time_ms"]  # carried over, then added to
+    log = (tmp_path / "logs" / "second.txt").read_text()
+    assert f"resume: {ckpt(tmp_path, 'first', K)} at step {K} of run first" in log
+    assert f"data fast-forwarded {K} steps" in log and f"num_steps {K} -> {2 * K}" in log
+    assert re.search(r"^warmup: snapshot \d+\.\d ms, 2 steps \d+\.\d s, restore \d+\.\d ms "
+                     r"\(untimed; state restored\)$", log, re.M)
+    first_log = (tmp_path / "logs" / "first.txt").read_text()
+    assert re.search(rf"^checkpoint: {re.escape(str(ckpt(tmp_path, 'first', K)))} \(step {K}: loop stall "
+                     r"\d+\.\d+ ms, on disk \d+\.\d+ s later\)$", first_log, re.M)
+
+
+def test_resume_at_world_size_two_is_exact_and_reshards_to_one(tmp_path):
+    full = run_world(2, args(tmp_path, "full", num_steps=2 * K, save_every=K), tmp_path)
+    saved = ckpt(tmp_path, "full", K)
+    assert sorted(p.name for p in saved.iterdir()) == ["meta.json", "model.pt", "rank0.pt", "rank1.pt"]
+    second = run_world(2, args(tmp_path, "second", num_steps=2 * K, resume=saved, save_final=True), tmp_path)
+    assert second == full[1:]
+    end_full, end_second = ckpt(tmp_path, "full", 2 * K), ckpt(tmp_path, "second", 2 * K)
+    for name in ["model.pt", "rank0.pt", "rank1.pt"]:  # parameters and both optimizer shards
+        assert_same_tensors(load(end_full / name), load(end_second / name))
+
+    one = T.run(args(tmp_path, "one", num_steps=2 * K, resume=saved))  # W = 1 takes both ranks' shards
+    assert "re-sharded from world size 2 to 1" in (tmp_path / "logs" / "one.txt").read_text()
+    assert [s for s, _ in one.val_losses] == [K, 2 * K]
+    for (_, a), (_, b) in zip(one.val_losses, full[1:]):
+        assert a == pytest.approx(b, abs=2e-3)
+
+
+def cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "train_gpt.py"), *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def final_ckpt(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A checkpoint requested at the last step of a run in its own process."""
+    tmp = tmp_path_factory.mktemp("final")
+    proc = cli(args(tmp, "src", num_steps=2, val_every=0, save_final=True), tmp)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return ckpt(tmp, "src", 2), proc
+
+
+def test_a_checkpoint_at_the_last_step_is_complete_when_the_process_exits(final_ckpt):
+    folder, proc = final_ckpt
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "model.pt", "rank0.pt"]  # no temporaries
+    meta = T.read_checkpoint_meta(folder)  # raises unless complete
+    assert meta["step"] == 2 and meta["world_size"] == 1 and meta["consumed_steps"] == 2
+    assert meta["source_sha256"] == hashlib.sha256((REPO / "train_gpt.py").read_bytes()).hexdigest()
+    assert f"checkpoint: {folder} (step 2: loop stall" in proc.stdout
+
+
+def fingerprint(folder: Path) -> dict[str, tuple[str, int]]:
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def truncate(folder: Path) -> None:
+    path = folder / "rank0.pt"
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def scribble(folder: Path) -> None:  # same size, broken content
+    with open(folder / "rank0.pt", "r+b") as f:
+        f.write(b"\0" * 4096)
+
+
+def garbage_meta(folder: Path) -> None:
+    (folder / "meta.json").write_text("{this is not json")
+
+
+@pytest.mark.parametrize("damage, overrides, message", [
+    (truncate, {}, "rank0.pt has"),
+    (lambda f: (f / "rank0.pt").unlink(), {}, "is incomplete: rank0.pt is missing"),
+    (lambda f: (f / "meta.json").unlink(), {}, "is incomplete: no meta.json"),
+    (garbage_meta, {}, "meta.json is unreadable"),
+    (scribble, {}, "rank0.pt is unreadable"),
+    (None, {"model_dim": 64}, "needs --model_dim=128 (this run: 64)"),
+    (None, {"global_batch_seqs": 4}, "needs --global_batch_seqs=8 (this run: 4)"),
+    (None, {"num_steps": 1}, "is at step 2, beyond --num_steps=1"),
+], ids=["truncated", "missing-rank", "missing-meta", "garbage-meta", "corrupt-rank", "model-dim", "batch",
+        "past-end"])
+def test_a_bad_checkpoint_is_refused_and_left_untouched(tmp_path, final_ckpt, damage, overrides, message):
+    folder = tmp_path / "copy" / "ckpt_2"
+    shutil.copytree(final_ckpt[0], folder)
+    if damage is not None:
+        damage(folder)
+    before = fingerprint(folder)
+    with pytest.raises(T.UsageError, match=re.escape(message)):
+        T.run(args(tmp_path, "again", resume=folder, save_every=1, **{"num_steps": 4, **overrides}))
+    assert fingerprint(folder) == before
+    assert not (tmp_path / "logs" / "again").exists()  # nothing saved
+
+
+def test_a_resumed_run_needs_its_own_run_id(tmp_path, final_ckpt):
+    folder = tmp_path / "logs" / "src" / "ckpt_2"
+    shutil.copytree(final_ckpt[0], folder)
+    before = fingerprint(folder)
+    with pytest.raises(T.UsageError, match="a resumed run writes under its own --run_id"):
+        T.run(args(tmp_path, "src", num_steps=4, resume=folder, save_final=True))
+    with pytest.raises(T.UsageError, match="already holds checkpoints"):  # a reused run id never overwrites
+        T.run(args(tmp_path, "src", num_steps=2, save_final=True))
+    assert fingerprint(folder) == before and not (tmp_path / "logs" / "src.txt").exists()
+
+
+def test_a_mismatch_stops_with_one_line(tmp_path, final_ckpt):
+    proc = cli(args(tmp_path, "again", resume=final_ckpt[0], num_layers=6, attn_pattern="LS--SL"), tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("error: checkpoint ") and "needs --num_layers=4 (this run: 6)" in lines[0]
+
+
+def test_a_failed_write_leaves_the_checkpoint_incomplete_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    def disk_full(obj: object, path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(T, "save_atomic", disk_full)
+    result = T.run(args(tmp_path, "full", num_steps=2, val_every=0, save_final=True))
+    assert [s for s, _ in result.val_losses] == [0, 2]
+    folder = ckpt(tmp_path, "full", 2)
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.failed"]
+    assert f"checkpoint: {folder} FAILED (OSError" in capsys.readouterr().err
+    with pytest.raises(T.UsageError, match="is incomplete: no meta.json"):
+        T.read_checkpoint_meta(folder)
