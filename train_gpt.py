@@ -2432,10 +2432,10 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     except BaseException:
         checkpointer.close(error=True)  # pending writes finish before the error leaves train()
         raise
+    finally:
+        loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
     checkpointer.close()
-
     optimizer.wait_for_params()
-    loader.close()
     if on_cuda:
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
