@@ -16,7 +16,6 @@ failed downloads; finished files are kept, so rerunning resumes where it stopped
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path

@@ -1,9 +1,13 @@
+import json
+import os
 import socket
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -25,6 +29,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run_rank(rank: int, world_size: int, port: int, args: list[str], out: str) -> None:
+    import train_gpt
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = train_gpt.run(args)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result.val_losses))
+
+
+def run_world(world_size: int, args: list[str], tmp_path: Path) -> list[tuple[int, float]]:
+    """Run train_gpt.run(args) on world_size spawned gloo ranks; rank 0's val losses."""
+    out = tmp_path / f"val_{uuid.uuid4().hex}.json"
+    mp.spawn(_run_rank, args=(world_size, free_port(), args, str(out)), nprocs=world_size, join=True)
+    return [tuple(x) for x in json.loads(out.read_text())]
 
 
 @pytest.fixture(autouse=True)

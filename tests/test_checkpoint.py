@@ -3,7 +3,6 @@ checkpoint to W = 1, refusal of partial, corrupt or mismatched checkpoints (left
 checkpoint at the last step complete on disk when the process exits."""
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -13,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import REPO, free_port, tiny_args
+from conftest import REPO, run_world, tiny_args
 
 K = 3
 # Schedules that do not depend on --num_steps (no LR cooldown; the long window stays one block), so a
@@ -43,21 +41,6 @@ def assert_same_tensors(a: dict, b: dict) -> None:
             assert_same_tensors(a[k], b[k])
         elif isinstance(a[k], torch.Tensor):
             assert torch.equal(a[k], b[k]), k
-
-
-def _run_rank(rank: int, world_size: int, port: int, argv: list[str], out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    result = T.run(argv)
-    if rank == 0:
-        Path(out).write_text(json.dumps(result.val_losses))
-
-
-def run_world(world_size: int, argv: list[str], tmp_path: Path) -> list[tuple[int, float]]:
-    out = tmp_path / "val.json"
-    mp.spawn(_run_rank, args=(world_size, free_port(), argv, str(out)), nprocs=world_size, join=True)
-    return [tuple(x) for x in json.loads(out.read_text())]
 
 
 def test_resume_at_world_size_one_is_exact(tmp_path):

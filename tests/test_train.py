@@ -1,4 +1,3 @@
-import json
 import os
 import subprocess
 import sys
@@ -7,25 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import REPO, free_port, tiny_args
-
-
-def _run_rank(rank: int, world_size: int, port: int, args: list[str], out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    result = T.run(args)
-    if rank == 0:
-        Path(out).write_text(json.dumps(result.val_losses))
-
-
-def run_world(world_size: int, args: list[str], tmp_path: Path) -> list[tuple[int, float]]:
-    out = tmp_path / f"val_w{world_size}.json"
-    mp.spawn(_run_rank, args=(world_size, free_port(), args, str(out)), nprocs=world_size, join=True)
-    return [tuple(x) for x in json.loads(out.read_text())]
+from conftest import REPO, run_world, tiny_args
 
 
 def test_training_on_sample_lowers_val_loss(tmp_path):
