@@ -2528,6 +2528,9 @@ def main() -> None:
     except UsageError as e:
         print0(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # the loaders and checkpoint writers were closed on the way out
+        print0("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,14 @@ def test_help_lists_every_field(tmp_path):
     assert proc.returncode == 0
     for f in ["--num_steps=1695", "--train_epochs=1", "--preset=", "tiny"]:
         assert f in proc.stdout
+
+
+def test_ctrl_c_stops_promptly_with_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *tiny_args(tmp_path, num_steps=200)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step:2/"):  # the prefetch thread and shard preloader are running
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "interrupted", err
