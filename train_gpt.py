@@ -687,7 +687,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
         hdim = cfg.num_heads * cfg.head_dim
-        # q, k, v, o in one tensor; Muon orthogonalizes the four matrices separately.
+        # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
+        # transposed (applied as y @ W_o) so the four share one shape; Muon treats W and W^T alike.
         self.qkvo_w = nn.Parameter(torch.empty(4, hdim, cfg.model_dim))
         bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
         with torch.no_grad():
