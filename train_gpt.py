@@ -369,11 +369,16 @@ class TrainTokenStream:
 class TrainBatches:
     """This rank's rows of each training step: micro-step m of rank r holds global sequence m * W + r."""
 
-    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int):
+    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None):
         self.stream, self.rank, self.world_size = stream, rank, world_size
         self.shape = (stream.batch_seqs // world_size, stream.seq_len + 1)
+        self.steps_left = steps  # None: until the data runs out; a run asks for exactly what it trains on
 
     def fill(self, out: Tensor) -> bool:
+        if self.steps_left is not None:
+            if self.steps_left == 0:
+                return False
+            self.steps_left -= 1
         starts = self.stream.next_starts()[self.rank::self.world_size]
         rows = out.numpy()
         for m, s in enumerate(starts):
@@ -447,6 +452,7 @@ class PrefetchLoader:
         self.buffers = [torch.empty(source.shape, dtype=torch.int32, pin_memory=cuda) for _ in range(max(depth, 1))]
         self.copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
         self.pending: tuple[Tensor, torch.cuda.Event | None] | None = None
+        self.error: Exception | None = None
         self.done = False
         if depth:
             self.free: queue.Queue[int] = queue.Queue()
@@ -513,6 +519,8 @@ class PrefetchLoader:
 
     def __next__(self) -> Tensor:
         """The next (rows, seq_len + 1) int32 device batch, safe to read on the current stream."""
+        if self.error is not None:
+            raise self.error
         current = self.pending if self.pending is not None or self.done else self._start_copy()
         if current is None:
             raise StopIteration
@@ -521,8 +529,14 @@ class PrefetchLoader:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(event)
             batch.record_stream(compute)
-        # With prefetching, batch N+1's copy is in flight while batch N computes.
-        self.pending = self._start_copy() if self.depth else None
+        # With prefetching, batch N+1's copy is in flight while batch N computes. An error preparing it
+        # belongs to batch N+1: it is raised when that batch is asked for, not now.
+        self.pending = None
+        if self.depth:
+            try:
+                self.pending = self._start_copy()
+            except Exception as e:
+                self.error = e
         return batch
 
     def close(self) -> None:
@@ -2359,11 +2373,11 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         optimizer.step()
         optimizer.zero_grad()
 
-    def new_loader(skip_steps: int = 0) -> PrefetchLoader:
+    def new_loader(steps: int, skip_steps: int = 0) -> PrefetchLoader:
         stream = TrainTokenStream(train_files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
                                   cfg.train_epochs, preload=cfg.prefetch_depth > 0)
         fast_forward(stream, skip_steps)  # a resumed run continues at the batch training consumed next
-        return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size), cfg.prefetch_depth, rt.device)
+        return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
     # Warmup: one micro-batch per step at the first window, then everything (with --resume: the loaded
     # state) is put back from device-side clones.
@@ -2372,7 +2386,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     snapshot, step_count = StateSnapshot(warmup_state_tensors(raw_model, optimizer)), optimizer.step_count
     synchronize(rt.device)
     t1 = time.perf_counter()
-    with new_loader() as warm_loader:
+    with new_loader(cfg.warmup_steps) as warm_loader:
         for _ in range(cfg.warmup_steps):
             train_step(warm_loader, 1, micro_steps=1)
     optimizer.wait_for_params()
@@ -2391,7 +2405,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(cfg, window_blocks(cfg.num_steps, cfg)):.4g} "
         f"FLOPs/token at the final window; peak {peak} per device")
-    loader = new_loader(start_step)
+    loader = new_loader(cfg.num_steps - start_step, skip_steps=start_step)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
     val_losses: list[tuple[int, float]] = []

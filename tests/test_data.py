@@ -169,3 +169,22 @@ def test_prefetch_thread_exits_after_normal_end_and_after_errors(tmp_path):
     loader.close()
     assert not loader.thread.is_alive()
     assert threading.active_count() == before  # shard preloader and prefetch threads are gone
+
+
+def test_a_run_with_exactly_enough_data_never_sees_the_end(tmp_path):
+    files = synthetic_shards(tmp_path, n=2)
+    stream, available = T.TrainTokenStream(files, 128, 8, 50304), 0
+    with pytest.raises(T.UsageError):
+        while True:
+            stream.next_starts()
+            available += 1
+    # Bounded to the run's steps, the prefetch thread stops there instead of running into the end.
+    with T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304, preload=True), 0, 1,
+                                         steps=available), 2, CPU) as loader:
+        assert len(list(loader)) == available
+    # Unbounded, the error preparing the batch after the last one is raised only when it is asked for.
+    with T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304), 0, 1), 2, CPU) as loader:
+        for _ in range(available):
+            next(loader)
+        with pytest.raises(T.UsageError, match="training data exhausted"):
+            next(loader)
