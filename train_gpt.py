@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -242,18 +243,31 @@ BOS_ID = 50256
 DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
 
 
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
+    """Write under a temporary name beside path, flush it to disk, then rename it over path: a reader sees
+    the old file or the whole new one, and a failed write leaves nothing behind."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_shard(path: Path, tokens: np.ndarray) -> None:
-    """Write tokens in the shard format, atomically (temporary name, then rename)."""
+    """Write tokens in the shard format, atomically."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise ValueError("shard tokens must fit in uint16")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
-    tmp = Path(f"{path}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
 
 
 def shard_token_count(path: Path) -> int:
@@ -354,6 +368,11 @@ class TrainTokenStream:
             starts.append(s)
         self.pos = int(self.bos[i])
         return starts
+
+    def skip(self, steps: int) -> None:
+        """Pass over the sequences of `steps` steps (a resumed run's consumed data): no token is copied."""
+        for _ in range(steps):
+            self.next_starts()
 
     def next_starts(self) -> list[int]:
         """Start offsets (into self.tokens) of this step's global_batch_seqs sequences, in global order."""
@@ -1477,11 +1496,9 @@ def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, flo
 def write_json_atomic(path: Path, data: dict[str, object]) -> None:
     """Write JSON to a temporary file beside path, then rename it over path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
+    with atomic_file(path, "w") as f:
         json.dump(json_safe(data), f, indent=2)
         f.write("\n")
-    os.replace(tmp, path)
 
 
 # -----------------------------------------------------------------------------
@@ -1836,8 +1853,7 @@ def bench_report(cfg: Config, rt: Runtime, timed: range, traced: range, ranks: l
         "per_rank": ranks,
     }
     path = Path(cfg.log_dir) / f"{cfg.run_id}_bench.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    write_json_atomic(path, report)
 
     def pct(x: float | None, why: str) -> str:
         return f"{100 * x:.1f}%" if x is not None else f"n/a ({why})"
@@ -2007,20 +2023,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
 
 
-def fast_forward(stream: TrainTokenStream, steps: int) -> None:
-    """Skip the batches of `steps` training steps: the starts only, no token is copied."""
-    for _ in range(steps):
-        stream.next_starts()
-
-
 def save_atomic(obj: object, path: Path) -> None:
-    """torch.save to a temporary name beside path, flushed to disk, then renamed over path."""
-    tmp = path.with_name(f"{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_part(path: Path) -> dict:
@@ -2069,8 +2074,7 @@ class ResumePoint:
 
 def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
                      log: RunLog) -> ResumePoint:
-    meta = read_checkpoint_meta(folder)
-    check_resume_config(cfg, meta, folder)
+    meta = read_checkpoint_meta(folder)  # its config was checked against this run's in validate_config
     step, saved_world = meta["step"], meta["world_size"]
     params = dict(model.named_parameters())
     state = load_part(folder / CKPT_MODEL)
@@ -2340,7 +2344,7 @@ class StateSnapshot:
 
 
 def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
-    grad_accum = validate_config(cfg, rt.world_size)
+    grad_accum = cfg.global_batch_seqs // rt.world_size  # run() has validated the config for this world size
     train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
     check_train_data(cfg, train_files)
     val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
@@ -2376,7 +2380,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     def new_loader(steps: int, skip_steps: int = 0) -> PrefetchLoader:
         stream = TrainTokenStream(train_files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
                                   cfg.train_epochs, preload=cfg.prefetch_depth > 0)
-        fast_forward(stream, skip_steps)  # a resumed run continues at the batch training consumed next
+        stream.skip(skip_steps)  # a resumed run continues at the batch training consumed next
         return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
     # Warmup: one micro-batch per step at the first window, then everything (with --resume: the loaded
