@@ -2530,7 +2530,12 @@ def run(argv: list[str]) -> TrainResult:
             log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
             log(SEPARATOR)
             log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
-        return train(cfg, rt, log)
+        result = train(cfg, rt, log)
+        if rt.world_size > 1:
+            # No rank tears the process group down while another still uses it: without this, a rank that
+            # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
+            dist.barrier()
+        return result
     finally:
         log.close()
         if dist.is_initialized():
