@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,8 +94,10 @@ class Config:
     log_every: int = 1  # train metrics every N steps (and the last); N never changes training
     peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
     device: str = "auto"  # auto | cuda | cpu
-    compile: bool = True  # torch.compile on CUDA (ignored on CPU)
-    fp8_head: bool = True  # FP8 lm_head matmul in training on CUDA (also off with DISABLE_FP8=1)
+    # auto (None): on for CUDA, off for CPU, resolved at start-up. --device=cpu --compile=true --fp8_head=true
+    # rehearses the GPU path on the CPU: the compiled graphs and FP8 custom ops, with dense attention.
+    compile: bool | None = None  # torch.compile model and Newton-Schulz (fullgraph); false on CUDA: flex alone
+    fp8_head: bool | None = None  # FP8 lm_head matmul in training (also off with DISABLE_FP8=1)
     seed: int = -1  # -1 draws a random seed (always printed)
     run_id: str = ""  # default: a fresh uuid
     log_dir: str = "logs"
@@ -126,7 +128,7 @@ PRESETS: dict[str, dict[str, object]] = {
         num_value_embeds=1,
         attn_pattern="LS-L",
         gate_channels=8,
-        block_size=32,
+        block_size=128,  # FlexAttention's smallest tile on H100: the same preset runs on CPU and GPU
         final_window_tokens=384,
         num_steps=40,
         muon_momentum_warmup_steps=10,
@@ -143,13 +145,19 @@ class UsageError(Exception):
     """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
 
 
-def _parse_value(name: str, kind: type, text: str) -> object:
-    if kind is bool:
-        if text.lower() in ("1", "true", "yes", "on", ""):
+AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
+
+
+def _parse_value(name: str, kind: type | str, text: str) -> object:
+    if kind in (bool, "bool | None"):
+        low = text.lower()
+        if kind != bool and low == AUTO:
+            return None
+        if low in ("1", "true", "yes", "on", ""):
             return True
-        if text.lower() in ("0", "false", "no", "off"):
+        if low in ("0", "false", "no", "off"):
             return False
-        raise UsageError(f"--{name} expects true or false, got {text!r}")
+        raise UsageError(f"--{name} expects true or false{'' if kind is bool else ' or auto'}, got {text!r}")
     try:
         return kind(text)
     except ValueError:
@@ -158,7 +166,8 @@ def _parse_value(name: str, kind: type, text: str) -> object:
 
 def parse_config(argv: list[str]) -> Config:
     """Defaults, then the preset's fields, then explicit --field=value overrides."""
-    kinds = {f.name: {"int": int, "float": float, "bool": bool, "str": str}[f.type] for f in dataclasses.fields(Config)}
+    types = {"int": int, "float": float, "bool": bool, "str": str, "bool | None": "bool | None"}
+    kinds = {f.name: types[f.type] for f in dataclasses.fields(Config)}
     overrides: dict[str, object] = {}
     for arg in argv:
         if not arg.startswith("--"):
@@ -166,7 +175,7 @@ def parse_config(argv: list[str]) -> Config:
         name, _, text = arg[2:].partition("=")
         if name not in kinds:
             raise UsageError(f"unknown option --{name} (see --help for the list)")
-        if kinds[name] is not bool and "=" not in arg:
+        if kinds[name] not in (bool, "bool | None") and "=" not in arg:
             raise UsageError(f"--{name} needs a value: --{name}=VALUE")
         overrides[name] = _parse_value(name, kinds[name], text)
     preset = str(overrides.get("preset", ""))
@@ -179,7 +188,7 @@ def parse_config(argv: list[str]) -> Config:
 def config_help() -> str:
     lines = ["usage: train_gpt.py [--field=value ...]", "", "fields (default):"]
     for f in dataclasses.fields(Config):
-        lines.append(f"  --{f.name}={f.default}")
+        lines.append(f"  --{f.name}={AUTO if f.default is None else f.default}")
     lines.append(f"presets: {', '.join(PRESETS)} (--preset=NAME)")
     return "\n".join(lines)
 
@@ -228,6 +237,27 @@ def validate_config(cfg: Config, world_size: int) -> int:
     check_profiling_config(cfg)
     check_checkpoint_config(cfg)
     return cfg.global_batch_seqs // world_size
+
+
+FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
+
+
+def resolve_for_device(cfg: Config, cuda: bool) -> None:
+    """Replace auto (None) in --compile and --fp8_head by the device's choice and apply DISABLE_FP8, so that
+    from here on the config (and its copy in the log) says what the run does; then check what depends on
+    the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
+    rehearsal of the GPU path refuses what the GPU would)."""
+    cfg.compile = cuda if cfg.compile is None else cfg.compile
+    cfg.fp8_head = (cuda if cfg.fp8_head is None else cfg.fp8_head) and not os.environ.get("DISABLE_FP8")
+    if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
+        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
+                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
+    dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
+    bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
+    if cfg.fp8_head and bad:
+        raise UsageError(f"the FP8 head needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} "
+                         f"(torch._scaled_mm), got {', '.join(bad)}; change it or use --fp8_head=false")
 
 
 # -----------------------------------------------------------------------------
@@ -442,15 +472,22 @@ class ValBatches:
         pass
 
 
-def check_train_data(cfg: Config, files: list[Path]) -> None:
-    """Refuse up front a run whose training files cannot hold the tokens it will consume."""
+def check_train_data(cfg: Config, files: list[Path], steps: int) -> None:
+    """Refuse up front a run whose training files cannot hold the tokens its `steps` steps will consume."""
     held = sum(shard_token_count(p) for p in files) * cfg.train_epochs
-    needed = cfg.num_steps * cfg.global_batch_seqs * (cfg.train_seq_len + 1)
+    needed = steps * cfg.global_batch_seqs * (cfg.train_seq_len + 1)
     if held < needed:
-        raise UsageError(f"the run needs at least {needed:,} training tokens ({cfg.num_steps} steps x "
+        raise UsageError(f"the run needs at least {needed:,} training tokens ({steps} steps x "
                          f"{cfg.global_batch_seqs} x {cfg.train_seq_len + 1}) but {len(files)} file(s) x "
                          f"{cfg.train_epochs} epoch(s) hold {held:,}; add shards (`{DOWNLOAD_HINT}`), "
                          f"raise --train_epochs or lower --num_steps")
+
+
+def bind_thread_to_device(device: torch.device) -> None:
+    """The first call of a thread that makes CUDA calls (events, copies): a new thread's current device is
+    GPU 0, so without it every rank's prefetch and checkpoint threads would open a context there."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class PrefetchLoader:
@@ -489,6 +526,7 @@ class PrefetchLoader:
 
     def _produce(self) -> None:
         try:
+            bind_thread_to_device(self.device)
             while not self.stop.is_set():
                 try:
                     i = self.free.get(timeout=0.1)
@@ -598,7 +636,7 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
 
     A key block is visible when it is not after the query block and their document ranges overlap;
     it is full (no per-token mask) when strictly earlier and both lie in one document. The window
-    keeps at most window - 1 full blocks and max(window - all full blocks, 1) partial ones.
+    keeps at most max(window - 1, 0) full blocks and max(window - all full blocks, 1) partial ones.
     `window` is a 0-dim tensor so a new size never triggers a recompile.
     """
     nb = docs.numel() // block_size
@@ -617,7 +655,8 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
     partial_n, partial_idx = nearest_first(partial)
     full_n, full_idx = nearest_first(full)
     partial_n = torch.minimum(partial_n, torch.clamp_min(window - full_n, 1))
-    full_n = torch.minimum(full_n, window - 1)
+    # Window 0 (short layers while the long window is one block) keeps no full block: a count, never -1.
+    full_n = torch.minimum(full_n, torch.clamp_min(window - 1, 0))
     return partial_n, partial_idx, full_n, full_idx
 
 
@@ -663,52 +702,75 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
 
 
+# FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
+# bf16; backward casts the output gradient to float8_e5m2. The scales are the recipe's: x is RMS-normed, so
+# |x| <= sqrt(d) maps onto e4m3's largest value, 448; |W| <= 448 * 2^-9 = 0.875; gradients up to 57344 / 448.
+# Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
+# backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
+# dtype torch.library.opcheck can compare).
+FP8_MAX_E4M3 = 448.0
+FP8_W_SCALE = 2.0**-9
+FP8_GRAD_SCALE = 1 / 448
+
+
 def _scale(value: float, like: Tensor) -> Tensor:
     # A fill kernel, not a host-to-device copy: a copy of a Python scalar would synchronize the host.
     return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
-@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
-def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x @ w.T with both operands scaled into float8_e4m3; returns the bf16 product and the fp8 operands."""
+@torch.compile(dynamic=False, fullgraph=True)
+def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
     w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
-                           scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
-    return out, x_f8, w_f8
+    return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                            scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
 
 
-@fp8_mm.register_fake
-def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16), x.to(torch.float8_e4m3fn),
-            w.to(torch.float8_e4m3fn))
-
-
-@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
-                    grad_s: float) -> tuple[Tensor, Tensor]:
-    """Gradients of fp8_mm with the output gradient in float8_e5m2; grad_w in fp32, no fast accumulation."""
+@torch.compile(dynamic=False, fullgraph=True)
+def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
     g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
                               scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g))
+    # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.
     grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
                               scale_a=_scale(x_s, g), scale_b=_scale(grad_s, g)).T
     return grad_x, grad_w
 
 
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
+    """x @ w.T in bf16, with both operands scaled into float8_e4m3 (grad_s is the backward's gradient scale)."""
+    return _fp8_matmul(x, w, x_s, w_s)
+
+
+@fp8_mm.register_fake
+def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
+    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """Gradients of fp8_mm: g / grad_s in float8_e5m2; grad_x in bf16, grad_w in fp32 (column-major)."""
+    return _fp8_matmul_grads(g, x, w, x_s, w_s, grad_s)
+
+
 @fp8_mm_backward.register_fake
-def _(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+def _(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    # The strides the real op returns: compiled callers check them (grad_w is a transposed row-major result).
+    return x.new_empty(x.shape, dtype=torch.bfloat16), w.new_empty(w.shape[::-1], dtype=torch.float32).T
 
 
-def _fp8_mm_setup(ctx, inputs: tuple, output: tuple) -> None:
+def _fp8_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
     ctx.scales = inputs[2:]
-    ctx.save_for_backward(output[1], output[2])
+    ctx.save_for_backward(inputs[0], inputs[1])
 
 
-def _fp8_mm_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
-    x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
+def _fp8_mm_grad(ctx, grad_out: Tensor) -> tuple:
+    x, w = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x, w, *ctx.scales)
     return grad_x, grad_w, None, None, None
 
 
@@ -716,9 +778,10 @@ fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: Config, max_len: int):
+    def __init__(self, cfg: Config, max_len: int, flex: Callable = flex_attention):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
+        self.flex = flex  # flex_attention, or a compiled copy when the model itself is not compiled
         hdim = cfg.num_heads * cfg.head_dim
         # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
         # transposed (applied as y @ W_o) so the four share one shape; Muon treats W and W^T alike.
@@ -738,7 +801,7 @@ class CausalSelfAttention(nn.Module):
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
-            y = flex_attention(q, k, v, block_mask=mask, scale=self.scale)
+            y = self.flex(q, k, v, block_mask=mask, scale=self.scale)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w.type_as(x)))
@@ -763,9 +826,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, has_attn: bool, max_len: int):
+    def __init__(self, cfg: Config, has_attn: bool, max_len: int, flex: Callable):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, max_len) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, max_len, flex) if has_attn else None
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: Tensor, sa_lambdas: Tensor,
@@ -776,16 +839,27 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
+def train_loss_scale(cfg: Config) -> float:
+    """train() scales each micro-step's summed loss by this before backward: the gradients summed over
+    micro-steps and ranks are then the mean over the step's sequences, the same at every world size."""
+    return 1.0 / cfg.global_batch_seqs
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool):
+    """use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; fp8_head: the FP8 head in
+    training; compile_flex: compile flex_attention on its own (an uncompiled model on CUDA: unfused, flex
+    would materialize the whole score matrix)."""
+
+    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False):
         super().__init__()
         self.cfg, self.use_flex, self.fp8_head = cfg, use_flex, fp8_head
         L, d = cfg.num_layers, cfg.model_dim
         max_len = max(cfg.train_seq_len, cfg.val_seq_len)
+        flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
         self.embed = nn.Embedding(cfg.vocab_size, d).bfloat16()
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d).bfloat16()
                                           for _ in range(cfg.num_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, c != "-", max_len) for c in cfg.attn_pattern)
+        self.blocks = nn.ModuleList(Block(cfg, c != "-", max_len, flex) for c in cfg.attn_pattern)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         nn.init.zeros_(self.lm_head.weight)
         # One vector: U-net skip weights, per-block (a, b) mixing with x0, per-layer value lambdas.
@@ -818,9 +892,10 @@ class GPT(nn.Module):
                 skips.append(x)
         x = norm(x).flatten(0, 1)
         if self.training and self.fp8_head:
-            # x is RMS-normed, so |x| <= sqrt(d): x_s maps that onto e4m3's max of 448.
-            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, math.sqrt(cfg.model_dim) / 448, 2**-9,
-                                               1 / 448)[0]
+            # The gradient reaching the head carries train_loss_scale; folded into the gradient scale, the
+            # e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed).
+            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, math.sqrt(cfg.model_dim) / FP8_MAX_E4M3,
+                                               FP8_W_SCALE, FP8_GRAD_SCALE * train_loss_scale(cfg))
         else:
             logits = F.linear(x, self.lm_head.weight.type_as(x))
         logits = cfg.logit_cap * torch.sigmoid(logits.float() / cfg.logit_temp)
@@ -836,17 +911,25 @@ class GPT(nn.Module):
 
 
 def newton_schulz(G: Tensor, steps: int = 5) -> Tensor:
-    """Approximately orthogonalize each matrix of G (batched over leading dims) in bf16."""
+    """Approximately orthogonalize each matrix of G (batched over leading dims) in bf16.
+
+    Each iteration is X <- a X + (b A + c A^2) X with A = X X^T, written as two baddbmm: the products
+    accumulate in fp32 and a*X + B@X (and b*A + c*A@A) round to bf16 once, as the record's kernels do;
+    rounding after every operation would double the error against an exact (fp64) iteration.
+    """
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.bfloat16()
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    shape = X.shape
+    X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dimension
     for _ in range(steps):
         A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    X = X.view(shape)
     return X.mT if transposed else X
 
 
@@ -860,7 +943,12 @@ def muon_update_(p: Tensor, grad: Tensor, buf: Tensor, lr: float, momentum: floa
 
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                  eps: float) -> None:
-    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v)."""
+    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v).
+
+    Record #28 rounds differently (m by mul_/add_, the bias correction in fp32 from a device step counter,
+    then m / denom * step_size): about 40% of the elements land one bf16 ulp apart. Matching it
+    would cost a device-side step counter for no measurable gain, so the order here is kept.
+    """
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
@@ -1188,6 +1276,7 @@ def environment_report(device: torch.device) -> str:
     if device.type == "cuda":
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         lines.append(f"GPUs: {', '.join(names)}")
+        lines.append(f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}")
     else:
         lines.append(f"CPU run ({os.cpu_count()} cores)")
     if shutil.which("nvidia-smi"):
@@ -1889,7 +1978,8 @@ def bench_report(cfg: Config, rt: Runtime, timed: range, traced: range, ranks: l
 # device. save() makes a side CUDA stream wait for the compute stream, issues the device-to-host copies
 # (the parameters on rank 0, this rank's optimizer shard on every rank) into pinned buffers allocated once,
 # and makes the compute stream wait on the copies' event, so nothing overwrites those tensors before they
-# are copied; no host wait. A writer thread waits for that event and torch.saves the files. On the CPU the
+# are copied; no host wait. That wait is the GPU's stall, timed by events around it and logged with the
+# host's. A writer thread waits for the copies' event and torch.saves the files. On the CPU the
 # same code copies synchronously (a clone into the host buffers) and there is no stream. Files, each
 # written under a temporary name and then renamed:
 #   model.pt    rank 0: {parameter name: tensor}, a plain state dict of the model (each tensor its own copy)
@@ -2134,9 +2224,18 @@ def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuon
 class PendingCheckpoint:
     step: int
     folder: Path
-    stall_ms: float
+    stall_ms: float  # host time spent in save()
     issued: float  # perf_counter when save() handed it to the writer
     future: Future
+    gpu_stall: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the compute stream's wait for the copies
+
+    def gpu_stall_ms(self) -> float | None:
+        """How long the compute stream waited for the device-to-host copies; None on the CPU."""
+        if self.gpu_stall is None:
+            return None
+        before, after = self.gpu_stall
+        after.synchronize()  # poll() asks only once the writer has seen the copies land: no wait in practice
+        return before.elapsed_time(after)
 
 
 class Checkpointer:
@@ -2168,7 +2267,8 @@ class Checkpointer:
         self.layout = [b.layout() for b in optimizer.buckets]
         self.source_sha = source_sha256()
         self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
+                                         initargs=(rt.device,))
         self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
 
     def due(self, step: int) -> bool:
@@ -2184,7 +2284,7 @@ class Checkpointer:
         self.poll(block=True)  # the host buffers are reused: the previous write must be done with them
         self.optimizer.wait_for_params()  # the last step's all-gathers have written the parameters
         pairs = [*self.model_host.values(), *(pair for *_, state in self.optim_host for pair in state.values())]
-        event = None
+        event, gpu_stall = None, None
         if self.copy_stream is None:
             for src, dst in pairs:
                 dst.copy_(src)
@@ -2196,7 +2296,10 @@ class Checkpointer:
                     dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
+            gpu_stall = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            gpu_stall[0].record(compute)
             compute.wait_event(event)  # the next step writes these tensors only after they are copied
+            gpu_stall[1].record(compute)
         cfg, rank = self.cfg, self.rt.rank
         params = {name: {"bucket": i, "units": (lo, hi), **{k: h for k, (_, h) in state.items()}}
                   for i, name, lo, hi, state in self.optim_host}
@@ -2213,7 +2316,7 @@ class Checkpointer:
         folder = checkpoint_dir(cfg, step)
         future = self.writer.submit(self._write, folder, event, part, model, meta)
         stall_ms = 1000 * (time.perf_counter() - t0)
-        self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future))
+        self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future, gpu_stall))
 
     def _write(self, folder: Path, event: torch.cuda.Event | None, part: dict, model: dict | None,
                meta: dict | None) -> float:
@@ -2247,7 +2350,7 @@ class Checkpointer:
 
     def poll(self, block: bool = False) -> None:
         """Log, in order, the checkpoints that are done (rank 0: complete on disk); block waits for all."""
-        while self.pending and (block or self.pending[0].future.done()):
+        while self.pending and (block or (self.pending[0].future.done() and self._copied(self.pending[0]))):
             p = self.pending.pop(0)
             try:
                 done = p.future.result()
@@ -2255,10 +2358,17 @@ class Checkpointer:
                 print_all(f"checkpoint: {p.folder} FAILED ({type(e).__name__}: {e}); the run continues",
                           file=sys.stderr)
                 continue
-            self.log(f"checkpoint: {p.folder} (step {p.step}: loop stall {p.stall_ms:.2f} ms, on disk "
+            gpu_ms = p.gpu_stall_ms()
+            gpu = "" if gpu_ms is None else f", GPU stall {gpu_ms:.2f} ms"
+            self.log(f"checkpoint: {p.folder} (step {p.step}: loop stall {p.stall_ms:.2f} ms{gpu}, on disk "
                      f"{done - p.issued:.2f} s later)")
             self.log.record({"step": p.step, "checkpoint": str(p.folder), "stall_ms": p.stall_ms,
-                             "write_s": done - p.issued})
+                             "gpu_stall_ms": gpu_ms, "write_s": done - p.issued})
+
+    @staticmethod
+    def _copied(p: PendingCheckpoint) -> bool:
+        """Whether the compute stream has passed its wait for the copies (the GPU stall can be read)."""
+        return p.gpu_stall is None or p.gpu_stall[1].query()
 
     def close(self, error: bool = False) -> None:
         """Wait for every pending write (the process must not exit before); after an error rank 0 waits for
@@ -2346,16 +2456,19 @@ class StateSnapshot:
 def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     grad_accum = cfg.global_batch_seqs // rt.world_size  # run() has validated the config for this world size
     train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
-    check_train_data(cfg, train_files)
+    profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
+    last_step = profiler.stop_step or cfg.num_steps  # a benchmark stops early (with the schedule of the run)
+    check_train_data(cfg, train_files, last_step)
     val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
 
     on_cuda = rt.device.type == "cuda"
-    fp8 = on_cuda and cfg.fp8_head and not os.environ.get("DISABLE_FP8")
-    raw_model = GPT(cfg, use_flex=on_cuda, fp8_head=fp8).to(rt.device)
-    model: nn.Module = torch.compile(raw_model, dynamic=False) if on_cuda and cfg.compile else raw_model
-    optimizer = ShardedMuonAdam(raw_model, cfg, rt.rank, rt.world_size, compile_ns=on_cuda and cfg.compile)
-    log(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters, fp8 head {fp8}, "
-        f"compile {on_cuda and cfg.compile}, world size {rt.world_size}, grad accumulation {grad_accum}")
+    raw_model = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile)
+    raw_model = raw_model.to(rt.device)
+    # fullgraph: a graph break fails loudly instead of silently costing speed and memory.
+    model: nn.Module = torch.compile(raw_model, dynamic=False, fullgraph=True) if cfg.compile else raw_model
+    optimizer = ShardedMuonAdam(raw_model, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
+    log(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters, fp8 head {cfg.fp8_head}, "
+        f"compile {cfg.compile}, world size {rt.world_size}, grad accumulation {grad_accum}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
@@ -2363,7 +2476,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
 
     windows = torch.tensor([window_blocks(s, cfg) for s in range(cfg.num_steps + 1)], dtype=torch.int32,
                            device=rt.device)
-    loss_scale = 1.0 / cfg.global_batch_seqs
+    loss_scale = train_loss_scale(cfg)
 
     def train_step(loader: PrefetchLoader, step: int, micro_steps: int, metrics: Metrics | None = None) -> None:
         batch = next(loader)
@@ -2409,8 +2522,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(cfg, window_blocks(cfg.num_steps, cfg)):.4g} "
         f"FLOPs/token at the final window; peak {peak} per device")
-    loader = new_loader(cfg.num_steps - start_step, skip_steps=start_step)
-    profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
+    loader = new_loader(last_step - start_step, skip_steps=start_step)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
     val_losses: list[tuple[int, float]] = []
     val_points: list[tuple[int, float, float]] = []
@@ -2481,9 +2593,17 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
 # process-group backend (NCCL on CUDA, gloo on CPU), seeds every rank alike, and runs training.
 
 
+# Expandable segments let validation's logits (val_seq_len x vocab, ~26 GB at the recipe's shape) reuse
+# the memory of training's (~5 GB each) without fragmenting fixed-size segments; the record sets it too.
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
 def setup_runtime(cfg: Config) -> Runtime:
+    """The process's rank and device, and the process group; resolves the config's device-dependent fields."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cfg.device != "cpu":  # read when CUDA initialises: before any CUDA call; a user's own setting wins
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda":
         if not torch.cuda.is_available():
@@ -2497,9 +2617,10 @@ def setup_runtime(cfg: Config) -> Runtime:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    cuda = device.type == "cuda"
+    resolve_for_device(cfg, cuda)
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if
-                                device.type == "cuda" else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return Runtime(rank, world_size, local_rank, device)
 
 

@@ -165,6 +165,14 @@ def test_bench_prints_figures_and_writes_json(tmp_path, capsys):
     assert trace_steps(tmp_path / "logs" / "bench" / "trace_rank0.json.gz") == [4]
 
 
+def test_bench_needs_data_for_its_own_steps_only(tmp_path):
+    # The benchmark runs the first steps of a long schedule (the recipe's 1695 steps on a small corpus).
+    args = small(tmp_path, num_steps=100_000, bench=True, bench_steps=1, run_id="long")
+    with pytest.raises(T.UsageError, match="the run needs at least"):
+        T.run([a for a in args if not a.startswith("--bench")])
+    assert T.run(args).bench["traced_steps"] == [4, 4]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--profile=5"], "--profile expects START:END"),
     (["--profile=9:3"], "needs 0 <= START < END"),

@@ -80,7 +80,7 @@ def reference_mask(tokens: torch.Tensor, block_size: int, window: int) -> torch.
                 full.append(kb)
             elif min(qdocs) <= max(kdocs):
                 partial.append(kb)
-        keep = full[: window - 1] + partial[: max(window - len(full), 1)]
+        keep = full[: max(window - 1, 0)] + partial[: max(window - len(full), 1)]
         for kb in keep:
             for q in range(qb * block_size, (qb + 1) * block_size):
                 for k in range(kb * block_size, (kb + 1) * block_size):
@@ -112,20 +112,25 @@ def block_mask_as_dense(bm, length: int) -> torch.Tensor:
     return allowed
 
 
-@pytest.mark.parametrize("window", [1, 2, 3, 8])
+@pytest.mark.parametrize("window", [0, 1, 2, 3, 8])
 def test_block_and_dense_masks_match_reference(window):
     block, tokens = 16, mask_tokens(window)
     expected = reference_mask(tokens, block, window)
     assert torch.equal(T.dense_mask(tokens, block, torch.tensor(window)), expected)
     bm = T.block_mask(tokens, block, torch.tensor(window))
     assert torch.equal(block_mask_as_dense(bm, len(tokens)), expected)
+    # Window 0 (short layers at a one-block long window) keeps the diagonal block alone, with no negative count.
+    assert (bm.kv_num_blocks >= 0).all() and (bm.full_kv_num_blocks >= 0).all()
 
 
 def test_compiled_flex_attention_equals_sdpa_with_reference_mask():
     # Eager FlexAttention on CPU ignores block sparsity; the compiled kernel honours it, as on the GPU.
+    # Window 0 is what short layers get while the long window is one block (it crashed the CPU kernel with
+    # a negative full-block count); 7 of 12 blocks leaves some out. Documents cross block edges.
     flex = torch.compile(flex_attention, dynamic=False)
-    for window in [1, 3]:
-        block, tokens = 16, mask_tokens(window)
+    block, tokens = 16, mask_tokens(0, length=192)
+    tokens[[120, 150]] = T.BOS_ID
+    for window in [0, 1, 2, 7]:
         q, k, v = torch.randn(3, 1, 2, len(tokens), 8).unbind(0)
         out = flex(q, k, v, block_mask=T.block_mask(tokens, block, torch.tensor(window)), scale=0.12)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=reference_mask(tokens, block, window), scale=0.12)
@@ -156,7 +161,7 @@ def test_fp8_head_matches_bf16_matmul_forward_and_backward():
     torch.manual_seed(0)
     x = T.norm(torch.randn(64, 128)).bfloat16().requires_grad_()
     w = (0.05 * torch.randn(256, 128)).requires_grad_()
-    out = torch.ops.speedrun.fp8_mm(x, w, math.sqrt(128) / 448, 2**-9, 1 / 448)[0]
+    out = torch.ops.speedrun.fp8_mm(x, w, math.sqrt(128) / 448, 2**-9, 1 / 448)
     ref = F.linear(x.float(), w)
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref).norm() / ref.norm() < 0.05
@@ -166,3 +171,59 @@ def test_fp8_head_matches_bf16_matmul_forward_and_backward():
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     assert (x.grad.float() - gx_ref).norm() / gx_ref.norm() < 0.1
     assert (w.grad - gw_ref).norm() / gw_ref.norm() < 0.1
+
+
+def fp8_args(tokens: int = 64, dim: int = 128, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    torch.manual_seed(0)
+    x = T.norm(torch.randn(tokens, dim)).bfloat16()
+    w = 0.05 * torch.randn(vocab, dim)
+    return x, w, (math.sqrt(dim) / T.FP8_MAX_E4M3, T.FP8_W_SCALE, T.FP8_GRAD_SCALE)
+
+
+def test_fp8_ops_pass_opcheck():
+    # opcheck runs each op on real and on fake tensors (as torch.compile traces it) and compares their metadata,
+    # checks the schema (no input mutated or aliased) and the autograd registration. A compiled model trusts the
+    # fake kernel's strides: a wrong one fails at the first compiled backward.
+    x, w, scales = fp8_args()
+    g = torch.randn(x.size(0), w.size(0)).bfloat16()
+    torch.library.opcheck(torch.ops.speedrun.fp8_mm.default, (x, w, *scales))
+    torch.library.opcheck(torch.ops.speedrun.fp8_mm_backward.default, (g, x, w, *scales))
+    _, grad_w = torch.ops.speedrun.fp8_mm_backward(g, x, w, *scales)
+    assert grad_w.shape == w.shape and grad_w.stride() == (1, w.size(0))  # column-major, as the fake says
+
+
+def test_fp8_head_gradients_quantize_like_the_records_unscaled_loss():
+    # Record #28 backpropagates each rank's summed loss; train() scales it by 1/global_batch_seqs first. With
+    # that scale folded into the FP8 gradient scale, the float8_e5m2 gradient is the record's, so every
+    # gradient equals the record's times the (power-of-two) scale, bit for bit. Unfolded, gradients 8x
+    # smaller fall below e5m2's smallest value more often and flush to zero. global_batch_seqs=1 scales by 1:
+    # exactly the record's backward.
+    grads = []
+    tokens = mask_tokens(3, length=513)
+    for seqs in (8, 1):
+        cfg = tiny_config(global_batch_seqs=seqs)
+        torch.manual_seed(0)
+        model = T.GPT(cfg, use_flex=False, fp8_head=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+            # Logits spread over most of the soft cap's range: many softmax gradients are tiny.
+            model.lm_head.weight.uniform_(-0.8, 0.8)
+        loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(2))
+        (loss * T.train_loss_scale(cfg)).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    scaled, record = grads
+    assert scaled.keys() == record.keys()
+    for name in sorted(record, key=lambda n: n != "lm_head.weight"):  # the head's first: it sees e5m2 directly
+        assert torch.equal(scaled[name] * 8, record[name]), name
+    assert (record["lm_head.weight"] != 0).any()
+
+
+def test_fp8_head_needs_dimensions_divisible_by_16_and_cuda_needs_128_blocks():
+    with pytest.raises(T.UsageError, match=r"FP8 head needs .* divisible by 16 .*--model_dim=120"):
+        T.resolve_for_device(tiny_config(model_dim=120, fp8_head=True), cuda=False)
+    T.resolve_for_device(tiny_config(model_dim=120, fp8_head=False), cuda=True)
+    with pytest.raises(T.UsageError, match="--block_size=64: FlexAttention on CUDA needs a multiple of 128"):
+        T.resolve_for_device(tiny_config(block_size=64, fp8_head=False), cuda=True)
+    T.resolve_for_device(tiny_config(block_size=64, fp8_head=True), cuda=False)
+    T.resolve_for_device(tiny_config(block_size=256), cuda=True)

@@ -49,7 +49,7 @@ _one_thread = pytest.fixture(autouse=True)(_single_thread)
 
 def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
     fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
-                  train_seq_len=64, val_seq_len=64)
+                  train_seq_len=64, val_seq_len=64, block_size=32)
     if variant == "fp32":
         # Adam's step does not shrink with the gradient, so an element whose gradient nearly cancels
         # turns summation-order noise into a visible step; a larger eps bounds that gain.

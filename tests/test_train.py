@@ -1,5 +1,6 @@
 import os
 import signal
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_torchrun_two_cpu_processes_finish_with_a_val_line(tmp_path):
     (["--train_files=nowhere/*.bin"], {}, "no files match 'nowhere/*.bin'"),
     (["--num_steps=100000"], {}, "the run needs at least"),
     (["--val_tokens=1048576", "--val_seq_len=1024"], {}, "validation needs 1048577 tokens"),
+    (["--compile=maybe"], {}, "--compile expects true or false or auto, got 'maybe'"),
+    (["--fp8_head=true", "--model_dim=120"], {}, "the FP8 head needs --model_dim, --train_seq_len, --vocab_size "
+                                                  "divisible by 16 (torch._scaled_mm), got --model_dim=120"),
 ])
 def test_bad_input_stops_with_one_clear_line(tmp_path, args, env, message):
     base = [a for a in tiny_args(tmp_path) if not a.startswith(tuple(x.split("=")[0] + "=" for x in args))]
@@ -101,3 +105,42 @@ def test_ctrl_c_stops_promptly_with_one_line(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip() == "interrupted", err
+
+
+@pytest.mark.parametrize("flags, env, expected", [
+    ([], {}, (False, False)),  # auto on the CPU: off
+    (["--compile=auto", "--fp8_head=auto"], {}, (False, False)),
+    (["--compile", "--fp8_head=true"], {}, (True, True)),  # the CPU rehearsal of the GPU path
+    (["--compile=true", "--fp8_head=true"], {"DISABLE_FP8": "1"}, (True, False)),
+])
+def test_compile_and_fp8_switches_resolve_for_the_device(monkeypatch, flags, env, expected):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = T.parse_config(["--preset=tiny", "--device=cpu", *flags])
+    T.setup_runtime(cfg)
+    assert (cfg.compile, cfg.fp8_head) == expected  # the config (and the log's copy) says what the run does
+
+
+def test_runtime_asks_for_expandable_cuda_segments_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    T.setup_runtime(T.parse_config(["--preset=tiny"]))  # --device=auto: CUDA would be initialised after this
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    T.setup_runtime(T.parse_config(["--preset=tiny"]))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_threads_that_touch_the_device_bind_to_it_first(tmp_path, monkeypatch):
+    # A new thread's current CUDA device is GPU 0: the prefetch and checkpoint-writer threads of a rank on
+    # another GPU must select that rank's device before their first CUDA call.
+    selected = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: selected.append((threading.current_thread().name, d)))
+    T.bind_thread_to_device(torch.device("cuda", 3))
+    assert selected == [(threading.current_thread().name, torch.device("cuda", 3))]
+    bound = []
+    bind = T.bind_thread_to_device
+    monkeypatch.setattr(T, "bind_thread_to_device",
+                        lambda d: (bound.append((threading.current_thread().name, d)), bind(d)))
+    T.run(tiny_args(tmp_path, num_steps=2, val_every=0, save_every=1))
+    names = {name.split("_")[0] for name, d in bound if d == torch.device("cpu")}
+    assert names == {"prefetch", "ckpt-writer"}, bound

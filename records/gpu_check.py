@@ -1,0 +1,185 @@
+"""The GPU check: run it first on a machine with a new GPU (or torch), before any measurement.
+
+    python records/gpu_check.py [--out DIR] [--skip_bench]
+
+One command, at most ten minutes on one H100, from the repo root's checkout with the proxy corpus copied into
+the git-ignored data/proxy/ (`cp -r ../shared/data/proxy data/`). Two stages, each under its own time limit:
+
+1. tests: tests/test_cuda.py (FP8 ops and head through cuBLAS, compiled FlexAttention against dense attention,
+   the prefetch loader against a slowed stream, the compiled GPT's graphs, a tiny run with checkpoints), the
+   no-host-sync test, and the CPU suite's FP8 and FlexAttention tests. Without a GPU the CUDA tests are
+   skipped with their reason and the CPU rehearsal of the compiled path (tests/test_compiled.py) runs instead.
+2. bench: train_gpt.py --bench at the recipe's per-rank shape (8 micro-steps of 49,152 tokens) on the proxy
+   corpus; without a GPU, the tiny preset compiled with the FP8 head, on the CPU.
+
+Every check prints PASS, FAIL or SKIP with its figures, and the script goes on past a failure (exit code 1 if
+any failed). The folder (default records/<date>_gpu_check/) receives the tests' log and junit XML, the bench's
+run log, summary and report (its trace stays in logs/, git-ignored there), and the table as check.md and
+check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROXY_TRAIN, PROXY_VAL = "data/proxy/proxy_train_*.bin", "data/proxy/proxy_val_*.bin"
+GPU_TESTS = ["tests/test_cuda.py", "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps"]
+CPU_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
+             "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
+             "tests/test_model.py::test_compiled_flex_attention_equals_sdpa_with_reference_mask"]
+REHEARSAL_TESTS = ["tests/test_compiled.py"]
+TESTS_LIMIT_S, BENCH_LIMIT_S = 330, 240  # with start-up and the report, inside ten minutes
+BENCH_FIGURES = [("ms_per_step_median", "ms/step", "{:.1f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
+                 ("mfu", "MFU", "{:.1%}"), ("peak_memory_allocated_mib", "peak alloc MiB", "{:,.0f}"),
+                 ("peak_memory_reserved_mib", "peak reserved MiB", "{:,.0f}"), ("gpu_idle_frac", "GPU idle", "{:.2%}"),
+                 ("h2d_overlap_frac", "H2D overlapped", "{:.0%}")]
+
+
+def run_logged(cmd: list[str], log: Path, limit_s: float) -> tuple[int | None, float]:
+    """Run cmd from the repo root, its output shown and appended to log; (exit code, or None if it ran past
+    limit_s and was killed with its whole process group, inductor's compile workers included; seconds)."""
+    t0 = time.monotonic()
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        expired = threading.Event()
+
+        def kill() -> None:
+            expired.set()
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        watchdog = threading.Timer(limit_s, kill)
+        watchdog.start()
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+        proc.wait()
+        watchdog.cancel()
+        if expired.is_set():
+            f.write(f"killed after {limit_s:.0f} s\n")
+            return None, time.monotonic() - t0
+    return proc.returncode, time.monotonic() - t0
+
+
+def test_rows(xml_path: Path) -> list[dict]:
+    """One row per test case of a junit XML: name, PASS/FAIL/SKIP, seconds, the reason and the figures."""
+    rows = []
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        row = {"check": f"{module}.py::{case.get('name')}", "result": "PASS", "seconds": float(case.get("time", 0)),
+               "note": "", "figures": {p.get("name"): p.get("value") for p in case.iter("property")}}
+        for tag, result in (("failure", "FAIL"), ("error", "FAIL"), ("skipped", "SKIP")):
+            element = case.find(tag)
+            if element is not None:
+                message = element.get("message") or (element.text or "").strip()
+                row.update(result=result, note=message.splitlines()[0][:200] if message else tag)
+                break
+        rows.append(row)
+    return rows
+
+
+def tests_stage(out: Path, cuda: bool) -> list[dict]:
+    tests = GPU_TESTS + CPU_TESTS + ([] if cuda else REHEARSAL_TESTS)
+    xml = out / "tests.xml"
+    xml.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+           f"--junitxml={xml}"]
+    code, seconds = run_logged(cmd, out / "tests.log", TESTS_LIMIT_S)
+    rows = test_rows(xml) if xml.exists() else []
+    if code is None or not rows:
+        why = f"killed after {TESTS_LIMIT_S} s" if code is None else f"pytest exited {code} with no results"
+        rows.append({"check": "tests", "result": "FAIL", "seconds": seconds, "note": f"{why}; see tests.log",
+                     "figures": {}})
+    return rows
+
+
+def bench_stage(out: Path, cuda: bool) -> dict:
+    """The benchmark run; its figures from the report JSON and the warmup line of its log."""
+    run_id = f"gpu_check_bench_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    logs = out / "logs"
+    if cuda:
+        name = "bench: recipe shape, proxy corpus"
+        if not list(REPO.glob(PROXY_TRAIN)) or not list(REPO.glob(PROXY_VAL)):
+            return {"check": name, "result": "FAIL", "seconds": 0.0, "figures": {},
+                    "note": "no proxy corpus in data/proxy/: cp -r ../shared/data/proxy data/"}
+        # The recipe's schedule (the first steps: a one-block window) needs 1695 steps' worth of tokens up front.
+        args = [f"--train_files={PROXY_TRAIN}", f"--val_files={PROXY_VAL}", "--train_epochs=30", "--val_tokens=262144"]
+    else:
+        name = "bench: tiny preset, CPU, compiled with the FP8 head"
+        args = ["--preset=tiny", "--device=cpu", "--compile=true", "--fp8_head=true", "--bench_steps=3",
+                "--num_steps=10"]
+    cmd = [sys.executable, "train_gpt.py", "--bench", *args, f"--run_id={run_id}", f"--log_dir={logs}"]
+    code, seconds = run_logged(cmd, out / "bench.log", BENCH_LIMIT_S)
+    report_path = logs / f"{run_id}_bench.json"
+    row = {"check": name, "result": "PASS", "seconds": seconds, "note": "", "figures": {}}
+    if code != 0 or not report_path.exists():
+        why = f"killed after {BENCH_LIMIT_S} s" if code is None else f"exit code {code}"
+        return {**row, "result": "FAIL", "note": f"{why}; see bench.log"}
+    report = json.loads(report_path.read_text())
+    for key, label, fmt in BENCH_FIGURES:
+        if report.get(key) is not None:
+            row["figures"][label] = fmt.format(report[key])
+    warmup = re.search(r"^warmup: .*?, (\d+) steps ([\d.]+) s", (logs / f"{run_id}.txt").read_text(), re.M)
+    if warmup:
+        row["figures"]["compile+warmup s"] = warmup.group(2)
+    for suffix in (".txt", ".json", ".jsonl", "_bench.json"):  # the record keeps these; the trace stays in logs/
+        shutil.copy(logs / f"{run_id}{suffix}", out)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| check | result | s | figures / reason |", "|---|---|---|---|"]
+    for r in rows:
+        figures = ", ".join(f"{k}={v}" for k, v in r["figures"].items())
+        detail = "; ".join(x for x in (r["note"], figures) if x)
+        lines.append(f"| {r['check']} | {r['result']} | {r['seconds']:.1f} | {detail.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "records" / f"{datetime.date.today()}_gpu_check")
+    parser.add_argument("--skip_bench", action="store_true", help="the tests alone")
+    opts = parser.parse_args()
+    out = opts.out.resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "logs" / ".gitignore").write_text("*\n")  # raw logs and traces: the record keeps copies of the small ones
+
+    import torch  # after the argument check: --help needs no torch
+
+    cuda = torch.cuda.is_available()
+    device = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})" \
+        if cuda else "no CUDA GPU: CUDA checks are skipped, the CPU rehearsal runs instead"
+    header = f"torch {torch.__version__}, CUDA {torch.version.cuda}, {device}"
+    print(f"gpu_check: {header}\ngpu_check: writing to {out}", flush=True)
+    rows = tests_stage(out, cuda)
+    if not opts.skip_bench:
+        rows.append(bench_stage(out, cuda))
+    text = table(rows)
+    failed = [r["check"] for r in rows if r["result"] == "FAIL"]
+    summary = f"{len(rows)} checks: {sum(r['result'] == 'PASS' for r in rows)} passed, {len(failed)} failed, " \
+              f"{sum(r['result'] == 'SKIP' for r in rows)} skipped"
+    (out / "check.md").write_text(f"# GPU check, {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n{header}\n\n{text}\n\n"
+                                  f"{summary}\n")
+    (out / "check.json").write_text(json.dumps({"environment": header, "rows": rows}, indent=2) + "\n")
+    print(f"\n{text}\n\ngpu_check: {summary}; table in {out / 'check.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

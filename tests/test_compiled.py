@@ -1,0 +1,115 @@
+"""The GPU path rehearsed on the CPU: the training loop drives the compiled model (fullgraph, as on a GPU) with
+the FP8 head's custom ops, the compiled Newton-Schulz and the warmup, across attention-window changes. Only
+the attention kernel differs (dense SDPA: FlexAttention has no CPU backward). This is where a wrong fake
+kernel, a graph break or a recompile shows up without a GPU."""
+
+import json
+
+import pytest
+import torch
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+import train_gpt as T
+from conftest import tiny_args
+
+# 512-token sequences in 128-token blocks: the long window grows 1 -> 2 -> 3 blocks over the 6 steps, so the
+# short window goes 0 -> 1 (window 0 is the case the CPU flex kernel crashed on).
+REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, final_window_tokens=384, num_steps=6,
+                 val_every=3, warmup_steps=2, val_tokens=2048)
+
+
+def model_graphs() -> int:
+    """Compiled variants of GPT.forward so far: with fullgraph, each is one whole graph."""
+    return len(_debug_get_cache_entry_list(T.GPT.forward.__code__))
+
+
+def train_losses(tmp_path, run_id: str) -> list[float]:
+    lines = (tmp_path / "logs" / f"{run_id}.jsonl").read_text().splitlines()
+    return [e["train_loss"] for e in map(json.loads, lines) if "train_loss" in e]
+
+
+def test_windows_of_the_rehearsal_cross_zero():
+    cfg = T.parse_config([f"--{k}={v}" for k, v in REHEARSAL.items()] + ["--preset=tiny"])
+    long = [T.window_blocks(s, cfg) for s in range(cfg.num_steps)]
+    assert long == [1, 1, 1, 2, 2, 3] and [w // 2 for w in long] == [0, 0, 0, 1, 1, 1]
+
+
+def test_compiled_model_equals_eager_across_windows_with_one_graph():
+    cfg = T.parse_config(["--preset=tiny", "--fp8_head=true"])
+    torch.manual_seed(0)
+    eager = T.GPT(cfg, use_flex=False, fp8_head=True)
+    with torch.no_grad():  # break the zero inits so every parameter has a gradient
+        for p in eager.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    twin = T.GPT(cfg, use_flex=False, fp8_head=True)
+    twin.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, dynamic=False, fullgraph=True)
+    tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), generator=torch.Generator().manual_seed(1))
+    tokens[[0, 100, 300, 301]] = T.BOS_ID  # documents that cross block edges
+    windows = torch.tensor([1, 2, 3], dtype=torch.int32)  # short layers: 0, 1, 1
+    for i in range(len(windows)):
+        for model in (eager, compiled):
+            model.zero_grad()
+            model(tokens[:-1], tokens[1:].long(), windows[i]).backward()
+        # Fused kernels round bf16 intermediates once where eager rounds after each op: the loss agrees to
+        # ~1e-5, each matrix's gradient to ~1-2% (the e5m2 head gradient included).
+        loss_e = eager(tokens[:-1], tokens[1:].long(), windows[i])
+        loss_c = compiled(tokens[:-1], tokens[1:].long(), windows[i])
+        assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-4)
+        for (name, a), b in zip(twin.named_parameters(), eager.parameters()):
+            if name != "scalars":  # sums of cancelling terms: relative error is not meaningful there
+                assert (a.grad.float() - b.grad.float()).norm() < 0.05 * b.grad.float().norm(), name
+    assert model_graphs() == 1  # the window is a tensor: no recompile when it changes
+    eager.eval(), twin.eval()
+    with torch.no_grad():
+        loss_e, loss_c = (m(tokens[:-1], tokens[1:].long(), windows[2]) for m in (eager, compiled))
+    assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-4)
+    assert model_graphs() == 2
+
+
+def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mode():
+    # The CUDA model builds BlockMasks inside its compiled graph; on the CPU that graph runs forward only
+    # (no flex backward), which is enough to see that it compiles whole and computes the dense model's loss.
+    cfg = T.parse_config(["--preset=tiny"])
+    torch.manual_seed(0)
+    dense = T.GPT(cfg, use_flex=False, fp8_head=True)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    flex = T.GPT(cfg, use_flex=True, fp8_head=True)
+    flex.load_state_dict(dense.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(flex, dynamic=False, fullgraph=True)
+    tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
+    tokens[[0, 60, 130, 131, 400]] = T.BOS_ID
+    windows = torch.tensor([1, 2, 3], dtype=torch.int32)
+    with torch.no_grad():
+        for training in (True, False):
+            dense.train(training)
+            flex.train(training)
+            for i in range(len(windows)):
+                args = tokens[:-1], tokens[1:].long(), windows[i]
+                assert compiled(*args).item() == pytest.approx(dense(*args).item(), rel=1e-4)
+    assert model_graphs() == 2
+
+
+def test_compiled_fp8_training_has_one_train_and_one_eval_graph_and_follows_eager(tmp_path):
+    torch._dynamo.reset()
+    compiled = T.run(tiny_args(tmp_path, run_id="compiled", **REHEARSAL))
+    # Warmup (micro-step 0, window 1) and every training step share one graph; validation adds the eval graph.
+    assert model_graphs() == 2
+    log = (tmp_path / "logs" / "compiled.txt").read_text()
+    assert "fp8 head True, compile True" in log
+    assert compiled.val_losses[-1][1] < compiled.val_losses[0][1] - 1.0  # it learns
+
+    eager = T.run(tiny_args(tmp_path, run_id="eager", **{**REHEARSAL, "compile": "false"}))
+    assert [s for s, _ in compiled.val_losses] == [s for s, _ in eager.val_losses] == [0, 3, 6]
+    ours, theirs = train_losses(tmp_path, "compiled"), train_losses(tmp_path, "eager")
+    assert len(ours) == len(theirs) == 6
+    # The first updates agree closely; then the early, large-lr steps amplify the ~1% gradient differences
+    # of fused rounding (eager runs that differ only in summation order agree to ~1e-4; these drift ~0.1).
+    assert ours[:2] == pytest.approx(theirs[:2], abs=2e-3)
+    assert ours == pytest.approx(theirs, abs=0.15)
+    for (_, a), (_, b) in zip(compiled.val_losses, eager.val_losses):
+        assert a == pytest.approx(b, abs=0.15)

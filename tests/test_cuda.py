@@ -1,0 +1,207 @@
+"""The GPU path where the CPU rehearsal (test_compiled.py) cannot reach: FlexAttention's CUDA kernels, the FP8
+head through cuBLAS, the copy stream, CUDA events. Skipped without a GPU. records/gpu_check.py runs these first
+on a new GPU machine, then a benchmark; each test records its figures with record_property (the junit XML and
+the check's table show them)."""
+
+import math
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.nn.attention.flex_attention import flex_attention
+
+import train_gpt as T
+from conftest import SAMPLE_TRAIN, tiny_args
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                         reason="needs a CUDA GPU with FP8 matmuls (compute capability 8.9 or newer: Ada, Hopper)")
+# The runs below share these shapes, so the compiled graphs are built once (inductor's cache) for all of them.
+RUN = dict(device="cuda", global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, val_seq_len=1024)
+SLEEP_CYCLES = 2_000_000  # torch.cuda._sleep: about a millisecond of one stream held busy
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_cuda_environment(record_property):
+    import triton
+
+    major, minor = torch.cuda.get_device_capability()
+    for key, value in [("device", torch.cuda.get_device_name()), ("capability", f"{major}.{minor}"),
+                       ("torch", torch.__version__), ("cuda", torch.version.cuda), ("triton", triton.__version__),
+                       ("memory_gib", round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))]:
+        record_property(key, value)
+    assert torch.cuda.is_bf16_supported()
+
+
+@fp8
+def test_fp8_ops_pass_opcheck_on_cuda():
+    torch.manual_seed(0)
+    x = T.norm(torch.randn(256, 768, device=CUDA)).bfloat16()
+    w = 0.02 * torch.randn(1024, 768, device=CUDA)
+    g = torch.randn(256, 1024, device=CUDA).bfloat16()
+    scales = (math.sqrt(768) / T.FP8_MAX_E4M3, T.FP8_W_SCALE, T.FP8_GRAD_SCALE)
+    torch.library.opcheck(torch.ops.speedrun.fp8_mm.default, (x, w, *scales))
+    torch.library.opcheck(torch.ops.speedrun.fp8_mm_backward.default, (g, x, w, *scales))
+
+
+@fp8
+def test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled(record_property):
+    cfg = T.Config()
+    tokens, dim, vocab = cfg.train_seq_len, cfg.model_dim, cfg.vocab_size
+    torch.manual_seed(0)
+    x = T.norm(torch.randn(tokens, dim, device=CUDA)).bfloat16().requires_grad_()
+    w = (0.02 * torch.randn(vocab, dim, device=CUDA)).requires_grad_()
+    g = (1e-3 * torch.randn(tokens, vocab, device=CUDA)).bfloat16()
+    scales = (math.sqrt(dim) / T.FP8_MAX_E4M3, T.FP8_W_SCALE, T.FP8_GRAD_SCALE)
+    out = torch.ops.speedrun.fp8_mm(x, w, *scales)
+    out.backward(g)
+    with torch.no_grad():
+        errors = {"out": rel(out, x.float() @ w.T)}
+        errors["grad_x"] = rel(x.grad, g.float() @ w)
+        errors["grad_w"] = rel(w.grad, g.float().T @ x.float())
+    grads = x.grad, w.grad
+    x.grad = w.grad = None
+    # Compiled, the op's fake kernel stands in for it while tracing: its strides must be the real ones.
+    compiled = torch.compile(lambda x, w: torch.ops.speedrun.fp8_mm(x, w, *scales), fullgraph=True)
+    out_c = compiled(x, w)
+    out_c.backward(g)
+    for name, value in errors.items():
+        record_property(f"rel_err_{name}", round(value, 4))
+    # e4m3 operands: ~3.7% on the product; an e5m2 gradient: ~6% (the CPU emulation gives the same figures).
+    assert errors["out"] < 0.05 and errors["grad_x"] < 0.08 and errors["grad_w"] < 0.08, errors
+    assert torch.equal(out_c, out) and torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
+
+
+def test_compiled_flex_attention_matches_dense_forward_and_backward_at_block_128(record_property):
+    torch.manual_seed(0)
+    n, heads, dim, block = 8192, 6, 128, 128
+    tokens = torch.randint(0, 50000, (n,), device=CUDA, dtype=torch.int32)
+    tokens[torch.randint(0, n, (24,), device=CUDA)] = T.BOS_ID
+    tokens[[0, 127, 128, 129, 1000, 1001]] = T.BOS_ID  # documents on, across and inside block edges
+    flex = torch.compile(flex_attention, dynamic=False)
+    worst = {}
+    for window in (0, 1, 2, 7, 14):  # 0: short layers while the long window is one block
+        q, k, v = (torch.randn(1, heads, n, dim, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        size = torch.tensor(window, dtype=torch.int32, device=CUDA)
+        out = flex(q, k, v, block_mask=T.block_mask(tokens, block, size), scale=0.12)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*ref_in, attn_mask=T.dense_mask(tokens, block, size), scale=0.12)
+        ref_grads = torch.autograd.grad(ref.square().sum(), ref_in)
+        worst[window] = max(rel(out, ref), *(rel(a, b) for a, b in zip(grads, ref_grads)))
+        record_property(f"rel_err_window_{window}", round(worst[window], 4))
+    assert max(worst.values()) < 3e-2, worst  # bf16 kernels against an fp32 reference
+
+
+def test_flex_compiled_alone_keeps_an_uncompiled_model_from_materializing_scores(record_property):
+    # --compile=false on CUDA: eager flex_attention would build the (heads, T, T) score matrix, 8 GiB here.
+    cfg = T.parse_config(["--preset=tiny", "--vocab_size=1024", "--train_seq_len=32768", "--val_seq_len=32768",
+                          "--model_dim=128", "--num_heads=2", "--head_dim=64"])
+    model = T.GPT(cfg, use_flex=True, fp8_head=False, compile_flex=True).to(CUDA)
+    tokens = torch.randint(0, 1000, (cfg.train_seq_len + 1,), device=CUDA)
+    tokens[::4096] = T.BOS_ID
+    torch.cuda.reset_peak_memory_stats()
+    model(tokens[:-1], tokens[1:].long(), torch.tensor(2, device=CUDA)).backward()
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    record_property("peak_gib", round(peak_gib, 2))
+    assert peak_gib < 2.0
+
+
+def test_compiled_gpt_keeps_one_graph_across_windows_and_matches_flex_compiled_alone(record_property):
+    cfg = T.parse_config(["--preset=tiny", "--train_seq_len=4096", "--val_seq_len=4096"])
+    torch.manual_seed(0)
+    raw = T.GPT(cfg, use_flex=True, fp8_head=True).to(CUDA)
+    with torch.no_grad():
+        for p in raw.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    eager = T.GPT(cfg, use_flex=True, fp8_head=True, compile_flex=True).to(CUDA)
+    eager.load_state_dict(raw.state_dict())
+    torch._dynamo.reset()
+    model = torch.compile(raw, dynamic=False, fullgraph=True)
+    tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), device=CUDA)
+    tokens[[0, 700, 1400, 2100, 2800]] = T.BOS_ID
+    windows = torch.tensor([1, 2, 3, 4, 6], dtype=torch.int32, device=CUDA)  # views at other offsets each time
+    worst_loss, worst_grad = 0.0, 0.0
+    for i in range(len(windows)):
+        for m in (model, eager):
+            m.zero_grad()
+            loss = m(tokens[:-1], tokens[1:].long(), windows[i])
+            loss.backward()
+            if m is model:
+                compiled_loss = loss.item()
+        worst_loss = max(worst_loss, abs(compiled_loss - loss.item()) / abs(loss.item()))
+        for (name, a), b in zip(raw.named_parameters(), eager.parameters()):
+            if name != "scalars":
+                worst_grad = max(worst_grad, rel(a.grad, b.grad))
+    train_graphs = len(_debug_get_cache_entry_list(T.GPT.forward.__code__))
+    raw.eval()
+    eager.eval()
+    with torch.no_grad():
+        eval_c, eval_e = (m(tokens[:-1], tokens[1:].long(), windows[-1]).item() for m in (model, eager))
+    graphs = len(_debug_get_cache_entry_list(T.GPT.forward.__code__))
+    for key, value in [("train_graphs", train_graphs), ("graphs_with_eval", graphs),
+                       ("loss_rel_diff", worst_loss), ("grad_rel_diff", worst_grad)]:
+        record_property(key, value)
+    assert train_graphs == 1 and graphs == 2
+    assert worst_loss < 1e-3 and abs(eval_c - eval_e) < 1e-3 * abs(eval_e)
+    assert worst_grad < 0.05  # fused rounding and the e5m2 head gradient (~1-2% on the CPU)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("slow", ["compute", "copy"])
+def test_prefetch_loader_hands_out_exactly_the_synchronous_batches(depth, slow):
+    # A slow compute stream with the batches dropped at once: device memory must not be reused by a later copy
+    # before compute has read it (record_stream). A slow copy stream: compute must wait for each copy (the
+    # event), and a pinned host buffer must not be refilled before its copy has left it.
+    files = T.find_shards(SAMPLE_TRAIN)
+
+    def source() -> T.TrainBatches:
+        return T.TrainBatches(T.TrainTokenStream(files, 4096, 8, 50304, preload=depth > 0), 0, 1, steps=12)
+
+    with T.PrefetchLoader(source(), 0, torch.device("cpu")) as host:
+        expected = torch.stack([b.clone() for b in host]).to(CUDA)
+    mismatches = torch.zeros((), dtype=torch.int64, device=CUDA)
+    count = 0
+    with T.PrefetchLoader(source(), depth, CUDA) as loader:
+        stream = loader.copy_stream if slow == "copy" else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        for i, batch in enumerate(loader):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES)  # held busy before the read, and before the next copy
+            mismatches += (batch != expected[i]).sum()
+            count += 1
+    assert count == len(expected)
+    assert mismatches.item() == 0
+
+
+def test_tiny_preset_trains_on_cuda_and_checkpoints_report_the_gpu_stall(tmp_path, record_property):
+    result = T.run(tiny_args(tmp_path, run_id="tiny", num_steps=6, val_every=3, save_every=3, warmup_steps=2,
+                             **RUN))
+    losses = [loss for _, loss in result.val_losses]
+    assert losses[-1] < losses[0] - 0.3  # 10.83 -> 10.14 on the CPU
+    log = (tmp_path / "logs" / "tiny.txt").read_text()
+    assert "fp8 head True, compile True" in log
+    # The run asks for expandable segments unless the environment chose (test_train checks that rule).
+    assert f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}" in log
+    stalls = [line for line in log.splitlines() if line.startswith("checkpoint:")]
+    assert len(stalls) == 2 and all(", GPU stall " in line for line in stalls), stalls
+    record_property("checkpoint_lines", " | ".join(stalls))
+
+
+def test_worker_threads_select_the_runs_device(tmp_path, monkeypatch):
+    # On one GPU the device is cuda:0 anyway; what this checks is that the threads select it before CUDA calls.
+    seen = []
+    set_device = torch.cuda.set_device
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: (seen.append(threading.current_thread().name.split("_")[0]), set_device(d)))
+    T.run(tiny_args(tmp_path, num_steps=2, val_every=0, save_every=2, warmup_steps=0, **RUN))
+    assert {"prefetch", "ckpt-writer"} <= set(seen)

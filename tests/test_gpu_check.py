@@ -1,0 +1,54 @@
+"""records/gpu_check.py: its table reads pytest's junit XML (outcomes, reasons, recorded figures) and its stages
+survive a failing or hanging step. The whole check on the CPU is `python records/gpu_check.py` (about two
+minutes); here its parts run on small inputs."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "records"))
+import gpu_check  # noqa: E402
+
+SAMPLE_TESTS = '''
+import pytest
+
+def test_measures(record_property):
+    record_property("ms", 1.5)
+
+def test_breaks():
+    assert 1 == 2, "one is not two"
+
+@pytest.mark.skipif(True, reason="needs a CUDA GPU")
+def test_gpu_only():
+    pass
+'''
+
+
+def test_rows_carry_outcome_reason_and_figures_from_junit_xml(tmp_path):
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+                    f"--junitxml={xml}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
+    rows = {r["check"].split("::")[1]: r for r in gpu_check.test_rows(xml)}
+    assert rows["test_measures"]["result"] == "PASS" and rows["test_measures"]["figures"] == {"ms": "1.5"}
+    assert rows["test_breaks"]["result"] == "FAIL" and "one is not two" in rows["test_breaks"]["note"]
+    assert rows["test_gpu_only"]["result"] == "SKIP" and "needs a CUDA GPU" in rows["test_gpu_only"]["note"]
+    table = gpu_check.table(list(rows.values()))
+    assert table.count("\n") == 4 and "| PASS |" in table and "ms=1.5" in table
+
+
+def test_a_stage_past_its_limit_is_killed_and_reported(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        print("started", flush=True)
+        time.sleep(60)
+    """))
+    code, seconds = gpu_check.run_logged([sys.executable, str(script)], tmp_path / "slow.log", limit_s=2)
+    assert code is None and seconds < 30
+    log = (tmp_path / "slow.log").read_text()
+    assert "started" in log and "killed after 2 s" in log
+    code, _ = gpu_check.run_logged([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "fail.log", 30)
+    assert code == 3
