@@ -1,9 +1,10 @@
 """Speedrun GPT trainer: the whole recipe in one file, in data-flow order.
 
-config -> data -> model -> optimizer -> logging -> training loop -> main().
+config -> data -> model -> optimizer -> schedule -> metrics -> profiler -> checkpoints -> training -> main().
 Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
 (N in 1, 2, 4, 8) or plain `python train_gpt.py --preset=tiny` on a CPU.
-Importing this module has no side effects; the tests import it.
+Importing this module has no side effects; the tests import it. Analysis that need not run inside
+training (trace reports, run comparison, load balance) lives in records/.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import contextlib
 import dataclasses
 import datetime
 import glob
-import gzip
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -41,9 +42,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # -----------------------------------------------------------------------------
 # Config
-# One dataclass holds every knob; each field is overridable as --field=value.
-# The defaults are the 8xH100 recipe (record #28 of the NanoGPT speedrun);
-# presets are named sets of fields applied before the explicit overrides.
+# One dataclass holds every knob; each field is overridable as --field=value. The defaults are the
+# 8xH100 recipe (record #28 of the NanoGPT speedrun); presets are named sets of fields applied before
+# the explicit overrides. validate_config refuses, in one line, any value the run cannot use.
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Config:
     run_id: str = ""  # default: a fresh uuid
     log_dir: str = "logs"
     preset: str = ""
-    # profiling and benchmark (see the Profiling and benchmark section)
+    # profiling and benchmark (see the Profiler section)
     profile: str = ""  # START:END traces training steps START..END-1 to <log_dir>/<run_id>/trace_rank<R>.json.gz
     bench: bool = False  # a short steady-state benchmark instead of the run; report in <log_dir>/<run_id>_bench.json
     bench_steps: int = 20  # timed steps, then as many traced steps
@@ -139,6 +140,7 @@ PRESETS: dict[str, dict[str, object]] = {
 
 
 COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
+BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 
 
 class UsageError(Exception):
@@ -193,15 +195,36 @@ def config_help() -> str:
     return "\n".join(lines)
 
 
+def profile_steps(spec: str, num_steps: int) -> range:
+    """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
+    start, sep, end = spec.partition(":")
+    try:
+        a, b = int(start), int(end)
+    except ValueError:
+        raise UsageError(f"--profile expects START:END (0-based training steps, e.g. --profile=10:15), "
+                         f"got {spec!r}") from None
+    if not sep or not 0 <= a < b:
+        raise UsageError(f"--profile={spec}: needs 0 <= START < END (it traces steps START..END-1)")
+    if b > num_steps:
+        raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
+    return range(a, b)
+
+
+def bench_length(cfg: Config) -> int:
+    """The steps a --bench run trains: settle, timed, one profiler warmup, traced."""
+    return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
+
+
 def validate_config(cfg: Config, world_size: int) -> int:
-    """Check what can be checked before touching data or devices; returns grad accumulation steps."""
+    """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
     positive = ["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
                 "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size", "num_steps",
-                "final_window_tokens"]
+                "final_window_tokens", "bench_steps"]
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise UsageError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    for name in ["prefetch_depth", "warmup_steps", "val_every", "muon_momentum_warmup_steps", "num_value_embeds", "gate_channels"]:
+    for name in ["prefetch_depth", "warmup_steps", "val_every", "muon_momentum_warmup_steps", "num_value_embeds",
+                 "gate_channels", "save_every"]:
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.log_every < 1:
@@ -234,9 +257,26 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
-    check_profiling_config(cfg)
-    check_checkpoint_config(cfg)
+    if cfg.profile:
+        profile_steps(cfg.profile, cfg.num_steps)
+    if cfg.bench:
+        if cfg.profile:
+            raise UsageError("--bench traces its own steps; leave out --profile")
+        if bench_length(cfg) > cfg.num_steps:
+            raise UsageError(f"--bench with --bench_steps={cfg.bench_steps} runs {bench_length(cfg)} steps but "
+                             f"--num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps")
+        if cfg.save_every or cfg.save_final or cfg.resume:
+            raise UsageError("--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume")
     return cfg.global_batch_seqs // world_size
+
+
+@dataclass
+class Runtime:
+    """Where this process runs: its rank, the world size and its device (set up in main())."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
 
 
 FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
@@ -258,6 +298,11 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
     if cfg.fp8_head and bad:
         raise UsageError(f"the FP8 head needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} "
                          f"(torch._scaled_mm), got {', '.join(bad)}; change it or use --fp8_head=false")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -----------------------------------------------------------------------------
@@ -614,7 +659,7 @@ class PrefetchLoader:
 # The record-#28 GPT: token + value embeddings, U-net skips, per-block mixing with x0, QK-norm,
 # half-truncated RoPE, sparse head gates, ReLU^2 MLP, soft-capped logits. One mask rule for
 # attention, two kernels: FlexAttention block masks on CUDA, a dense SDPA mask on CPU
-# (FlexAttention has no CPU backward).
+# (FlexAttention has no CPU backward). The windows (long and short, in blocks) come in as a tensor.
 
 
 def norm(x: Tensor) -> Tensor:
@@ -626,18 +671,14 @@ def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor) -> Tensor:
     return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
 
 
-def window_blocks(step: int, cfg: Config) -> int:
-    """Long-window size in blocks at a step: the smallest block multiple >= final_window * step / num_steps."""
-    return max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
-
-
 def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
 
     A key block is visible when it is not after the query block and their document ranges overlap;
     it is full (no per-token mask) when strictly earlier and both lie in one document. The window
     keeps at most max(window - 1, 0) full blocks and max(window - all full blocks, 1) partial ones.
-    `window` is a 0-dim tensor so a new size never triggers a recompile.
+    `window` is a 0-dim tensor so a new size never triggers a recompile; window 0 (short layers while the
+    long window is one block) keeps the diagonal block alone.
     """
     nb = docs.numel() // block_size
     blocks = docs.view(nb, block_size)
@@ -655,8 +696,7 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
     partial_n, partial_idx = nearest_first(partial)
     full_n, full_idx = nearest_first(full)
     partial_n = torch.minimum(partial_n, torch.clamp_min(window - full_n, 1))
-    # Window 0 (short layers while the long window is one block) keeps no full block: a count, never -1.
-    full_n = torch.minimum(full_n, torch.clamp_min(window - 1, 0))
+    full_n = torch.minimum(full_n, torch.clamp_min(window - 1, 0))  # a count: never -1 (kernels loop on it)
     return partial_n, partial_idx, full_n, full_idx
 
 
@@ -778,9 +818,10 @@ fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: Config, max_len: int, flex: Callable = flex_attention):
+    def __init__(self, cfg: Config, max_len: int, window: str, flex: Callable = flex_attention):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
+        self.window = window  # "long" or "short": which of the step's two windows this layer attends within
         self.flex = flex  # flex_attention, or a compiled copy when the model itself is not compiled
         hdim = cfg.num_heads * cfg.head_dim
         # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
@@ -826,16 +867,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, has_attn: bool, max_len: int, flex: Callable):
+    def __init__(self, cfg: Config, window: str | None, max_len: int, flex: Callable):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, max_len, flex) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, max_len, window, flex) if window else None
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: Tensor, sa_lambdas: Tensor,
-                mask: BlockMask | Tensor) -> Tensor:
+                masks: dict[str, BlockMask | Tensor]) -> Tensor:
         x = mix[0] * x + mix[1] * x0
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, sa_lambdas, mask)
+            x = x + self.attn(norm(x), ve, sa_lambdas, masks[self.attn.window])
         return x + self.mlp(norm(x))
 
 
@@ -859,7 +900,8 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, d).bfloat16()
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d).bfloat16()
                                           for _ in range(cfg.num_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, c != "-", max_len, flex) for c in cfg.attn_pattern)
+        windows = {"L": "long", "S": "short", "-": None}
+        self.blocks = nn.ModuleList(Block(cfg, windows[c], max_len, flex) for c in cfg.attn_pattern)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         nn.init.zeros_(self.lm_head.weight)
         # One vector: U-net skip weights, per-block (a, b) mixing with x0, per-layer value lambdas.
@@ -870,24 +912,21 @@ class GPT(nn.Module):
         ve = [table(input_seq) for table in self.value_embeds]
         return ve + [None] * (self.cfg.num_layers - 2 * len(ve)) + ve
 
-    def attention_masks(self, input_seq: Tensor, window: Tensor) -> dict[str, BlockMask | Tensor]:
-        build = block_mask if self.use_flex else dense_mask
-        return {"L": build(input_seq, self.cfg.block_size, window),
-                "S": build(input_seq, self.cfg.block_size, window // 2)}
-
-    def forward(self, input_seq: Tensor, target_seq: Tensor, window: Tensor) -> Tensor:
-        """Summed cross-entropy in training, mean in eval. input_seq is one packed (T,) sequence."""
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor) -> Tensor:
+        """Summed cross-entropy in training, mean in eval. input_seq is one packed (T,) sequence; windows is
+        (long, short) in blocks, an int tensor (a new value never recompiles)."""
         cfg, L = self.cfg, self.cfg.num_layers
         skip_w, mix, sa = self.scalars[: L // 2], self.scalars[L // 2: 5 * L // 2], self.scalars[5 * L // 2:]
         ves = self.value_embeds_per_layer(input_seq)
-        masks = self.attention_masks(input_seq, window)
+        build = block_mask if self.use_flex else dense_mask
+        masks = {"long": build(input_seq, cfg.block_size, windows[0]),
+                 "short": build(input_seq, cfg.block_size, windows[1])}
         x = x0 = norm(self.embed(input_seq)[None])
         skips = []
         for i, block in enumerate(self.blocks):
             if i >= L // 2:
                 x = x + skip_w[i - L // 2] * skips.pop()
-            mask = masks.get(cfg.attn_pattern[i], masks["L"])
-            x = block(x, x0, ves[i], mix[2 * i: 2 * i + 2], sa[2 * i: 2 * i + 2], mask)
+            x = block(x, x0, ves[i], mix[2 * i: 2 * i + 2], sa[2 * i: 2 * i + 2], masks)
             if i < L // 2:
                 skips.append(x)
         x = norm(x).flatten(0, 1)
@@ -961,6 +1000,18 @@ class ParamGroup:
     lr: float
     params: list[nn.Parameter]
     names: list[str] = field(default_factory=list)
+
+
+def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
+    """Muon takes every block matrix; Adam the embeddings (one lr), the head and the scalars."""
+    named = dict(model.named_parameters())
+    embed = [n for n in named if n.startswith(("embed.", "value_embeds."))]
+    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2]
+    spec = [("muon", cfg.muon_lr, muon), ("adam", cfg.embed_lr, embed), ("adam", cfg.head_lr, ["lm_head.weight"]),
+            ("adam", cfg.scalar_lr, ["scalars"])]
+    groups = [ParamGroup(kind, lr, [named[n] for n in names], names) for kind, lr, names in spec]
+    assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
+    return groups
 
 
 def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
@@ -1175,74 +1226,95 @@ class ShardedMuonAdam:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_tensors())
 
-    def state_dict(self) -> dict:
-        """This rank's shard keyed by parameter name, with the bucket layout needed to reassemble it.
+    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
+        """This rank's shard keyed by parameter name, with the bucket layout: the only format of optimizer state.
 
-        params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor}: the state of units lo..hi-1
-        of that parameter (matrices for Muon, flat elements for Adam); names this rank owns nothing of
-        are absent. Tensors are clones, so saving one does not save its whole bucket.
+        params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor}: the state of units lo..hi-1 of that
+        parameter (matrices for Muon, flat elements for Adam); names this rank owns nothing of are absent.
+        Each state tensor is a view of the live state passed through `copy` (a clone by default; the
+        checkpointer's copy goes to a pinned host buffer), so saving one does not save its whole bucket.
         """
         params = {}
         for i, b in enumerate(self.buckets):
             for name, lo, hi, state in b.owned():
-                params[name] = {"bucket": i, "units": (lo, hi), **{k: t.clone() for k, t in state.items()}}
+                params[name] = {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
         return {"world_size": self.world_size, "rank": self.rank, "step_count": self.step_count,
                 "buckets": [b.layout() for b in self.buckets], "params": params}
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        """Load a state_dict saved by the same rank of the same world size and bucket layout."""
-        if (sd["world_size"], sd["rank"]) != (self.world_size, self.rank):
-            raise ValueError(f"optimizer state of rank {sd['rank']} of {sd['world_size']} cannot be loaded "
-                             f"on rank {self.rank} of {self.world_size}")
-        if sd["buckets"] != [b.layout() for b in self.buckets]:
-            raise ValueError("optimizer state has a different bucket layout (model, config or --bucket_mb changed)")
-        expected = {name for b in self.buckets for name, *_ in b.owned()}
-        if set(sd["params"]) != expected:
-            raise ValueError(f"optimizer state holds parameters {sorted(set(sd['params']) ^ expected)} unexpectedly")
-        for i, b in enumerate(self.buckets):
+    def load_state_dict(self, shards: list[dict]) -> None:
+        """Load the state_dict() of every rank of a saving run, at any world size and bucket layout: each
+        parameter's state is put together from the ranks' pieces (units lo..hi-1 each), then this rank
+        copies the units it owns now. ValueError says what does not fit."""
+        saved = {n: (lay["kind"], lay["unit"], c) for lay in shards[0]["buckets"]
+                 for n, c in zip(lay["names"], lay["counts"])}
+        mine = {n: (b.kind, b.unit, c) for b in self.buckets for n, c in zip(b.names, b.counts)}
+        if saved != mine:
+            raise ValueError("the optimizer state has other parameters or units than this model")
+        pieces: dict[str, list[tuple[int, int, dict[str, Tensor]]]] = {n: [] for n in mine}
+        for shard in shards:
+            for name, entry in shard["params"].items():
+                state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
+                pieces[name].append((*entry["units"], state))
+        full: dict[str, dict[str, Tensor]] = {}
+        for name, parts in pieces.items():
+            parts.sort(key=lambda p: p[0])
+            edges = [0] + [e for lo, hi, _ in parts for e in (lo, hi)] + [mine[name][2]]
+            if edges[0::2] != edges[1::2]:  # each piece starts where the previous one ended, from 0 to the end
+                raise ValueError(f"the optimizer state does not cover {name} exactly once")
+            full[name] = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        for b in self.buckets:
             for name, lo, hi, state in b.owned():
-                saved = sd["params"][name]
-                if saved["bucket"] != i or tuple(saved["units"]) != (lo, hi):
-                    raise ValueError(f"optimizer state for {name} covers other units than this rank owns")
                 for k, t in state.items():
-                    t.copy_(saved[k])
-        self.step_count = sd["step_count"]
-
-
-def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
-    """Muon takes every block matrix; Adam the embeddings (one lr), the head and the scalars."""
-    named = dict(model.named_parameters())
-    embed = [n for n in named if n.startswith(("embed.", "value_embeds."))]
-    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2]
-    spec = [("muon", cfg.muon_lr, muon), ("adam", cfg.embed_lr, embed), ("adam", cfg.head_lr, ["lm_head.weight"]),
-            ("adam", cfg.scalar_lr, ["scalars"])]
-    groups = [ParamGroup(kind, lr, [named[n] for n in names], names) for kind, lr, names in spec]
-    assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
-    return groups
-
-
-def lr_multiplier(step: int, cfg: Config) -> float:
-    """1.0, then a linear cooldown to final_lr_frac over the last cooldown_frac of the steps."""
-    x = step / cfg.num_steps
-    if x < 1 - cfg.cooldown_frac:
-        return 1.0
-    w = (1 - x) / cfg.cooldown_frac
-    return w + (1 - w) * cfg.final_lr_frac
-
-
-def muon_momentum(step: int, cfg: Config) -> float:
-    frac = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
-    return cfg.muon_momentum_start + frac * (cfg.muon_momentum_end - cfg.muon_momentum_start)
+                    t.copy_(full[name][k][lo:hi])
+        self.step_count = shards[0]["step_count"]
 
 
 # -----------------------------------------------------------------------------
-# Logging
+# Schedule
+# Everything that varies with the step, in one place: the training loop sets the optimizer from it and
+# hands the windows to the model (as a device table, so a new window never recompiles), and the FLOP
+# model and the metrics read the same values. A new staged quantity is a new field here.
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    lr_mult: float  # of every group's lr: 1, then a linear cooldown to final_lr_frac over the last cooldown_frac
+    muon_momentum: float  # muon_momentum_start -> _end over the first muon_momentum_warmup_steps
+    long_window: int  # attention window of the long layers, in blocks: grows to final_window_tokens
+    short_window: int  # of the short layers: short_window(long_window)
+
+
+def short_window(long_window: int) -> int:
+    """The short layers' window: half the long one, rounded down (0: the diagonal block alone)."""
+    return long_window // 2
+
+
+def schedule(step: int, cfg: Config) -> StepSchedule:
+    """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
+    x = step / cfg.num_steps
+    cool = min((1 - x) / cfg.cooldown_frac, 1.0) if cfg.cooldown_frac else 1.0
+    lr_mult = 1.0 if x < 1 - cfg.cooldown_frac else cool + (1 - cool) * cfg.final_lr_frac
+    warm = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
+    momentum = cfg.muon_momentum_start + warm * (cfg.muon_momentum_end - cfg.muon_momentum_start)
+    # The smallest block multiple >= final_window * step / num_steps, at least one block.
+    long_window = max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
+    return StepSchedule(lr_mult, momentum, long_window, short_window(long_window))
+
+
+def window_table(cfg: Config, device: torch.device) -> Tensor:
+    """(num_steps + 1, 2) int32 on the device: row s is step s's (long, short) window for the model."""
+    steps = [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
+    return torch.tensor([(s.long_window, s.short_window) for s in steps], dtype=torch.int32, device=device)
+
+
+# -----------------------------------------------------------------------------
+# Metrics
 # Rank 0 prints and appends to logs/<run_id>.txt: the source, the environment, the resolved config,
 # then speedrun-grammar step lines. logs/<run_id>.jsonl gets one JSON object per logged step and per
-# validation; logs/<run_id>.json the run summary at the end. The log files stay open (buffered).
-# Train metrics stay on the device between logging steps (class Metrics): one all-gather per logging
-# step, copied to pinned memory without blocking and printed once that copy has landed.
+# validation; logs/<run_id>.json the run summary at the end. Train metrics stay on the device between
+# logging steps (class Metrics): one all-gather per logging step, copied to pinned memory without
+# blocking and printed once that copy has landed. The FLOP model (for MFU) reads the model itself.
 
 SEPARATOR = "=" * 100
 
@@ -1357,14 +1429,26 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
     return None if tflops is None else tflops * 1e12
 
 
-def matmul_params(cfg: Config) -> int:
-    """Weights used in matmuls: attention q/k/v/o and head gates, MLP, lm_head. Embedding and value
-    embedding lookups and the scalar vector do no matmul and are not counted."""
-    d, hdim = cfg.model_dim, cfg.num_heads * cfg.head_dim
-    attn_layers = sum(c != "-" for c in cfg.attn_pattern)
-    mlp = 2 * d * cfg.mlp_ratio * d
-    return attn_layers * (4 * hdim * d + cfg.num_heads * cfg.gate_channels) + cfg.num_layers * mlp + \
-        d * cfg.vocab_size
+def mfu_pct(flops_per_token: float, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
+    """Model FLOPs utilization in percent: achieved model FLOP/s over the devices' peak; None when unknown."""
+    if not peak or not tokens_per_s:
+        return None
+    return 100 * flops_per_token * tokens_per_s / (peak * world_size)
+
+
+def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
+    """Peak memory allocated and reserved by torch on the device since the last reset, in MiB (None on a CPU)."""
+    if device.type != "cuda":
+        return {"peak_memory_allocated_mib": None, "peak_memory_reserved_mib": None}
+    return {"peak_memory_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
+
+
+def matmul_weights(model: nn.Module) -> int:
+    """Parameters that feed a matmul, each used once per token: every parameter of two or more dimensions
+    except embedding tables (a lookup, no matmul). Read from the model, so a new layer counts itself."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in tables)
 
 
 def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
@@ -1373,21 +1457,23 @@ def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 
-def flops_per_token(cfg: Config, window: int) -> float:
-    """Model FLOPs per trained token (forward + backward) with the long window at `window` blocks:
+def flops_per_token(model: GPT, s: StepSchedule) -> float:
+    """Model FLOPs per trained token (forward + backward) at the windows of schedule entry `s`:
 
-        6 * N  +  12 * H * Dh * sum over attention layers of T_eff(layer)
+        6 * N  +  sum over attention layers of 12 * heads * head_dim * T_eff(layer)
 
-    N = matmul_params(cfg); 6 = 2 FLOPs per multiply-add x 3 (forward, and twice that backward).
-    Attention: QK^T and AV cost 2 * 2 * H * Dh FLOPs per query-key pair forward, x3 with backward.
-    T_eff = mean_keys_per_query(W, train_seq_len), W the layer's window in tokens (long layers
-    window * block_size, short layers half the blocks, at least one). This is the standard
-    6N + 12 * L * H * Dh * T with the causal, windowed key count in place of T; document masking is
-    ignored (an upper bound of the attention work actually done).
+    N = matmul_weights(model); 6 = 2 FLOPs per multiply-add x 3 (forward, and twice that backward).
+    Attention: QK^T and AV cost 2 * 2 * heads * head_dim FLOPs per query-key pair forward, x3 with
+    backward. T_eff = mean_keys_per_query(W, train_seq_len), W the layer's window in tokens (at least one
+    block). This is the standard 6N + 12 * L * H * Dh * T with the causal, windowed key count in place of
+    T; document masking is ignored (an upper bound of the attention work actually done).
     """
-    per_layer = {"L": max(window, 1) * cfg.block_size, "S": max(window // 2, 1) * cfg.block_size}
-    t_eff = sum(mean_keys_per_query(per_layer[c], cfg.train_seq_len) for c in cfg.attn_pattern if c != "-")
-    return 6 * matmul_params(cfg) + 12 * cfg.num_heads * cfg.head_dim * t_eff
+    cfg = model.cfg
+    windows = {"long": s.long_window, "short": s.short_window}
+    attention = sum(12 * b.attn.num_heads * b.attn.head_dim *
+                    mean_keys_per_query(max(windows[b.attn.window], 1) * cfg.block_size, cfg.train_seq_len)
+                    for b in model.blocks if b.attn is not None)
+    return 6 * matmul_weights(model) + attention
 
 
 def format_eta(seconds: float) -> str:
@@ -1400,10 +1486,13 @@ def format_eta(seconds: float) -> str:
 class PendingLine:
     """A logging step whose rank statistics are on their way to host slot `slot` (done when event is)."""
     step: int
-    train_ms: float
+    train_time_ms: float
     slot: int
     event: torch.cuda.Event | None
     timers: list[tuple[torch.cuda.Event, torch.cuda.Event]]
+    steps: int  # training steps since the previous line
+    tokens: int  # tokens per rank in them
+    schedule: StepSchedule  # of the last of them
 
 
 class Metrics:
@@ -1412,32 +1501,32 @@ class Metrics:
     Each step the loop calls begin_step, add_loss per micro-step (the detached SUM of token
     cross-entropy: it is added on the device) and end_step. A step only adds to device tensors and
     records two CUDA events (the host clock on CPU): no collective and no host sync. At a logging step
-    (logs_at) every rank packs its numbers for the steps since the previous logging step into one
-    vector (FIELDS), one all-gather collects the vectors, mean/sum/min/max over ranks are taken on
-    the device, and rank 0 copies them non-blocking into a pinned host slot and records an event. A
-    later call prints the line once event.query() says the copy has landed; flush() synchronizes
-    and prints whatever is pending (before each validation line and at the end). World size 1
-    uses no collective at all.
+    (logs_at) every rank packs what differs between ranks (RANK_STATS, by name) into one vector, one
+    all-gather collects the vectors, mean/sum/min/max over ranks are taken on the device, and rank 0
+    copies them non-blocking into a pinned host slot and records an event; what every rank shares
+    (tokens, steps, the schedule) stays on the host. A later call prints the line once event.query()
+    says the copy has landed; flush() synchronizes and prints whatever is pending (before each
+    validation line and at the end). World size 1 uses no collective at all.
 
     Step line: train_loss is the token-mean over every micro-step, rank and step since the previous
     logged step; tok/s and mfu use the GPU time of those steps (CUDA events on rank 0; the slowest
     rank's host clock on CPU); train_time and step_avg are the host clock, approximate on a GPU.
     """
 
-    FIELDS = ("loss_sum", "tokens", "steps", "window", "lr_mult", "muon_momentum", "peak_mem_mib", "host_ms")
+    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib")
     STATS = ("mean", "sum", "min", "max")
     SLOTS = 8  # pinned host slots; with all in flight, the oldest is waited for (GPU far behind)
 
-    def __init__(self, cfg: Config, rt: Runtime, log: RunLog):
-        self.cfg, self.rt, self.log = cfg, rt, log
+    def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT):
+        self.cfg, self.rt, self.log, self.model = cfg, rt, log, model
         self.on_cuda = rt.device.type == "cuda"
         self.peak = peak_flops(rt.device, cfg.peak_tflops)
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        self.sums = {"loss_sum": torch.zeros((), dtype=torch.float64, device=rt.device)}  # device side, by name
         self.tokens, self.steps, self.host_ms = 0, 0, 0.0
         self.timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.start: torch.cuda.Event | None = None
         self.t0 = 0.0
-        self.host = torch.zeros(self.SLOTS, len(self.STATS), len(self.FIELDS), dtype=torch.float64,
+        self.host = torch.zeros(self.SLOTS, len(self.STATS), len(self.RANK_STATS), dtype=torch.float64,
                                 pin_memory=self.on_cuda)
         self.host_view = self.host.numpy()  # read as numpy: no Tensor call on the host side
         self.pending: list[PendingLine] = []
@@ -1456,11 +1545,12 @@ class Metrics:
 
     def add_loss(self, loss_sum: Tensor, tokens: int) -> None:
         """Add a micro-step's summed token loss (detached, on the device) and its token count."""
-        self.loss_sum += loss_sum
+        self.sums["loss_sum"] += loss_sum
         self.tokens += tokens
 
-    def end_step(self, step: int, train_ms: float, lr_mult: float, momentum: float, window: Tensor) -> None:
-        """Close step `step`; at a logging step pack, gather and stage it. Then print what has landed."""
+    def end_step(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
+        """Close step `step` (trained with schedule entry s); at a logging step gather and stage it. Then
+        print what has landed."""
         if self.on_cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -1468,7 +1558,7 @@ class Metrics:
         self.host_ms += 1000 * (time.perf_counter() - self.t0)
         self.steps += 1
         if self.logs_at(step):
-            self._gather(step, train_ms, lr_mult, momentum, window)
+            self._gather(step, train_time_ms, s)
         self.poll()
 
     @staticmethod
@@ -1482,15 +1572,14 @@ class Metrics:
         gathered = gathered.view(world_size, -1)
         return torch.stack([gathered.mean(0), gathered.sum(0), gathered.amin(0), gathered.amax(0)])
 
-    def _gather(self, step: int, train_ms: float, lr_mult: float, momentum: float, window: Tensor) -> None:
-        peak_mem = torch.cuda.max_memory_allocated(self.rt.device) / 2**20 if self.on_cuda else 0.0
-        local = torch.empty(len(self.FIELDS), dtype=torch.float64, device=self.rt.device)
-        local[0].copy_(self.loss_sum)
-        local[3].copy_(window)
-        # Host numbers go in as kernel arguments (fill_): no host-to-device copy.
-        for i, value in ((1, self.tokens), (2, self.steps), (4, lr_mult), (5, momentum), (6, peak_mem),
-                         (7, self.host_ms)):
-            local[i].fill_(value)
+    def _gather(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
+        host = {"host_ms": self.host_ms, **peak_memory_mib(self.rt.device)}
+        local = torch.empty(len(self.RANK_STATS), dtype=torch.float64, device=self.rt.device)
+        for i, name in enumerate(self.RANK_STATS):
+            if name in self.sums:
+                local[i].copy_(self.sums[name])
+            else:  # a host number goes in as a kernel argument (fill_): no host-to-device copy
+                local[i].fill_(host[name] or 0.0)
         stats = self.reduce_ranks(local, self.rt.world_size)
         if self.rt.rank == 0:
             if len(self.pending) == self.SLOTS:
@@ -1501,8 +1590,9 @@ class Metrics:
             if self.on_cuda:
                 event = torch.cuda.Event()
                 event.record()
-            self.pending.append(PendingLine(step, train_ms, slot, event, self.timers))
-        self.loss_sum.zero_()
+            self.pending.append(PendingLine(step, train_time_ms, slot, event, self.timers, self.steps, self.tokens, s))
+        for t in self.sums.values():
+            t.zero_()
         self.tokens, self.steps, self.host_ms, self.timers = 0, 0, 0.0, []
 
     def poll(self) -> None:
@@ -1518,31 +1608,28 @@ class Metrics:
     def _print(self, p: PendingLine, wait: bool = False) -> None:
         if wait and p.event is not None:
             p.event.synchronize()
-        mean, total, low, high = (dict(zip(self.FIELDS, map(float, row))) for row in self.host_view[p.slot])
-        cfg, steps = self.cfg, max(int(mean["steps"]), 1)
+        mean, total, low, high = (dict(zip(self.RANK_STATS, map(float, row))) for row in self.host_view[p.slot])
+        cfg, tokens = self.cfg, p.tokens * self.rt.world_size
         time_ms = sum(a.elapsed_time(b) for a, b in p.timers) if p.timers else high["host_ms"]
-        tok_s = total["tokens"] / (time_ms / 1000) if time_ms > 0 else None
-        window = int(high["window"])
-        mfu = None
-        if self.peak and tok_s:
-            mfu = 100 * flops_per_token(cfg, window) * tok_s / (self.peak * self.rt.world_size)
-        train_loss = total["loss_sum"] / max(total["tokens"], 1)
-        step_avg = p.train_ms / p.step
+        tok_s = tokens / (time_ms / 1000) if time_ms > 0 else None
+        mfu = mfu_pct(flops_per_token(self.model, p.schedule), tok_s, self.peak, self.rt.world_size)
+        train_loss = total["loss_sum"] / max(tokens, 1)
+        step_avg = p.train_time_ms / p.step
         eta_s = step_avg * (cfg.num_steps - p.step) / 1000
-        self.log(f"step:{p.step}/{cfg.num_steps} train_loss:{train_loss:.4f} train_time:{p.train_ms:.0f}ms "
+        self.log(f"step:{p.step}/{cfg.num_steps} train_loss:{train_loss:.4f} train_time:{p.train_time_ms:.0f}ms "
                  f"step_avg:{step_avg:.2f}ms tok/s:{'-' if tok_s is None else f'{tok_s:.0f}'} "
                  f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}")
-        rank_tokens = max(mean["tokens"], 1)
         self.log.record({
-            "step": p.step, "total": cfg.num_steps, "train_loss": train_loss, "train_time_ms": p.train_ms,
+            "step": p.step, "total": cfg.num_steps, "train_loss": train_loss, "train_time_ms": p.train_time_ms,
             "step_avg_ms": step_avg, "tokens_per_s": tok_s, "mfu_pct": mfu, "eta_s": eta_s,
-            "step_ms": time_ms / steps, "steps": steps, "tokens": int(total["tokens"]),
-            "lr_mult": mean["lr_mult"], "muon_momentum": mean["muon_momentum"],
-            "window_tokens": window * cfg.block_size,
-            "peak_mem_allocated_mib": high["peak_mem_mib"] if self.on_cuda else None,
-            "train_loss_rank_min": low["loss_sum"] / rank_tokens,
-            "train_loss_rank_max": high["loss_sum"] / rank_tokens,
+            "step_ms": time_ms / max(p.steps, 1), "steps": p.steps, "tokens": tokens,
+            "lr_mult": p.schedule.lr_mult, "muon_momentum": p.schedule.muon_momentum,
+            "window_tokens": p.schedule.long_window * cfg.block_size,
+            "peak_memory_allocated_mib": high["peak_memory_allocated_mib"] if self.on_cuda else None,
+            "train_loss_rank_min": low["loss_sum"] / max(p.tokens, 1),
+            "train_loss_rank_max": high["loss_sum"] / max(p.tokens, 1),
         })
+        self.log.flush()  # a line is final once printed: a hard stop loses none of them
 
 
 def git_commit(directory: Path) -> str | None:
@@ -1557,20 +1644,18 @@ def git_commit(directory: Path) -> str | None:
     return commit if ok else None
 
 
-def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_ms: float,
+def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
                 gpu_names: list[str]) -> dict[str, object]:
     """The end-of-run summary, logs/<run_id>.json (records/compare.py reads these keys)."""
-    on_cuda = rt.device.type == "cuda"
     tokens = cfg.num_steps * cfg.global_batch_seqs * cfg.train_seq_len
     return {
         "run_id": cfg.run_id,
         "final_val_loss": val_points[-1][1] if val_points else None,
-        "train_time_ms": train_ms,
+        "train_time_ms": train_time_ms,
         "steps": cfg.num_steps,
-        "step_avg_ms": train_ms / cfg.num_steps,
-        "tokens_per_s": tokens / (train_ms / 1000) if train_ms > 0 else None,
-        "peak_mem_allocated_mib": torch.cuda.max_memory_allocated(rt.device) / 2**20 if on_cuda else None,
-        "peak_mem_reserved_mib": torch.cuda.max_memory_reserved(rt.device) / 2**20 if on_cuda else None,
+        "step_avg_ms": train_time_ms / cfg.num_steps,
+        "tokens_per_s": tokens / (train_time_ms / 1000) if train_time_ms > 0 else None,
+        **peak_memory_mib(rt.device),
         "world_size": rt.world_size,
         "gpu_names": gpu_names,
         "torch_version": torch.__version__,
@@ -1591,217 +1676,18 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
 
 
 # -----------------------------------------------------------------------------
-# Profiling and benchmark
-# --profile=START:END traces the 0-based training steps START..END-1 (log lines step:START+1 ..
-# step:END) with torch.profiler: CPU activity, plus CUDA kernels and copies on a GPU, written as one
-# gzipped Chrome/Perfetto trace per rank, <log_dir>/<run_id>/trace_rank<R>.json.gz (ui.perfetto.dev and
-# chrome://tracing open it as is). --bench replaces the run by a short benchmark: after the warmup,
-# BENCH_SETTLE_STEPS untimed steps, bench_steps steps timed with CUDA events (untraced), one profiler
-# warmup step, then bench_steps traced and timed steps; no validation. It reports median ms/step,
-# tokens/s, MFU, peak memory and, from the trace, the GPU idle fraction and how much of the H2D copies
-# and NCCL kernels overlap compute, printed and written to <log_dir>/<run_id>_bench.json. The steps use
-# the schedule of the configured run (its first steps: the recipe's smallest attention window). The
-# trace analysis is pure functions over the Chrome trace's event list (times in microseconds).
+# Profiler
+# --profile=START:END traces the 0-based training steps START..END-1 (log lines step:START+1 .. step:END)
+# with torch.profiler: CPU activity, plus CUDA kernels and copies on a GPU, one gzipped Chrome/Perfetto
+# trace per rank, <log_dir>/<run_id>/trace_rank<R>.json.gz. --bench replaces the run by a short benchmark:
+# after the warmup, BENCH_SETTLE_STEPS untimed steps, bench_steps steps timed with CUDA events (untraced),
+# one profiler warmup step, then bench_steps traced and timed steps; no validation; the schedule is the
+# configured run's (its first steps). Each rank writes its raw figures to <log_dir>/<run_id>/bench_rank<R>.json;
+# records/trace_report.py turns them and the traces into the report (medians, GPU idle, copy and NCCL overlap)
+# and is run here at the end, as it can be afterwards on any run folder.
 
 STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
-BENCH_SETTLE_STEPS = 2  # untimed steps between the warmup and the timed ones
-Interval = tuple[float, float]
-
-
-def profile_steps(spec: str, num_steps: int) -> range:
-    """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
-    start, sep, end = spec.partition(":")
-    try:
-        a, b = int(start), int(end)
-    except ValueError:
-        raise UsageError(f"--profile expects START:END (0-based training steps, e.g. --profile=10:15), "
-                         f"got {spec!r}") from None
-    if not sep or not 0 <= a < b:
-        raise UsageError(f"--profile={spec}: needs 0 <= START < END (it traces steps START..END-1)")
-    if b > num_steps:
-        raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
-    return range(a, b)
-
-
-def check_profiling_config(cfg: Config) -> None:
-    if cfg.profile:
-        profile_steps(cfg.profile, cfg.num_steps)
-    if cfg.bench:
-        if cfg.profile:
-            raise UsageError("--bench traces its own steps; leave out --profile")
-        if cfg.bench_steps <= 0:
-            raise UsageError(f"--bench_steps must be positive, got {cfg.bench_steps}")
-        need = BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
-        if need > cfg.num_steps:
-            raise UsageError(f"--bench with --bench_steps={cfg.bench_steps} runs {need} steps but --num_steps is "
-                             f"{cfg.num_steps}; lower --bench_steps or raise --num_steps")
-
-
-def interval_union(intervals: list[Interval]) -> list[Interval]:
-    """Sorted disjoint intervals covering the same points; empty intervals dropped, touching ones merged."""
-    out: list[Interval] = []
-    for s, e in sorted((float(s), float(e)) for s, e in intervals if e > s):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def intervals_length(intervals: list[Interval]) -> float:
-    return sum(e - s for s, e in interval_union(intervals))
-
-
-def interval_intersection(a: list[Interval], b: list[Interval]) -> list[Interval]:
-    """The points in both unions, as sorted disjoint intervals."""
-    a, b = interval_union(a), interval_union(b)
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if e > s:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def overlap_fraction(a: list[Interval], b: list[Interval]) -> float | None:
-    """Share of the time covered by a that b also covers; None when a covers nothing."""
-    total = intervals_length(a)
-    return intervals_length(interval_intersection(a, b)) / total if total > 0 else None
-
-
-def idle_fraction(busy: list[Interval], window: Interval | list[Interval]) -> float | None:
-    """Share of the window(s) that no busy interval covers; None for an empty window."""
-    windows = [window] if window and isinstance(window[0], (int, float)) else list(window)
-    total = intervals_length(windows)
-    return 1.0 - intervals_length(interval_intersection(busy, windows)) / total if total > 0 else None
-
-
-def load_trace(path: Path) -> list[dict]:
-    """The event list of a Chrome trace file (.json or .json.gz; an object with traceEvents, or a bare list)."""
-    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def _cat(e: dict) -> str:
-    return str(e.get("cat", "")).lower()
-
-
-def _span(e: dict) -> Interval:
-    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
-
-
-def _step_of(e: dict, mark: str) -> int | None:
-    name = str(e.get("name", ""))
-    return int(name[len(mark):]) if name.startswith(mark) and name[len(mark):].isdigit() else None
-
-
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def cpu_step_spans(events: list[dict], mark: str = STEP_MARK) -> dict[int, Interval]:
-    """step -> CPU-side span of its record_function annotation."""
-    return {s: _span(e) for e in events if e.get("ph") == "X" and _cat(e) == "user_annotation"
-            and (s := _step_of(e, mark)) is not None}
-
-
-def gpu_step_spans(events: list[dict], mark: str = STEP_MARK) -> dict[int, Interval]:
-    """step -> span of its GPU work (first start to last end).
-
-    From the profiler's gpu_user_annotation events when every annotated step has one; otherwise each
-    GPU event (kernel, memcpy, memset) is assigned, through its correlation id, to the step whose CPU
-    annotation holds its launch (cuda_runtime / cuda_driver event).
-    """
-    cpu = cpu_step_spans(events, mark)
-    gpu: dict[int, Interval] = {}
-    for e in events:
-        if e.get("ph") == "X" and _cat(e) == "gpu_user_annotation" and (s := _step_of(e, mark)) is not None:
-            a, b = _span(e)
-            gpu[s] = (min(a, gpu[s][0]), max(b, gpu[s][1])) if s in gpu else (a, b)
-    if gpu and set(gpu) >= set(cpu):
-        return gpu
-    launches = {e["args"]["correlation"]: float(e["ts"]) for e in events
-                if _cat(e) in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    order = sorted(cpu.items(), key=lambda kv: kv[1][0])
-    starts = [span[0] for _, span in order]
-    spans: dict[int, Interval] = {}
-    for e in events:
-        if e.get("ph") != "X" or _cat(e) not in GPU_CATS:
-            continue
-        t = launches.get(e.get("args", {}).get("correlation"))
-        if t is None:
-            continue
-        i = int(np.searchsorted(starts, t, side="right")) - 1
-        if i < 0 or t > order[i][1][1]:
-            continue
-        s, (a, b) = order[i][0], _span(e)
-        spans[s] = (min(a, spans[s][0]), max(b, spans[s][1])) if s in spans else (a, b)
-    return spans
-
-
-def step_windows(spans: dict[int, Interval]) -> list[Interval]:
-    """Start-to-start windows, in step order: a step runs from its first event to the next step's first
-    (so the gap between steps counts against the step before it); the last step ends at its last event."""
-    ordered = [spans[s] for s in sorted(spans)]
-    return [(a, max(a, ordered[i + 1][0]) if i + 1 < len(ordered) else b) for i, (a, b) in enumerate(ordered)]
-
-
-def trace_summary(events: list[dict], step_windows_: list[Interval] | None = None) -> dict:
-    """GPU figures of the steps inside the windows (default: the GPU windows of the train_step# marks).
-
-    compute kernels: the kernels, NCCL ones excepted, on the (device, stream) that runs the most of them
-    (the default stream in the trainer); GPU idle fraction: the share of the windows with no compute
-    kernel running; H2D overlap: the share of host-to-device memcpy time during which a compute kernel
-    runs (also for the copies off the compute stream alone, the loader's); comm overlap: the same for
-    NCCL kernels. Figures without events are None (a CPU trace).
-    """
-    events = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    gpu = [e for e in events if _cat(e) in GPU_CATS]
-    if step_windows_ is None:
-        step_windows_ = step_windows(gpu_step_spans(events) if gpu else cpu_step_spans(events))
-    out: dict = {"steps": len(step_windows_), "trace_ms_per_step_median": None, "compute_stream": None,
-                 "gpu_idle_frac": None, "h2d_overlap_frac": None, "h2d_off_stream_overlap_frac": None,
-                 "comm_overlap_frac": None,
-                 "compute_ms_per_step": None, "h2d_ms_per_step": None, "comm_ms_per_step": None}
-    if not step_windows_:
-        return out
-    out["trace_ms_per_step_median"] = float(np.median([(b - a) / 1000 for a, b in step_windows_]))
-    if not gpu:
-        return out
-    windows = interval_union(step_windows_)
-    kernels = [e for e in gpu if _cat(e) == "kernel"]
-    is_nccl = lambda e: "nccl" in str(e.get("name", "")).lower()  # noqa: E731
-    nccl = [e for e in kernels if is_nccl(e)]
-    busy: dict[tuple, list[Interval]] = {}
-    for e in kernels:
-        if not is_nccl(e):
-            args = e.get("args", {})
-            busy.setdefault((args.get("device"), args.get("stream")), []).append(_span(e))
-    in_windows = lambda spans: interval_intersection(spans, windows)  # noqa: E731
-    lengths = {key: intervals_length(in_windows(spans)) for key, spans in busy.items()}
-    compute: list[Interval] = []
-    key = None
-    if lengths and max(lengths.values()) > 0:
-        key = max(lengths, key=lengths.get)
-        out["compute_stream"] = key[1]
-        compute = in_windows(busy[key])
-    copies = [e for e in gpu if _cat(e) == "gpu_memcpy" and "htod" in str(e.get("name", "")).lower()]
-    h2d = in_windows([_span(e) for e in copies])
-    # copies issued on the compute stream itself (e.g. small scalars) cannot overlap it; the loader's are off it
-    off = in_windows([_span(e) for e in copies
-                      if (e.get("args", {}).get("device"), e.get("args", {}).get("stream")) != key])
-    comm = in_windows([_span(e) for e in nccl])
-    n = len(step_windows_)
-    out.update(gpu_idle_frac=idle_fraction(compute, windows), h2d_overlap_frac=overlap_fraction(h2d, compute),
-               h2d_off_stream_overlap_frac=overlap_fraction(off, compute),
-               comm_overlap_frac=overlap_fraction(comm, compute),
-               compute_ms_per_step=intervals_length(compute) / 1000 / n,
-               h2d_ms_per_step=intervals_length(h2d) / 1000 / n, comm_ms_per_step=intervals_length(comm) / 1000 / n)
-    return out
+TRACE_REPORT = Path(__file__).resolve().parent / "records" / "trace_report.py"
 
 
 class StepProfiler:
@@ -1819,13 +1705,12 @@ class StepProfiler:
         self.timed: range | None = None
         self.stop_step: int | None = None  # bench: the loop ends here
         if cfg.bench:
-            first = BENCH_SETTLE_STEPS
-            self.timed = range(first, first + cfg.bench_steps)
+            self.timed = range(BENCH_SETTLE_STEPS, BENCH_SETTLE_STEPS + cfg.bench_steps)
             self.traced = range(self.timed.stop + 1, self.timed.stop + 1 + cfg.bench_steps)
             self.stop_step = self.traced.stop
         elif cfg.profile:
             self.traced = profile_steps(cfg.profile, cfg.num_steps)
-        self.trace_path = Path(cfg.log_dir) / cfg.run_id / f"trace_rank{rt.rank}.json.gz"
+        self.folder = Path(cfg.log_dir) / cfg.run_id
         self.prof: torch.profiler.profile | None = None
         self.marks: dict[int, torch.cuda.Event | float] = {}
         self.exported = False
@@ -1839,8 +1724,8 @@ class StepProfiler:
             self.marks[step] = time.perf_counter()
 
     def _export(self, prof: torch.profiler.profile) -> None:
-        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.trace_path))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.folder / f"trace_rank{self.rt.rank}.json.gz"))
         self.exported = True
 
     def _start(self) -> None:
@@ -1848,8 +1733,8 @@ class StepProfiler:
         if self.rt.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         warmup = 1 if self.traced.start > 0 else 0
-        schedule = torch.profiler.schedule(wait=0, warmup=warmup, active=len(self.traced), repeat=1)
-        self.prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._export)
+        steps = torch.profiler.schedule(wait=0, warmup=warmup, active=len(self.traced), repeat=1)
+        self.prof = torch.profiler.profile(activities=activities, schedule=steps, on_trace_ready=self._export)
         self.prof.__enter__()
 
     def close(self) -> None:
@@ -1887,89 +1772,49 @@ class StepProfiler:
             return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
         return [1000 * (b - a) for a, b in zip(marks, marks[1:])]
 
-    def finish(self, log: RunLog) -> dict | None:
-        """Close the profiler; with --bench, analyse the trace and report (rank 0). Returns the bench report."""
+    def finish(self, log: RunLog, model: GPT) -> dict | None:
+        """Close the profiler; with --bench, write this rank's raw figures and (rank 0) report. Returns the
+        bench report."""
         self.close()
         if self.traced is None:
             return None
-        folder = self.trace_path.parent
         if not self.cfg.bench:
-            log(f"profile: steps {self.traced.start}..{self.traced.stop - 1} traced to "
-                f"{folder}/trace_rank<R>.json.gz ({self.rt.world_size} file(s))")
+            log(f"profile: steps {self.traced.start}..{self.traced.stop - 1} traced to {self.folder}/"
+                f"trace_rank<R>.json.gz ({self.rt.world_size} file(s)); python records/trace_report.py {self.folder}")
             return None
         synchronize(self.rt.device)
-        timed, traced = self._step_ms(self.timed), self._step_ms(self.traced)
-        mine = {"rank": self.rt.rank, "trace": str(self.trace_path), "step_ms": timed, "traced_step_ms": traced,
-                **trace_summary(load_trace(self.trace_path))}
-        ranks = [mine]
-        if self.rt.world_size > 1:
-            ranks = [None] * self.rt.world_size if self.rt.rank == 0 else None
-            dist.gather_object(mine, ranks, dst=0)
-        if self.rt.rank != 0:
-            return None
-        return bench_report(self.cfg, self.rt, self.timed, self.traced, ranks, log)
+        cfg, rt = self.cfg, self.rt
+        tokens = cfg.global_batch_seqs * cfg.train_seq_len
+        flops = float(np.mean([flops_per_token(model, schedule(step, cfg)) for step in self.traced]))
+        peak = peak_flops(rt.device, cfg.peak_tflops)
+        timed = self._step_ms(self.timed)
+        write_json_atomic(self.folder / f"bench_rank{rt.rank}.json", {
+            "run_id": cfg.run_id, "rank": rt.rank, "world_size": rt.world_size,
+            "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+            "timed_steps": [self.timed.start, self.timed.stop - 1], "traced_steps": [self.traced.start, self.traced.stop - 1],
+            "step_ms": timed, "traced_step_ms": self._step_ms(self.traced), "tokens_per_step": tokens,
+            "flops_per_token": flops, "peak_flops_per_gpu": peak,
+            "mfu_pct": [mfu_pct(flops, tokens / (ms / 1000), peak, rt.world_size) for ms in timed],
+            **peak_memory_mib(rt.device), "trace": f"trace_rank{rt.rank}.json.gz",
+            "config": {k: getattr(cfg, k) for k in ("train_seq_len", "global_batch_seqs", "num_steps", "compile",
+                                                    "fp8_head", "prefetch_depth", "bench_steps")},
+        })
+        if rt.world_size > 1:
+            dist.barrier()  # every rank's figures are on disk (the log dir is shared, as for checkpoints)
+        return trace_report(self.folder, log) if rt.rank == 0 else None
 
 
-def bench_report(cfg: Config, rt: Runtime, timed: range, traced: range, ranks: list[dict], log: RunLog) -> dict:
-    """Headline figures from rank 0's timings and the mean over ranks of the trace figures; printed and saved."""
-    cuda = rt.device.type == "cuda"
-    device_name = torch.cuda.get_device_name(rt.device) if cuda else f"cpu ({os.cpu_count()} cores)"
-    ms = float(np.median(ranks[0]["step_ms"]))
-    tokens_per_step = cfg.global_batch_seqs * cfg.train_seq_len
-    tok_s = tokens_per_step / (ms / 1000)
-    flops = float(np.mean([flops_per_token(cfg, window_blocks(step, cfg)) for step in traced]))
-    peak = peak_flops(rt.device, cfg.peak_tflops)
-
-    def mean(key: str) -> float | None:
-        vals = [r[key] for r in ranks if r.get(key) is not None]
-        return float(np.mean(vals)) if vals else None
-
-    report = {
-        "run_id": cfg.run_id, "device": device_name, "world_size": rt.world_size,
-        "timed_steps": [timed.start, timed.stop - 1], "traced_steps": [traced.start, traced.stop - 1],
-        "ms_per_step_median": ms, "ms_per_step_mean": float(np.mean(ranks[0]["step_ms"])),
-        "ms_per_step_traced_median": float(np.median(ranks[0]["traced_step_ms"])),
-        "tokens_per_step": tokens_per_step, "tokens_per_s": tok_s,
-        "flops_per_token": flops, "peak_flops_per_gpu": peak,
-        "mfu": flops * tok_s / (peak * rt.world_size) if peak else None,
-        "peak_memory_allocated_mib": torch.cuda.max_memory_allocated(rt.device) / 2**20 if cuda else None,
-        "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(rt.device) / 2**20 if cuda else None,
-        "gpu_idle_frac": mean("gpu_idle_frac"), "h2d_overlap_frac": mean("h2d_overlap_frac"),
-        "h2d_off_stream_overlap_frac": mean("h2d_off_stream_overlap_frac"),
-        "comm_overlap_frac": mean("comm_overlap_frac"),
-        "config": {k: getattr(cfg, k) for k in ("train_seq_len", "global_batch_seqs", "num_steps", "compile",
-                                                "fp8_head", "prefetch_depth", "bench_steps")},
-        "per_rank": ranks,
-    }
-    path = Path(cfg.log_dir) / f"{cfg.run_id}_bench.json"
-    write_json_atomic(path, report)
-
-    def pct(x: float | None, why: str) -> str:
-        return f"{100 * x:.1f}%" if x is not None else f"n/a ({why})"
-
-    gpu_why = "no GPU kernels in the trace"
-    mem = (f"{report['peak_memory_allocated_mib']:.0f} MiB allocated, {report['peak_memory_reserved_mib']:.0f} MiB "
-           f"reserved" if cuda else "n/a (CPU run)")
-    for name, value in [
-        ("device", f"{device_name} x {rt.world_size}"),
-        ("steps", f"timed {timed.start}..{timed.stop - 1}, traced {traced.start}..{traced.stop - 1} "
-                  f"({tokens_per_step:,} tokens/step)"),
-        ("ms/step", f"{ms:.2f} median, {report['ms_per_step_mean']:.2f} mean "
-                    f"({report['ms_per_step_traced_median']:.2f} median under the profiler)"),
-        ("tokens/s", f"{tok_s:,.0f}"),
-        ("MFU", pct(report["mfu"], "no bf16 peak known for this device") +
-                f" at {flops / 1e6:.1f} MFLOP/token"),
-        ("peak memory", mem),
-        ("GPU idle", pct(report["gpu_idle_frac"], gpu_why)),
-        ("H2D overlapped", pct(report["h2d_overlap_frac"], gpu_why if not cuda else "no H2D copies traced") +
-                           (f" (copies off the compute stream: {pct(report['h2d_off_stream_overlap_frac'], '')})"
-                            if report["h2d_off_stream_overlap_frac"] is not None else "")),
-        ("comm overlapped", pct(report["comm_overlap_frac"], gpu_why if not cuda else "no NCCL kernels traced")),
-        ("trace", f"{Path(cfg.log_dir) / cfg.run_id}/trace_rank<R>.json.gz"),
-        ("json", str(path)),
-    ]:
-        log(f"bench: {name:<16}{value}")
-    return report
+def trace_report(folder: Path, log: RunLog) -> dict | None:
+    """records/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
+    this file (a copied train_gpt.py), a line saying where the raw figures are."""
+    if not TRACE_REPORT.exists():
+        log(f"bench: raw figures in {folder}/bench_rank<R>.json; records/trace_report.py reports on them")
+        return None
+    spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.bench_report(folder, print_line=log)
 
 
 # -----------------------------------------------------------------------------
@@ -1983,8 +1828,8 @@ def bench_report(cfg: Config, rt: Runtime, timed: range, traced: range, ranks: l
 # same code copies synchronously (a clone into the host buffers) and there is no stream. Files, each
 # written under a temporary name and then renamed:
 #   model.pt    rank 0: {parameter name: tensor}, a plain state dict of the model (each tensor its own copy)
-#   rank<R>.pt  every rank: its optimizer shard (ShardedMuonAdam.state_dict()'s format), its RNG states,
-#               the step, the train time so far, the consumed steps (data position), config, source hash
+#   rank<R>.pt  every rank: its optimizer shard (ShardedMuonAdam.state_dict(), the one format), its RNG
+#               states, the step, the train time so far, the consumed steps (data position), config, source hash
 #   meta.json   rank 0, last, once every rank<R>.pt is on disk (its writer thread watches the folder, so
 #               multi-node runs need a shared --log_dir): step, world size, config, train files,
 #               source hash and the size of every file
@@ -1995,14 +1840,15 @@ def bench_report(cfg: Config, rt: Runtime, timed: range, traced: range, ranks: l
 # position is ahead of it); a resumed run fast-forwards a fresh token stream by that many steps.
 # --resume=DIR restores parameters, optimizer state and step count, RNG states, the step (schedules,
 # validation) and the train time so far: at the same world size it reproduces the uninterrupted run bit
-# for bit (CPU). At another world size (or bucket layout) every rank reads every rank file and takes its
-# own units of each parameter's state. CKPT_MATCH_FIELDS and the train files must match the checkpoint's;
+# for bit (CPU). Every rank reads every rank file and ShardedMuonAdam.load_state_dict takes its own units
+# of each parameter's state, so another world size (or bucket layout) re-shards. CKPT_MATCH_FIELDS and the
+# train files must match the checkpoint's;
 # every other field may change (the continuation then follows the new values: a longer --num_steps moves
 # the LR cooldown and the window schedule, so it is exact only for schedules that do not depend on it).
 # A run never writes into an existing checkpoint: a resumed run needs its own --run_id.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 1
+CKPT_FORMAT = 2  # 2: train_time_ms (was train_ms)
 # The fields that fix the parameters' shapes, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "num_value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "train_seq_len", "global_batch_seqs",
@@ -2072,12 +1918,8 @@ def check_resume_config(cfg: Config, meta: dict, folder: Path) -> None:
         raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
 
 
-def check_checkpoint_config(cfg: Config) -> None:
-    """The checkpoint options; with --resume, the checkpoint's completeness and config (read on every rank)."""
-    if cfg.save_every < 0:
-        raise UsageError(f"--save_every must be >= 0 (0 = off), got {cfg.save_every}")
-    if cfg.bench and (cfg.save_every or cfg.save_final or cfg.resume):
-        raise UsageError("--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume")
+def check_resume(cfg: Config) -> None:
+    """With --resume, the checkpoint's completeness and its fit with this run (read on every rank, at start-up)."""
     if cfg.resume:
         folder = Path(cfg.resume)
         check_resume_config(cfg, read_checkpoint_meta(folder), folder)
@@ -2128,43 +1970,16 @@ def load_part(path: Path) -> dict:
                          f"resume from another checkpoint") from None
 
 
-def reshard_optimizer_state(optimizer: ShardedMuonAdam, sds: list[dict]) -> None:
-    """Load optimizer state saved at any world size and bucket layout: each parameter's state is put together
-    from every rank's pieces (units lo..hi-1 each), then this rank copies the units it owns now."""
-    units = {n: (lay["kind"], lay["unit"], c) for lay in sds[0]["buckets"] for n, c in zip(lay["names"], lay["counts"])}
-    mine = {n: (b.kind, b.unit, c) for b in optimizer.buckets for n, c in zip(b.names, b.counts)}
-    if units != mine:
-        raise UsageError("the checkpoint's optimizer state has other parameters or units than this model")
-    pieces: dict[str, list[tuple[int, int, dict[str, Tensor]]]] = {n: [] for n in mine}
-    for sd in sds:
-        for name, entry in sd["params"].items():
-            state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
-            pieces[name].append((*entry["units"], state))
-    full: dict[str, dict[str, Tensor]] = {}
-    for name, parts in pieces.items():
-        parts.sort(key=lambda p: p[0])
-        edges = [0] + [e for lo, hi, _ in parts for e in (lo, hi)] + [mine[name][2]]
-        if edges[0::2] != edges[1::2]:  # each piece starts where the previous one ended, from 0 to the end
-            raise UsageError(f"the checkpoint's optimizer state does not cover {name} exactly once")
-        full[name] = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
-    with torch.no_grad():
-        for b in optimizer.buckets:
-            for name, lo, hi, state in b.owned():
-                for k, t in state.items():
-                    t.copy_(full[name][k][lo:hi])
-    optimizer.step_count = sds[0]["step_count"]
-
-
 @dataclass
 class ResumePoint:
     step: int
-    train_ms: float
+    train_time_ms: float
     rng: dict
 
 
 def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
                      log: RunLog) -> ResumePoint:
-    meta = read_checkpoint_meta(folder)  # its config was checked against this run's in validate_config
+    meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
     step, saved_world = meta["step"], meta["world_size"]
     params = dict(model.named_parameters())
     state = load_part(folder / CKPT_MODEL)
@@ -2174,33 +1989,26 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(state[n])
-    layout = [b.layout() for b in optimizer.buckets]
     try:
-        parts = {rt.rank: load_part(folder / rank_file(rt.rank))} if saved_world == rt.world_size else {}
-        if parts and parts[rt.rank]["optimizer"]["buckets"] == layout:
-            optimizer.load_state_dict(parts[rt.rank]["optimizer"])
-            how = "optimizer shard loaded as saved"
-        else:
-            parts = {r: load_part(folder / rank_file(r)) for r in range(saved_world)}
-            reshard_optimizer_state(optimizer, [parts[r]["optimizer"] for r in range(saved_world)])
-            how = f"optimizer state re-sharded from world size {saved_world} to {rt.world_size}"
-        part = parts[rt.rank] if rt.rank in parts else parts[0]  # a new rank takes rank 0's RNG states
-        if part["step"] != step or part["optimizer"]["step_count"] != step:
+        parts = [load_part(folder / rank_file(r)) for r in range(saved_world)]
+        if any(p["step"] != step or p["optimizer"]["step_count"] != step for p in parts):
             raise ValueError
-        rng = part["rng"]
+        optimizer.load_state_dict([p["optimizer"] for p in parts])
     except (KeyError, TypeError, ValueError, IndexError):
-        raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} (other step or "
-                         f"layout)") from None
+        raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} or this model (other step, "
+                         f"parameters or units)") from None
+    rng = parts[rt.rank if rt.rank < saved_world else 0]["rng"]  # a new rank takes rank 0's RNG states
+    how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
                if k not in ("run_id", "resume") and hasattr(cfg, k) and getattr(cfg, k) != v]
-    log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} ({how}), train_time so far "
-        f"{meta['train_ms']:.0f}ms, data fast-forwarded {meta['consumed_steps']} steps")
+    log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} (optimizer state {how}), "
+        f"train_time so far {meta['train_time_ms']:.0f}ms, data fast-forwarded {meta['consumed_steps']} steps")
     if changed:
         log(f"resume: config differs from the checkpoint's in {', '.join(changed)}")
     if meta.get("source_sha256") != source_sha256():
         log(f"resume: train_gpt.py differs from the checkpoint's (sha256 {str(meta.get('source_sha256'))[:12]} -> "
             f"{source_sha256()[:12]})")
-    return ResumePoint(step, float(meta["train_ms"]), rng)
+    return ResumePoint(step, float(meta["train_time_ms"]), rng)
 
 
 def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
@@ -2249,27 +2057,35 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
                  start_step: int = 0):
-        self.cfg, self.rt, self.log, self.optimizer, self.start_step = cfg, rt, log, optimizer, start_step
+        self.cfg, self.rt, self.log, self.model, self.optimizer = cfg, rt, log, model, optimizer
+        self.start_step = start_step
         self.enabled = cfg.save_every > 0 or cfg.save_final
         self.pending: list[PendingCheckpoint] = []
         if not self.enabled:
             return
-        cuda = rt.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(rt.device) if cuda else None
-
-        def host(t: Tensor) -> Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-
-        # (device tensor, host buffer) pairs; the device tensors are views that stay valid for the whole run.
-        self.model_host = {n: (p.detach(), host(p)) for n, p in model.named_parameters()} if rt.rank == 0 else {}
-        self.optim_host = [(i, name, lo, hi, {k: (t, host(t)) for k, t in state.items()})
-                           for i, b in enumerate(optimizer.buckets) for name, lo, hi, state in b.owned()]
-        self.layout = [b.layout() for b in optimizer.buckets]
+        self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
+        self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated here once
+        self._host_state(self._host_buffer)
         self.source_sha = source_sha256()
         self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
                                          initargs=(rt.device,))
         self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
+
+    def _host_buffer(self, t: Tensor) -> Tensor:
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)  # the saved tensors are views that live for the whole run
+        if key not in self.host:
+            self.host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.copy_stream is not None)
+        return self.host[key]
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        """t copied into its host buffer: non-blocking on the copy stream (CUDA), or a plain copy (CPU)."""
+        return self._host_buffer(t).copy_(t.detach(), non_blocking=self.copy_stream is not None)
+
+    def _host_state(self, copy: Callable[[Tensor], Tensor]) -> tuple[dict[str, Tensor] | None, dict]:
+        """(rank 0's model state dict, this rank's optimizer state dict), each tensor passed through copy."""
+        model = {n: copy(p) for n, p in self.model.named_parameters()} if self.rt.rank == 0 else None
+        return model, self.optimizer.state_dict(copy=copy)
 
     def due(self, step: int) -> bool:
         if not self.enabled or step <= self.start_step:
@@ -2278,22 +2094,19 @@ class Checkpointer:
             (self.cfg.save_final and step == self.cfg.num_steps)
 
     @torch.no_grad()
-    def save(self, step: int, train_ms: float) -> None:
-        """Checkpoint the state after `step` training steps; train_ms is the train time up to now."""
+    def save(self, step: int, train_time_ms: float) -> None:
+        """Checkpoint the state after `step` training steps; train_time_ms is the train time up to now."""
         t0 = time.perf_counter()
         self.poll(block=True)  # the host buffers are reused: the previous write must be done with them
         self.optimizer.wait_for_params()  # the last step's all-gathers have written the parameters
-        pairs = [*self.model_host.values(), *(pair for *_, state in self.optim_host for pair in state.values())]
         event, gpu_stall = None, None
         if self.copy_stream is None:
-            for src, dst in pairs:
-                dst.copy_(src)
+            model, optim = self._host_state(self._to_host)
         else:
             compute = torch.cuda.current_stream(self.rt.device)
             self.copy_stream.wait_stream(compute)
             with torch.cuda.stream(self.copy_stream):
-                for src, dst in pairs:
-                    dst.copy_(src, non_blocking=True)
+                model, optim = self._host_state(self._to_host)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
             gpu_stall = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -2301,16 +2114,12 @@ class Checkpointer:
             compute.wait_event(event)  # the next step writes these tensors only after they are copied
             gpu_stall[1].record(compute)
         cfg, rank = self.cfg, self.rt.rank
-        params = {name: {"bucket": i, "units": (lo, hi), **{k: h for k, (_, h) in state.items()}}
-                  for i, name, lo, hi, state in self.optim_host}
-        optim = {"world_size": self.rt.world_size, "rank": rank, "step_count": self.optimizer.step_count,
-                 "buckets": self.layout, "params": params}
-        common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size, "train_ms": train_ms,
-                  "consumed_steps": step, "config": dataclasses.asdict(cfg), "source_sha256": self.source_sha}
+        common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size,
+                  "train_time_ms": train_time_ms, "consumed_steps": step, "config": dataclasses.asdict(cfg),
+                  "source_sha256": self.source_sha}
         part = {**common, "rank": rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
-        model = meta = None
+        meta = None
         if rank == 0:
-            model = {name: h for name, (_, h) in self.model_host.items()}
             meta = {**common, "run_id": cfg.run_id, "train_files": self.train_files,
                     "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
         folder = checkpoint_dir(cfg, step)
@@ -2386,16 +2195,8 @@ class Checkpointer:
 # Training
 # Untimed warmup on real batches (compiles and autotunes), then the model and optimizer state are
 # restored in place; the clock runs only over training steps, stopped (with a synchronize) around
-# every validation. Gradients of each micro-step are scaled by 1/global_batch_seqs and summed across
-# ranks, so every world size takes the same update.
-
-
-@dataclass
-class Runtime:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
+# every validation. Each micro-step's summed loss is scaled by train_loss_scale and the gradients are
+# summed across ranks, so every world size takes the same update.
 
 
 @dataclass
@@ -2407,20 +2208,74 @@ class TrainResult:
     bench: dict | None = None  # --bench: the report (rank 0)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class TrainClock:
+    """The official train time: training steps only. stop() and start() synchronize the device around what is
+    not timed (validation); now() reads the running clock without a sync (approximate on a GPU)."""
+
+    def __init__(self, device: torch.device, ms: float = 0.0):
+        self.device, self.ms = device, ms
+        self.start()
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        synchronize(self.device)
+        self.ms += 1000 * (time.perf_counter() - self.t0)
+        return self.ms
+
+    def now(self) -> float:
+        return self.ms + 1000 * (time.perf_counter() - self.t0)
+
+
+def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
+    """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
+    whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
+    on_cuda = rt.device.type == "cuda"
+    raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
+    model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
+    optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
+    log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, "
+        f"compile {cfg.compile}, world size {rt.world_size}, "
+        f"grad accumulation {cfg.global_batch_seqs // rt.world_size}")
+    log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
+        f"{len(optimizer.buckets)} buckets)")
+    return raw, model, optimizer
+
+
+def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, skip_steps: int = 0) -> PrefetchLoader:
+    """This rank's batches for `steps` steps, after the sequences of the first skip_steps (a resumed run's)."""
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, cfg.train_epochs,
+                              preload=cfg.prefetch_depth > 0)
+    stream.skip(skip_steps)
+    return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
+
+
+def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, windows: Tensor, loss_scale: float,
+               metrics: Metrics | None = None) -> None:
+    """One optimizer step on a (micro-steps, seq_len + 1) batch: forward and backward per micro-step (the
+    last one arms the optimizer's reduce-scatter hooks), then the sharded update."""
+    optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
+    for m in range(batch.size(0)):
+        optimizer.final_micro_step = m == batch.size(0) - 1
+        loss = model(batch[m, :-1], batch[m, 1:].long(), windows)
+        (loss * loss_scale).backward()
+        if metrics is not None:
+            metrics.add_loss(loss.detach(), batch.size(1) - 1)
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, window: Tensor) -> float:
+def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor) -> float:
     """Mean cross-entropy over the val tokens; one all-reduce for the whole validation."""
     model.eval()
     totals = torch.zeros(2, device=rt.device)
     with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
                         rt.device) as batches:
         for batch in batches:
-            totals[0] += model(batch[0, :-1], batch[0, 1:].long(), window)
+            totals[0] += model(batch[0, :-1], batch[0, 1:].long(), windows)
             totals[1] += 1
     if rt.world_size > 1:
         dist.all_reduce(totals)
@@ -2431,8 +2286,8 @@ def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, window:
 def warmup_state_tensors(model: GPT, optimizer: ShardedMuonAdam) -> list[Tensor]:
     """What training writes and the warmup reset puts back: the bucket buffers (every parameter is a view
     into one, padding included: checked here) and the optimizer state. Not cloned: the gradient buffers
-    (zero between steps; train() zeroes them again), lr_mult and momentum (set before every step), the
-    reduce-scatter outputs (overwritten before read) and the step count (kept by train())."""
+    (zero between steps; zeroed again after the warmup), lr_mult and momentum (set before every step), the
+    reduce-scatter outputs (overwritten before read) and the step count (kept aside)."""
     buffers = [b.data for b in optimizer.buckets]
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
     for name, p in model.named_parameters():
@@ -2453,59 +2308,18 @@ class StateSnapshot:
             t.copy_(s)
 
 
-def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
-    grad_accum = cfg.global_batch_seqs // rt.world_size  # run() has validated the config for this world size
-    train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
-    profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
-    last_step = profiler.stop_step or cfg.num_steps  # a benchmark stops early (with the schedule of the run)
-    check_train_data(cfg, train_files, last_step)
-    val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
-
-    on_cuda = rt.device.type == "cuda"
-    raw_model = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile)
-    raw_model = raw_model.to(rt.device)
-    # fullgraph: a graph break fails loudly instead of silently costing speed and memory.
-    model: nn.Module = torch.compile(raw_model, dynamic=False, fullgraph=True) if cfg.compile else raw_model
-    optimizer = ShardedMuonAdam(raw_model, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
-    log(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters, fp8 head {cfg.fp8_head}, "
-        f"compile {cfg.compile}, world size {rt.world_size}, grad accumulation {grad_accum}")
-    log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
-        f"{len(optimizer.buckets)} buckets)")
-    resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
-    start_step = resumed.step if resumed else 0
-
-    windows = torch.tensor([window_blocks(s, cfg) for s in range(cfg.num_steps + 1)], dtype=torch.int32,
-                           device=rt.device)
-    loss_scale = train_loss_scale(cfg)
-
-    def train_step(loader: PrefetchLoader, step: int, micro_steps: int, metrics: Metrics | None = None) -> None:
-        batch = next(loader)
-        optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
-        for m in range(micro_steps):
-            optimizer.final_micro_step = m == micro_steps - 1  # arms the reduce-scatter hooks
-            loss = model(batch[m, :-1], batch[m, 1:].long(), windows[step])
-            (loss * loss_scale).backward()
-            if metrics is not None:
-                metrics.add_loss(loss.detach(), batch.size(1) - 1)
-        optimizer.step()
-        optimizer.zero_grad()
-
-    def new_loader(steps: int, skip_steps: int = 0) -> PrefetchLoader:
-        stream = TrainTokenStream(train_files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
-                                  cfg.train_epochs, preload=cfg.prefetch_depth > 0)
-        stream.skip(skip_steps)  # a resumed run continues at the batch training consumed next
-        return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
-
-    # Warmup: one micro-batch per step at the first window, then everything (with --resume: the loaded
-    # state) is put back from device-side clones.
+def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
+           loader: PrefetchLoader, step: Callable[[Tensor], None]) -> None:
+    """Untimed steps on real batches, one micro-step each, that compile and autotune; then every tensor
+    training writes (with --resume: the loaded state) is put back from device-side clones."""
     synchronize(rt.device)
     t0 = time.perf_counter()
-    snapshot, step_count = StateSnapshot(warmup_state_tensors(raw_model, optimizer)), optimizer.step_count
+    snapshot, step_count = StateSnapshot(warmup_state_tensors(model, optimizer)), optimizer.step_count
     synchronize(rt.device)
     t1 = time.perf_counter()
-    with new_loader(cfg.warmup_steps) as warm_loader:
+    with loader:
         for _ in range(cfg.warmup_steps):
-            train_step(warm_loader, 1, micro_steps=1)
+            step(next(loader)[:1])
     optimizer.wait_for_params()
     synchronize(rt.device)
     t2 = time.perf_counter()
@@ -2518,47 +2332,85 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     log(f"warmup: snapshot {1000 * (t1 - t0):.1f} ms, {cfg.warmup_steps} steps {t2 - t1:.1f} s, "
         f"restore {1000 * (t3 - t2):.1f} ms (untimed; state restored)")
 
-    metrics = Metrics(cfg, rt, log)
-    peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
-    log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(cfg, window_blocks(cfg.num_steps, cfg)):.4g} "
-        f"FLOPs/token at the final window; peak {peak} per device")
-    loader = new_loader(last_step - start_step, skip_steps=start_step)
+
+def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor, step: int,
+             train_time_ms: float) -> tuple[int, float, float]:
+    """Evaluate and log a val line; (step, val loss, train time so far)."""
+    loss = evaluate(model, val, cfg, rt, windows)
+    step_avg = train_time_ms / max(step, 1)
+    log(f"step:{step}/{cfg.num_steps} val_loss:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms")
+    log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
+                "step_avg_ms": step_avg})
+    log.flush()
+    return step, loss, train_time_ms
+
+
+def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProfiler,
+           val_points: list[tuple[int, float, float]], train_time_ms: float) -> TrainResult:
+    """After the last step: peak memory, the --bench report, the run summary (rank 0)."""
+    memory = peak_memory_mib(rt.device)
+    if rt.device.type == "cuda":
+        log(f"peak memory allocated: {int(memory['peak_memory_allocated_mib'])} MiB "
+            f"reserved: {int(memory['peak_memory_reserved_mib'])} MiB")
+    else:
+        log("peak memory allocated: 0 MiB reserved: 0 MiB (CPU run)")
+    bench = profiler.finish(log, model)
+    gpu_names = [torch.cuda.get_device_name(rt.device)] if rt.device.type == "cuda" else []
+    if gpu_names and rt.world_size > 1:
+        every: list[object] = [None] * rt.world_size
+        dist.all_gather_object(every, gpu_names[0])
+        gpu_names = [str(n) for n in every]
+    summary = None
+    if rt.rank == 0:
+        summary = run_summary(cfg, rt, val_points, train_time_ms, gpu_names)
+        write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
+        log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
+    return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
+
+
+def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
+    train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
+    profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
+    last_step = profiler.stop_step or cfg.num_steps  # a benchmark stops early, on the run's schedule
+    check_train_data(cfg, train_files, last_step)
+    val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
+    raw_model, model, optimizer = build_model(cfg, rt, log)
+    resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
+    start_step = resumed.step if resumed else 0
+    schedules = [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
+    windows = window_table(cfg, rt.device)
+    loss_scale = train_loss_scale(cfg)
+
+    # The warmup runs at the first steps' windows, then puts everything (with --resume: the loaded state) back.
+    warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, cfg.warmup_steps),
+           lambda batch: train_step(model, optimizer, batch, windows[1], loss_scale))
+    metrics = Metrics(cfg, rt, log, raw_model)
+    log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
+        f"the final window; peak {'unknown' if metrics.peak is None else f'{metrics.peak / 1e12:g} TFLOP/s'} per device")
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
-    val_losses: list[tuple[int, float]] = []
+    loader = train_loader(cfg, rt, train_files, last_step - start_step, skip_steps=start_step)
     val_points: list[tuple[int, float, float]] = []
-    train_ms = resumed.train_ms if resumed else 0.0
     if resumed:
         set_rng_state(resumed.rng, rt.device)
-    synchronize(rt.device)
-    t0 = time.perf_counter()
+    clock = TrainClock(rt.device, resumed.train_time_ms if resumed else 0.0)
     try:
-        for step in range(start_step, cfg.num_steps + 1):
-            last = step == cfg.num_steps or step == profiler.stop_step
-            if not cfg.bench and (last or (cfg.val_every and step % cfg.val_every == 0) or step == 0):
+        for step in range(start_step, last_step + 1):
+            last = step == last_step
+            if not cfg.bench and (last or step == 0 or (cfg.val_every and step % cfg.val_every == 0)):
                 optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
-                synchronize(rt.device)
-                train_ms += 1000 * (time.perf_counter() - t0)
+                train_time_ms = clock.stop()
                 metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
-                val_loss = evaluate(model, val, cfg, rt, windows[step])
-                val_losses.append((step, val_loss))
-                val_points.append((step, val_loss, train_ms))
-                log(f"step:{step}/{cfg.num_steps} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-                    f"step_avg:{train_ms / max(step, 1):.2f}ms")
-                log.record({"step": step, "total": cfg.num_steps, "val_loss": val_loss, "train_time_ms": train_ms,
-                            "step_avg_ms": train_ms / max(step, 1)})
-                log.flush()
-                synchronize(rt.device)
-                t0 = time.perf_counter()
+                val_points.append(validate(model, val, cfg, rt, log, windows[step], step, train_time_ms))
+                clock.start()
             if checkpointer.due(step):
-                checkpointer.save(step, train_ms + 1000 * (time.perf_counter() - t0))
+                checkpointer.save(step, clock.now())
             if last:
                 break
-            optimizer.lr_mult, optimizer.momentum = lr_multiplier(step, cfg), muon_momentum(step, cfg)
+            optimizer.lr_mult, optimizer.momentum = schedules[step].lr_mult, schedules[step].muon_momentum
             metrics.begin_step(step + 1)
             with profiler.step(step):
-                train_step(loader, step, grad_accum, metrics)
-            approx_ms = train_ms + 1000 * (time.perf_counter() - t0)
-            metrics.end_step(step + 1, approx_ms, optimizer.lr_mult, optimizer.momentum, windows[step])
+                train_step(model, optimizer, next(loader), windows[step], loss_scale, metrics)
+            metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
         metrics.flush()
     except BaseException:
@@ -2568,23 +2420,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
     checkpointer.close()
     optimizer.wait_for_params()
-    if on_cuda:
-        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    else:
-        log("peak memory allocated: 0 MiB reserved: 0 MiB (CPU run)")
-    bench = profiler.finish(log)
-    gpu_names = [torch.cuda.get_device_name(rt.device)] if on_cuda else []
-    if on_cuda and rt.world_size > 1:
-        every: list[object] = [None] * rt.world_size
-        dist.all_gather_object(every, gpu_names[0])
-        gpu_names = [str(n) for n in every]
-    summary = None
-    if rt.rank == 0:
-        summary = run_summary(cfg, rt, val_points, train_ms, gpu_names)
-        write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
-        log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
-    return TrainResult(val_losses, train_ms, raw_model, summary, bench)
+    return finish(cfg, rt, log, raw_model, profiler, val_points, clock.ms)
 
 
 # -----------------------------------------------------------------------------
@@ -2639,6 +2475,7 @@ def run(argv: list[str]) -> TrainResult:
     try:
         cfg = parse_config(argv)
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_resume(cfg)
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
         check_checkpoint_paths(cfg)

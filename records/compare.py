@@ -84,8 +84,8 @@ class Run:
     train_time_ms: float | None = None
     step_avg_ms: float | None = None
     tokens_per_s: float | None = None
-    peak_mem_allocated_mib: float | None = None
-    peak_mem_reserved_mib: float | None = None
+    peak_memory_allocated_mib: float | None = None
+    peak_memory_reserved_mib: float | None = None
     has_summary: bool = False
 
     @property
@@ -184,7 +184,7 @@ def parse_log(text: str, name: str, path: Path) -> Run:
         elif m := RUN_RE.match(line):
             run.seed = int(m.group(1))
         elif m := PEAK_RE.match(line):
-            run.peak_mem_allocated_mib, run.peak_mem_reserved_mib = float(m.group(1)), float(m.group(2))
+            run.peak_memory_allocated_mib, run.peak_memory_reserved_mib = float(m.group(1)), float(m.group(2))
     if not steps:
         found = "a line of 100 '=' but no" if after_separator is not None else "no"
         raise LogError(f"{path}: not a run log: found {found} 'step:S/T ...' lines (expected {LOG_SHAPE})")
@@ -253,6 +253,10 @@ def _val_point(item: object) -> ValPoint | None:
     return ValPoint(step, loss, _num(item[2]) if len(item) > 2 else None)
 
 
+# Summaries written before the names were unified (2026-11-23) call two figures differently.
+LEGACY_KEYS = {"peak_memory_allocated_mib": "peak_mem_allocated_mib", "peak_memory_reserved_mib": "peak_mem_reserved_mib"}
+
+
 def apply_summary(run: Run, summary: dict[str, Any]) -> None:
     """Override the run's fields with the summary's usable values."""
     if not summary:
@@ -263,10 +267,10 @@ def apply_summary(run: Run, summary: dict[str, Any]) -> None:
         run.val_points = points
         run.final_val_loss = points[-1].loss
     numbers = {"final_val_loss": _num, "train_time_ms": _num, "step_avg_ms": _num, "tokens_per_s": _num,
-               "peak_mem_allocated_mib": _num, "peak_mem_reserved_mib": _num, "world_size": _int, "seed": _int,
+               "peak_memory_allocated_mib": _num, "peak_memory_reserved_mib": _num, "world_size": _int, "seed": _int,
                "torch_version": _str, "cuda_version": _str, "git_commit": _str}
     for key, convert in numbers.items():
-        value = convert(summary.get(key))
+        value = convert(summary.get(key, summary.get(LEGACY_KEYS.get(key))))
         if value is not None:
             setattr(run, key, value)
     steps = _int(summary.get("steps"))

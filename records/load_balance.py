@@ -18,12 +18,12 @@ that one). query_block_costs solves the block selection in closed form per query
 check it against the dense mask on short sequences.
 
 The 11 attention layers of the recipe (attn_pattern LSSSLSS-SSSL) all use this mask with the step's
-window: 3 long layers at W = window_blocks(step) and 8 short ones at W // 2 (0 blocks = the diagonal
-block only). A rank's attention cost at a step is the sum over its sequences of
-3 * pairs(W) + 8 * pairs(W // 2) (the counts from attn_pattern); "long only" is the sum of pairs(W).
+window: 3 long layers at W = schedule(step).long_window and 8 short ones at short_window(W) (half, rounded
+down; 0 blocks = the diagonal block only). A rank's attention cost at a step is the sum over its sequences of
+3 * pairs(W) + 8 * pairs(short) (the counts from attn_pattern); "long only" is the sum of pairs(W).
 Also reported: the selected 128x128 tiles of the long mask (FlexAttention computes whole tiles, so
 with a 1-block window, one tile per query block, its kernel work is exactly balanced), and a
-whole-step FLOP model: per rank 6 * train_gpt.matmul_params * tokens + 12 * heads * head_dim FLOPs per
+whole-step FLOP model: per rank 6 * train_gpt.matmul_weights * tokens + 12 * heads * head_dim FLOPs per
 allowed pair and attention layer (train_gpt.flops_per_token's terms with exact pair counts).
 
 Per step it prints max/mean over ranks; the summary gives the mean, p50, p90 and max of max/mean and
@@ -150,19 +150,22 @@ def main(argv: list[str] | None = None) -> dict:
     epochs = max(1, math.ceil(2 * args.steps * cfg.global_batch_seqs * (cfg.train_seq_len + 1) / held) + 1)
     stream = T.TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, epochs)
     pair_flops = 12 * cfg.num_heads * cfg.head_dim
-    dense_flops = 6 * T.matmul_params(cfg) * cfg.train_seq_len * (cfg.global_batch_seqs // W)
+    with torch.device("meta"):  # the trainer's FLOP model reads the weights from the model itself
+        model = T.GPT(cfg, use_flex=True, fp8_head=True)
+    dense_flops = 6 * T.matmul_weights(model) * cfg.train_seq_len * (cfg.global_batch_seqs // W)
     rows = []
     if not args.quiet:
         print(f"{'step':>5} {'W':>3} {'attn max/mean':>13} {'long max/mean':>13} {'tiles max/mean':>14} "
               f"{'step-FLOP max/mean':>18} slowest")
     for step in range(args.steps):
         starts = stream.next_starts()
-        w = args.window_blocks or T.window_blocks(step, cfg)
+        w = args.window_blocks or T.schedule(step, cfg).long_window
+        w_short = T.short_window(w)
         cost, long_cost, tiles = np.zeros(W), np.zeros(W), np.zeros(W)
         for i, s in enumerate(starts):
             r = i % W  # TrainBatches: rank r holds global sequences r, r + W, ...
             seq = stream.tokens[s: s + cfg.train_seq_len]
-            (pl, tl), (ps, _) = attention_pairs(seq, cfg.block_size, w), attention_pairs(seq, cfg.block_size, w // 2)
+            (pl, tl), (ps, _) = attention_pairs(seq, cfg.block_size, w), attention_pairs(seq, cfg.block_size, w_short)
             cost[r] += n_long * pl + n_short * ps
             long_cost[r] += pl
             tiles[r] += tl

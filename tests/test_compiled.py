@@ -30,8 +30,8 @@ def train_losses(tmp_path, run_id: str) -> list[float]:
 
 def test_windows_of_the_rehearsal_cross_zero():
     cfg = T.parse_config([f"--{k}={v}" for k, v in REHEARSAL.items()] + ["--preset=tiny"])
-    long = [T.window_blocks(s, cfg) for s in range(cfg.num_steps)]
-    assert long == [1, 1, 1, 2, 2, 3] and [w // 2 for w in long] == [0, 0, 0, 1, 1, 1]
+    steps = [T.schedule(s, cfg) for s in range(cfg.num_steps)]
+    assert [s.long_window for s in steps] == [1, 1, 1, 2, 2, 3] and [s.short_window for s in steps] == [0, 0, 0, 1, 1, 1]
 
 
 def test_compiled_model_equals_eager_across_windows_with_one_graph():
@@ -47,7 +47,7 @@ def test_compiled_model_equals_eager_across_windows_with_one_graph():
     compiled = torch.compile(twin, dynamic=False, fullgraph=True)
     tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), generator=torch.Generator().manual_seed(1))
     tokens[[0, 100, 300, 301]] = T.BOS_ID  # documents that cross block edges
-    windows = torch.tensor([1, 2, 3], dtype=torch.int32)  # short layers: 0, 1, 1
+    windows = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)  # (long, short)
     for i in range(len(windows)):
         for model in (eager, compiled):
             model.zero_grad()
@@ -83,7 +83,7 @@ def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mod
     compiled = torch.compile(flex, dynamic=False, fullgraph=True)
     tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
     tokens[[0, 60, 130, 131, 400]] = T.BOS_ID
-    windows = torch.tensor([1, 2, 3], dtype=torch.int32)
+    windows = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)
     with torch.no_grad():
         for training in (True, False):
             dense.train(training)

@@ -109,7 +109,7 @@ def test_flex_compiled_alone_keeps_an_uncompiled_model_from_materializing_scores
     tokens = torch.randint(0, 1000, (cfg.train_seq_len + 1,), device=CUDA)
     tokens[::4096] = T.BOS_ID
     torch.cuda.reset_peak_memory_stats()
-    model(tokens[:-1], tokens[1:].long(), torch.tensor(2, device=CUDA)).backward()
+    model(tokens[:-1], tokens[1:].long(), torch.tensor([2, 1], device=CUDA)).backward()
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     record_property("peak_gib", round(peak_gib, 2))
     assert peak_gib < 2.0
@@ -128,7 +128,7 @@ def test_compiled_gpt_keeps_one_graph_across_windows_and_matches_flex_compiled_a
     model = torch.compile(raw, dynamic=False, fullgraph=True)
     tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), device=CUDA)
     tokens[[0, 700, 1400, 2100, 2800]] = T.BOS_ID
-    windows = torch.tensor([1, 2, 3, 4, 6], dtype=torch.int32, device=CUDA)  # views at other offsets each time
+    windows = torch.tensor([[1, 0], [2, 1], [3, 1], [4, 2], [6, 3]], dtype=torch.int32, device=CUDA)  # (long, short)
     worst_loss, worst_grad = 0.0, 0.0
     for i in range(len(windows)):
         for m in (model, eager):

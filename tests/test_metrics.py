@@ -19,7 +19,7 @@ from conftest import REPO, free_port, tiny_args
 SMALL = dict(global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, val_seq_len=1024)
 
 SUMMARY_KEYS = {"run_id", "final_val_loss", "train_time_ms", "steps", "step_avg_ms", "tokens_per_s",
-                "peak_mem_allocated_mib", "peak_mem_reserved_mib", "world_size", "gpu_names", "torch_version",
+                "peak_memory_allocated_mib", "peak_memory_reserved_mib", "world_size", "gpu_names", "torch_version",
                 "cuda_version", "git_commit", "seed", "config", "val_losses"}
 
 
@@ -61,7 +61,7 @@ def _gather_rank(rank: int, world_size: int, ports: tuple[int, int], args: list[
     # The packed gather against one all-reduce per metric and reduction.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=world_size)
     gen = torch.Generator().manual_seed(100 + rank)
-    local = torch.randn(len(T.Metrics.FIELDS), generator=gen, dtype=torch.float64) * 10
+    local = torch.randn(len(T.Metrics.RANK_STATS), generator=gen, dtype=torch.float64) * 10
     counter["gather"] = 0
     packed = T.Metrics.reduce_ranks(local, world_size)
     gathers_in_reduce = counter["gather"]
@@ -100,7 +100,7 @@ def test_world_size_one_uses_no_collective(monkeypatch):
     for name in ("all_gather_single", "all_gather_into_tensor", "all_reduce"):
         if hasattr(dist, name):
             monkeypatch.setattr(dist, name, forbidden)
-    local = torch.arange(len(T.Metrics.FIELDS), dtype=torch.float64)
+    local = torch.arange(len(T.Metrics.RANK_STATS), dtype=torch.float64)
     stats = T.Metrics.reduce_ranks(local, 1)
     assert stats.shape == (len(T.Metrics.STATS), local.numel())
     assert all(torch.equal(row, local) for row in stats)
@@ -228,10 +228,13 @@ def test_run_writes_step_lines_jsonl_and_summary(tmp_path):
     assert [(e["step"], "val_loss" in e) for e in entries] == [
         (0, True), (1, False), (2, False), (2, True), (3, False), (4, False), (4, True)]
     cfg = T.parse_config(tiny_args(tmp_path, num_steps=4, **SMALL))
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
     for e in entries:
         if "train_loss" in e:
             assert 0 < e["train_loss"] < 11.5 and e["tokens"] == 256 and e["tokens_per_s"] > 0
-            flops = T.flops_per_token(cfg, e["window_tokens"] // cfg.block_size)
+            s = T.schedule(e["step"] - 1, cfg)  # the logged step trained with the schedule of step - 1 (0-based)
+            assert e["window_tokens"] == s.long_window * cfg.block_size and e["lr_mult"] == s.lr_mult
+            flops = T.flops_per_token(model, s)
             assert e["mfu_pct"] == pytest.approx(100 * flops * e["tokens_per_s"] / 1e12)
             assert e["train_loss_rank_min"] == e["train_loss_rank_max"] == pytest.approx(e["train_loss"])
     assert [e["val_loss"] for e in entries if "val_loss" in e] == [loss for _, loss in result.val_losses]
@@ -259,19 +262,27 @@ def test_git_commit_is_none_outside_a_checkout(tmp_path):
 
 # -- pieces ---------------------------------------------------------------------------------------------
 
-def test_matmul_params_match_the_model_and_flops_formula():
+def test_flop_model_counts_the_models_own_matmul_weights_and_windows():
     cfg = T.parse_config(["--preset=tiny"])
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     named = dict(model.named_parameters())
     counted = sum(p.numel() for n, p in named.items() if n.startswith("blocks.") or n == "lm_head.weight")
-    assert T.matmul_params(cfg) == counted
-    # Window covering the whole sequence on every attention layer: T_eff = (T + 1) / 2.
-    full = cfg.train_seq_len // cfg.block_size * 2
+    assert T.matmul_weights(model) == counted  # every block matrix and the head; no embedding, no scalar
+    # Windows covering the whole sequence on every attention layer: T_eff = (T + 1) / 2.
+    full = cfg.train_seq_len // cfg.block_size
+    whole = T.StepSchedule(1.0, 0.9, long_window=full, short_window=full)
     attn_layers = sum(c != "-" for c in cfg.attn_pattern)
     expected = 6 * counted + 12 * cfg.num_heads * cfg.head_dim * attn_layers * (cfg.train_seq_len + 1) / 2
-    assert T.flops_per_token(cfg, full) == pytest.approx(expected)
+    assert T.flops_per_token(model, whole) == pytest.approx(expected)
     assert T.mean_keys_per_query(1, 10) == 1 and T.mean_keys_per_query(2, 4) == pytest.approx(7 / 4)
-    assert T.flops_per_token(cfg, 1) < T.flops_per_token(cfg, full)
+    # One block for every layer (short windows 0 and 1 both mean the diagonal block).
+    one = 6 * counted + 12 * cfg.num_heads * cfg.head_dim * attn_layers * T.mean_keys_per_query(cfg.block_size,
+                                                                                                 cfg.train_seq_len)
+    assert T.flops_per_token(model, T.StepSchedule(1.0, 0.9, 1, 0)) == pytest.approx(one)
+    # A change to the model is counted without a second edit: a wider MLP adds its weights' 6 FLOPs each.
+    wider = T.GPT(T.parse_config(["--preset=tiny", "--mlp_ratio=8"]), use_flex=False, fp8_head=False)
+    extra = 2 * cfg.num_layers * cfg.model_dim * 4 * cfg.model_dim
+    assert T.flops_per_token(wider, whole) == pytest.approx(expected + 6 * extra)
 
 
 def test_peak_flops_table_and_override():

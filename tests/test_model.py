@@ -18,10 +18,10 @@ def test_initial_loss_is_log_vocab_for_zero_init_head():
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     tokens = torch.randint(0, 50257, (cfg.train_seq_len + 1,))
     model.eval()
-    loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(1))
+    loss = model(tokens[:-1], tokens[1:].long(), torch.tensor([1, 0]))
     assert loss.item() == pytest.approx(math.log(cfg.vocab_size), abs=1e-4)
     model.train()
-    summed = model(tokens[:-1], tokens[1:].long(), torch.tensor(1))
+    summed = model(tokens[:-1], tokens[1:].long(), torch.tensor([1, 0]))
     assert summed.item() == pytest.approx(cfg.train_seq_len * math.log(cfg.vocab_size), rel=1e-4)
 
 
@@ -35,7 +35,7 @@ def test_forward_backward_shapes_and_dtypes():
             p.add_(0.01 * torch.randn_like(p))
     tokens = torch.randint(0, 50257, (cfg.train_seq_len + 1,))
     tokens[::37] = T.BOS_ID
-    loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(2))
+    loss = model(tokens[:-1], tokens[1:].long(), torch.tensor([2, 1]))
     assert loss.dtype == torch.float32 and loss.ndim == 0
     loss.backward()
     for name, p in model.named_parameters():
@@ -139,8 +139,11 @@ def test_compiled_flex_attention_equals_sdpa_with_reference_mask():
 
 def test_window_schedule_matches_recipe():
     cfg = T.Config()
-    got = {s: T.window_blocks(s, cfg) for s in [0, 125, 250, 500, 750, 1000, 1250, 1500, 1695]}
+    got = {s: T.schedule(s, cfg).long_window for s in [0, 125, 250, 500, 750, 1000, 1250, 1500, 1695]}
     assert got == {0: 1, 125: 1, 250: 2, 500: 4, 750: 6, 1000: 8, 1250: 10, 1500: 12, 1695: 14}
+    assert [T.schedule(s, cfg).short_window for s in [0, 250, 1000, 1695]] == [0, 1, 4, 7]  # half, rounded down
+    table = T.window_table(cfg, torch.device("cpu"))
+    assert table.shape == (1696, 2) and table[1695].tolist() == [14, 7] and table[0].tolist() == [1, 0]
 
 
 def test_rotary_rotates_a_quarter_of_the_dims():
@@ -209,7 +212,7 @@ def test_fp8_head_gradients_quantize_like_the_records_unscaled_loss():
                 p.add_(0.02 * torch.randn_like(p))
             # Logits spread over most of the soft cap's range: many softmax gradients are tiny.
             model.lm_head.weight.uniform_(-0.8, 0.8)
-        loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(2))
+        loss = model(tokens[:-1], tokens[1:].long(), torch.tensor([2, 1]))
         (loss * T.train_loss_scale(cfg)).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     scaled, record = grads

@@ -98,14 +98,17 @@ def test_adam_step_equals_torch_adam():
 
 def test_lr_and_momentum_schedules_follow_recipe():
     cfg = T.Config()
-    assert T.lr_multiplier(0, cfg) == 1.0
-    assert T.lr_multiplier(int(0.55 * 1695) - 1, cfg) == 1.0
-    assert T.lr_multiplier(1695, cfg) == pytest.approx(0.1)
+    lr = lambda step: T.schedule(step, cfg).lr_mult  # noqa: E731
+    momentum = lambda step: T.schedule(step, cfg).muon_momentum  # noqa: E731
+    assert lr(int(0.55 * 1695) - 1) == 1.0 and lr(int(0.55 * 1695) + 1) < 1.0  # cooldown: the last 45%
+    assert lr(1695) == pytest.approx(0.1)
     mid = round(0.775 * 1695)
-    assert T.lr_multiplier(mid, cfg) == pytest.approx(0.55, abs=2e-3)
-    assert T.muon_momentum(0, cfg) == pytest.approx(0.85)
-    assert T.muon_momentum(150, cfg) == pytest.approx(0.90)
-    assert T.muon_momentum(300, cfg) == T.muon_momentum(1600, cfg) == pytest.approx(0.95)
+    assert lr(mid) == pytest.approx(0.55, abs=2e-3)
+    assert momentum(0) == pytest.approx(0.85)
+    assert momentum(150) == pytest.approx(0.90)
+    assert momentum(300) == momentum(1600) == pytest.approx(0.95)
+    no_cooldown = T.Config(cooldown_frac=0.0)  # the schedule is defined at every step, the last one included
+    assert T.schedule(no_cooldown.num_steps, no_cooldown).lr_mult == 1.0
 
 
 def test_optimizer_groups_cover_every_parameter_once_with_recipe_lrs():

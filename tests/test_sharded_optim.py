@@ -81,7 +81,7 @@ def make_data(cfg: T.Config) -> torch.Tensor:
 
 
 def loss(model: T.GPT, seq: torch.Tensor) -> torch.Tensor:
-    return model(seq[:-1], seq[1:].long(), torch.tensor(2)) / GLOBAL_SEQS
+    return model(seq[:-1], seq[1:].long(), torch.tensor([2, 1])) / GLOBAL_SEQS
 
 
 def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dict, dict]:
@@ -171,8 +171,12 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
     opt.wait_for_params()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     sd = opt.state_dict()
+    shards = [sd]
+    if world_size > 1:  # the loader takes every rank's shard (a checkpoint's rank files)
+        shards = [None] * world_size
+        dist.all_gather_object(shards, sd)
     fresh = T.ShardedMuonAdam(make_model(cfg, variant), cfg, rank, world_size, compile_ns=False)
-    fresh.load_state_dict(sd)
+    fresh.load_state_dict(shards)
     restored = fresh.step_count == STEPS and all(
         torch.equal(a, b) for a, b in zip(opt.state_tensors(), fresh.state_tensors()))
     return dict(params=params, events=events, buckets=len(opt.buckets), state_bytes=opt.state_bytes(),
@@ -285,6 +289,9 @@ def test_state_dicts_reassemble_to_the_reference_state(world_size, sharded, fp32
         sds = [r["state_dict"] for r in results]
         assert [(sd["rank"], sd["world_size"], sd["step_count"]) for sd in sds] == [
             (r, world_size, STEPS) for r in range(world_size)]
+        cfg = small_config("fp32", comm_overlap=case[0], bucket_mb=case[1])
+        one = T.ShardedMuonAdam(make_model(cfg, "fp32"), cfg, 0, 1, compile_ns=False)
+        one.load_state_dict(sds)  # re-sharded to one rank, which owns every unit
         for name, state in want.items():
             pieces = sorted((sd["params"][name] for sd in sds if name in sd["params"]), key=lambda s: s["units"])
             units = [tuple(s["units"]) for s in pieces]
@@ -292,6 +299,7 @@ def test_state_dicts_reassemble_to_the_reference_state(world_size, sharded, fp32
             for key, full in state.items():
                 got = torch.cat([s[key] for s in pieces]).view_as(full)
                 torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-4, msg=f"{name} {key}")
+                assert torch.equal(one.state_dict()["params"][name][key].view_as(full), got)
 
 
 def test_buckets_pad_uneven_groups_and_split_big_ones():
