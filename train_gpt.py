@@ -234,10 +234,11 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if not 0.0 <= cfg.cooldown_frac <= 1.0:
         raise UsageError(f"--cooldown_frac must be in [0, 1], got {cfg.cooldown_frac}")
     if cfg.global_batch_seqs % world_size:
-        raise UsageError(f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the world size {world_size}; "
-                         f"launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)")
+        raise UsageError(f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the world size "
+                         f"{world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)")
     if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
-        raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer ({cfg.num_layers} layers)")
+        raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
+                         f"({cfg.num_layers} layers)")
     if cfg.num_layers % 2:
         raise UsageError(f"--num_layers={cfg.num_layers} must be even (U-net skips pair layer i with num_layers-1-i)")
     if 2 * cfg.num_value_embeds > cfg.num_layers:
@@ -536,7 +537,7 @@ def bind_thread_to_device(device: torch.device) -> None:
 
 
 class PrefetchLoader:
-    """Batches from a source (TrainBatches or ValBatches), prepared ahead and copied to the device off the compute stream.
+    """Batches from a source (TrainBatches or ValBatches), prepared ahead, copied to the device off the compute stream.
 
     With depth K > 0 a background thread fills a ring of K pinned host buffers (allocated once) while the
     model computes; the main thread copies batch N+1 to the GPU on a dedicated copy stream as soon as it
@@ -1167,7 +1168,9 @@ class ShardedMuonAdam:
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True) if compile_ns else newton_schulz
+        self.orthogonalize = newton_schulz
+        if compile_ns:
+            self.orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
         self.lr_mult, self.momentum, self.step_count = 1.0, cfg.muon_momentum_start, 0
         named = dict(model.named_parameters())
         plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
@@ -1429,11 +1432,11 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
     return None if tflops is None else tflops * 1e12
 
 
-def mfu_pct(flops_per_token: float, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
+def mfu_pct(flops_per_tok: float, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
     """Model FLOPs utilization in percent: achieved model FLOP/s over the devices' peak; None when unknown."""
     if not peak or not tokens_per_s:
         return None
-    return 100 * flops_per_token * tokens_per_s / (peak * world_size)
+    return 100 * flops_per_tok * tokens_per_s / (peak * world_size)
 
 
 def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
@@ -1498,19 +1501,14 @@ class PendingLine:
 class Metrics:
     """Per-step train metrics kept on the device; one collective per logging step; printed when landed.
 
-    Each step the loop calls begin_step, add_loss per micro-step (the detached SUM of token
-    cross-entropy: it is added on the device) and end_step. A step only adds to device tensors and
-    records two CUDA events (the host clock on CPU): no collective and no host sync. At a logging step
-    (logs_at) every rank packs what differs between ranks (RANK_STATS, by name) into one vector, one
-    all-gather collects the vectors, mean/sum/min/max over ranks are taken on the device, and rank 0
-    copies them non-blocking into a pinned host slot and records an event; what every rank shares
-    (tokens, steps, the schedule) stays on the host. A later call prints the line once event.query()
-    says the copy has landed; flush() synchronizes and prints whatever is pending (before each
-    validation line and at the end). World size 1 uses no collective at all.
-
-    Step line: train_loss is the token-mean over every micro-step, rank and step since the previous
-    logged step; tok/s and mfu use the GPU time of those steps (CUDA events on rank 0; the slowest
-    rank's host clock on CPU); train_time and step_avg are the host clock, approximate on a GPU.
+    Per step the loop calls begin_step, add_loss per micro-step (the detached summed token loss, added on the
+    device) and end_step: device adds and two CUDA events (the host clock on CPU), no collective, no host
+    sync. A logging step (logs_at) packs what differs between ranks (RANK_STATS, by name) into one vector,
+    all-gathers it, reduces mean/sum/min/max on the device and copies the result without blocking into a
+    pinned host slot (rank 0); tokens, steps and the schedule, the same on every rank, stay on the host.
+    The line is printed once its copy's event has landed (poll), or at flush() (before a val line, at the
+    end). train_loss is the token mean since the previous line; tok/s and mfu use the GPU time of those steps
+    (rank 0's CUDA events; the slowest rank's host clock on CPU); train_time is the host clock.
     """
 
     RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib")
@@ -1690,6 +1688,19 @@ STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<
 TRACE_REPORT = Path(__file__).resolve().parent / "records" / "trace_report.py"
 
 
+def trace_report(folder: Path, log: RunLog) -> dict | None:
+    """records/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
+    this file (a copied train_gpt.py), a line saying where the raw figures are."""
+    if not TRACE_REPORT.exists():
+        log(f"bench: raw figures in {folder}/bench_rank<R>.json; records/trace_report.py reports on them")
+        return None
+    spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.bench_report(folder, print_line=log)
+
+
 class StepProfiler:
     """The --profile / --bench hooks of the training loop; inert when neither is set.
 
@@ -1732,8 +1743,7 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.rt.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        warmup = 1 if self.traced.start > 0 else 0
-        steps = torch.profiler.schedule(wait=0, warmup=warmup, active=len(self.traced), repeat=1)
+        steps = torch.profiler.schedule(wait=0, warmup=int(self.traced.start > 0), active=len(self.traced), repeat=1)
         self.prof = torch.profiler.profile(activities=activities, schedule=steps, on_trace_ready=self._export)
         self.prof.__enter__()
 
@@ -1790,8 +1800,10 @@ class StepProfiler:
         timed = self._step_ms(self.timed)
         write_json_atomic(self.folder / f"bench_rank{rt.rank}.json", {
             "run_id": cfg.run_id, "rank": rt.rank, "world_size": rt.world_size,
-            "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-            "timed_steps": [self.timed.start, self.timed.stop - 1], "traced_steps": [self.traced.start, self.traced.stop - 1],
+            "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else
+            f"cpu ({os.cpu_count()} cores)",
+            "timed_steps": [self.timed.start, self.timed.stop - 1],
+            "traced_steps": [self.traced.start, self.traced.stop - 1],
             "step_ms": timed, "traced_step_ms": self._step_ms(self.traced), "tokens_per_step": tokens,
             "flops_per_token": flops, "peak_flops_per_gpu": peak,
             "mfu_pct": [mfu_pct(flops, tokens / (ms / 1000), peak, rt.world_size) for ms in timed],
@@ -1804,48 +1816,19 @@ class StepProfiler:
         return trace_report(self.folder, log) if rt.rank == 0 else None
 
 
-def trace_report(folder: Path, log: RunLog) -> dict | None:
-    """records/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
-    this file (a copied train_gpt.py), a line saying where the raw figures are."""
-    if not TRACE_REPORT.exists():
-        log(f"bench: raw figures in {folder}/bench_rank<R>.json; records/trace_report.py reports on them")
-        return None
-    spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.bench_report(folder, print_line=log)
-
-
 # -----------------------------------------------------------------------------
 # Checkpoints
-# --save_every=N and --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop on the
-# device. save() makes a side CUDA stream wait for the compute stream, issues the device-to-host copies
-# (the parameters on rank 0, this rank's optimizer shard on every rank) into pinned buffers allocated once,
-# and makes the compute stream wait on the copies' event, so nothing overwrites those tensors before they
-# are copied; no host wait. That wait is the GPU's stall, timed by events around it and logged with the
-# host's. A writer thread waits for the copies' event and torch.saves the files. On the CPU the
-# same code copies synchronously (a clone into the host buffers) and there is no stream. Files, each
-# written under a temporary name and then renamed:
-#   model.pt    rank 0: {parameter name: tensor}, a plain state dict of the model (each tensor its own copy)
-#   rank<R>.pt  every rank: its optimizer shard (ShardedMuonAdam.state_dict(), the one format), its RNG
-#               states, the step, the train time so far, the consumed steps (data position), config, source hash
-#   meta.json   rank 0, last, once every rank<R>.pt is on disk (its writer thread watches the folder, so
-#               multi-node runs need a shared --log_dir): step, world size, config, train files,
-#               source hash and the size of every file
-# A checkpoint is complete when meta.json parses and every file it lists (model.pt and rank0.pt ..
-# rank<W-1>.pt) exists with its recorded size; --resume takes nothing less. A rank whose write fails
-# leaves rank<R>.failed and the checkpoint stays incomplete (training goes on; the failure is printed).
-# The data position is the number of training steps consumed (the step: the prefetch thread's own
-# position is ahead of it); a resumed run fast-forwards a fresh token stream by that many steps.
-# --resume=DIR restores parameters, optimizer state and step count, RNG states, the step (schedules,
-# validation) and the train time so far: at the same world size it reproduces the uninterrupted run bit
-# for bit (CPU). Every rank reads every rank file and ShardedMuonAdam.load_state_dict takes its own units
-# of each parameter's state, so another world size (or bucket layout) re-shards. CKPT_MATCH_FIELDS and the
-# train files must match the checkpoint's;
-# every other field may change (the continuation then follows the new values: a longer --num_steps moves
-# the LR cooldown and the window schedule, so it is exact only for schedules that do not depend on it).
-# A run never writes into an existing checkpoint: a resumed run needs its own --run_id.
+# --save_every=N and --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop: save()
+# issues device-to-host copies into pinned buffers on a side stream the compute stream then waits for
+# (that wait, timed by events, is the GPU stall the log reports) and a writer thread saves the files,
+# each under a temporary name then renamed: model.pt (rank 0: {name: tensor}), rank<R>.pt (every rank:
+# its optimizer shard in ShardedMuonAdam.state_dict()'s format, RNG states, step, train time, consumed
+# steps, config, source hash) and, last, meta.json (rank 0, once every rank file is on disk: the size of
+# every file). A checkpoint is complete when meta.json lists every file with its size; --resume takes
+# nothing less, and a rank whose write fails leaves rank<R>.failed (training goes on). --resume restores
+# everything, at the same world size bit for bit; every rank reads every rank file, so another world size
+# re-shards. CKPT_MATCH_FIELDS and the train files must match; other fields may change (a longer
+# --num_steps moves the cooldown and window schedules). A run never writes into an existing checkpoint.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
 CKPT_FORMAT = 2  # 2: train_time_ms (was train_ms)
@@ -2385,8 +2368,9 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
     warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, cfg.warmup_steps),
            lambda batch: train_step(model, optimizer, batch, windows[1], loss_scale))
     metrics = Metrics(cfg, rt, log, raw_model)
+    peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
-        f"the final window; peak {'unknown' if metrics.peak is None else f'{metrics.peak / 1e12:g} TFLOP/s'} per device")
+        f"the final window; peak {peak} per device")
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
     loader = train_loader(cfg, rt, train_files, last_step - start_step, skip_steps=start_step)
     val_points: list[tuple[int, float, float]] = []

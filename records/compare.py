@@ -254,7 +254,8 @@ def _val_point(item: object) -> ValPoint | None:
 
 
 # Summaries written before the names were unified (2026-11-23) call two figures differently.
-LEGACY_KEYS = {"peak_memory_allocated_mib": "peak_mem_allocated_mib", "peak_memory_reserved_mib": "peak_mem_reserved_mib"}
+LEGACY_KEYS = {"peak_memory_allocated_mib": "peak_mem_allocated_mib",
+               "peak_memory_reserved_mib": "peak_mem_reserved_mib"}
 
 
 def apply_summary(run: Run, summary: dict[str, Any]) -> None:

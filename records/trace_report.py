@@ -260,7 +260,8 @@ def bench_report(folder: Path, print_line: Callable[[str], None] = print) -> dic
                     f"({report['ms_per_step_traced_median']:.2f} median under the profiler)"),
         ("tokens/s", f"{tok_s:,.0f}"),
         ("MFU", (f"{report['mfu_pct']:.1f}%" if report["mfu_pct"] is not None else
-                 "n/a (no bf16 peak known for this device)") + f" at {report['flops_per_token'] / 1e6:.1f} MFLOP/token"),
+                 "n/a (no bf16 peak known for this device)")
+         + f" at {report['flops_per_token'] / 1e6:.1f} MFLOP/token"),
         ("peak memory", mem),
         ("GPU idle", pct(report["gpu_idle_frac"], gpu_why)),
         ("H2D overlapped", pct(report["h2d_overlap_frac"], gpu_why if not cuda else "no H2D copies traced") +

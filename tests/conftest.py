@@ -14,6 +14,12 @@ sys.path.insert(0, str(REPO))
 
 SAMPLE_TRAIN = str(REPO / "data" / "sample" / "sample_train_*.bin")
 SAMPLE_VAL = str(REPO / "data" / "sample" / "sample_val_*.bin")
+# Small runs (two sequences a step, a narrower model) keep a step well under a second on a shared 2-core machine.
+SMALL = dict(global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, val_seq_len=1024)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: spawns processes or compiles; `pytest -m 'not slow'` is the quick loop")
 
 
 def tiny_args(tmp_path: Path, **overrides: object) -> list[str]:
@@ -52,3 +58,17 @@ def run_world(world_size: int, args: list[str], tmp_path: Path) -> list[tuple[in
 @pytest.fixture(autouse=True)
 def _cpu_threads():
     torch.set_num_threads(2)
+
+
+def main_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """train_gpt.main() as the command line runs it, in this process: (exit code, stdout, stderr)."""
+    import train_gpt
+
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py", *argv])
+    try:
+        train_gpt.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

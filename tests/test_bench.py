@@ -3,7 +3,6 @@ the load-balance count against the dense mask. No speed thresholds anywhere."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import REPO, free_port, tiny_args
+from conftest import REPO, free_port, main_in_process, tiny_args
 
 sys.path.insert(0, str(REPO / "records"))
 import load_balance as LB  # noqa: E402
@@ -57,6 +56,7 @@ def _profile_rank(rank: int, world_size: int, port: int, args: list[str]) -> Non
     T.run(args)
 
 
+@pytest.mark.slow
 def test_profile_two_ranks_write_a_trace_each(tmp_path):
     args = small(tmp_path, num_steps=2, profile="0:2", run_id="prof2")
     mp.spawn(_profile_rank, args=(2, free_port(), args), nprocs=2, join=True)
@@ -104,12 +104,11 @@ def test_bad_profile_and_bench_values(tmp_path, flags, message):
     assert "\n" not in str(err.value)
 
 
-def test_bad_profile_value_is_one_line_on_the_command_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "train_gpt.py"), *tiny_args(tmp_path), "--profile=9:3"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --profile=9:3"), proc.stderr
+def test_bad_profile_value_is_one_line_on_the_command_line(tmp_path, monkeypatch, capsys):
+    code, _, err = main_in_process([*tiny_args(tmp_path), "--profile=9:3"], monkeypatch, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --profile=9:3"), err
 
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, run_world, tiny_args
+from conftest import REPO, SMALL, main_in_process, run_world, tiny_args
 
 K = 3
 # Schedules that do not depend on --num_steps (no LR cooldown; the long window stays one block), so a
@@ -23,7 +23,7 @@ STEADY = dict(cooldown_frac=0.0, final_window_tokens=32, val_every=K)
 
 
 def args(tmp_path: Path, run_id: str, **overrides: object) -> list[str]:
-    return tiny_args(tmp_path, run_id=run_id, **{**STEADY, **overrides})
+    return tiny_args(tmp_path, run_id=run_id, **{**SMALL, **STEADY, **overrides})
 
 
 def ckpt(tmp_path: Path, run_id: str, step: int) -> Path:
@@ -64,6 +64,7 @@ def test_resume_at_world_size_one_is_exact(tmp_path):
                      r"\d+\.\d+ ms, on disk \d+\.\d+ s later\)$", first_log, re.M)
 
 
+@pytest.mark.slow
 def test_resume_at_world_size_two_is_exact_and_reshards_to_one(tmp_path):
     full = run_world(2, args(tmp_path, "full", num_steps=2 * K, save_every=K), tmp_path)
     saved = ckpt(tmp_path, "full", K)
@@ -87,16 +88,18 @@ def cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def final_ckpt(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """A checkpoint requested at the last step of a run in its own process."""
+def final_ckpt(tmp_path_factory) -> Path:
+    """A checkpoint requested at the last step of a run."""
     tmp = tmp_path_factory.mktemp("final")
-    proc = cli(args(tmp, "src", num_steps=2, val_every=0, save_final=True), tmp)
+    T.run(args(tmp, "src", num_steps=2, val_every=0, save_final=True))
+    return ckpt(tmp, "src", 2)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_at_the_last_step_is_complete_when_the_process_exits(tmp_path):
+    proc = cli(args(tmp_path, "src", num_steps=2, val_every=0, save_final=True), tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return ckpt(tmp, "src", 2), proc
-
-
-def test_a_checkpoint_at_the_last_step_is_complete_when_the_process_exits(final_ckpt):
-    folder, proc = final_ckpt
+    folder = ckpt(tmp_path, "src", 2)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "model.pt", "rank0.pt"]  # no temporaries
     meta = T.read_checkpoint_meta(folder)  # raises unless complete
     assert meta["step"] == 2 and meta["world_size"] == 1 and meta["consumed_steps"] == 2
@@ -128,14 +131,14 @@ def garbage_meta(folder: Path) -> None:
     (lambda f: (f / "meta.json").unlink(), {}, "is incomplete: no meta.json"),
     (garbage_meta, {}, "meta.json is unreadable"),
     (scribble, {}, "rank0.pt is unreadable"),
-    (None, {"model_dim": 64}, "needs --model_dim=128 (this run: 64)"),
-    (None, {"global_batch_seqs": 4}, "needs --global_batch_seqs=8 (this run: 4)"),
+    (None, {"model_dim": 32}, "needs --model_dim=64 (this run: 32)"),
+    (None, {"global_batch_seqs": 4}, "needs --global_batch_seqs=2 (this run: 4)"),
     (None, {"num_steps": 1}, "is at step 2, beyond --num_steps=1"),
 ], ids=["truncated", "missing-rank", "missing-meta", "garbage-meta", "corrupt-rank", "model-dim", "batch",
         "past-end"])
 def test_a_bad_checkpoint_is_refused_and_left_untouched(tmp_path, final_ckpt, damage, overrides, message):
     folder = tmp_path / "copy" / "ckpt_2"
-    shutil.copytree(final_ckpt[0], folder)
+    shutil.copytree(final_ckpt, folder)
     if damage is not None:
         damage(folder)
     before = fingerprint(folder)
@@ -147,7 +150,7 @@ def test_a_bad_checkpoint_is_refused_and_left_untouched(tmp_path, final_ckpt, da
 
 def test_a_resumed_run_needs_its_own_run_id(tmp_path, final_ckpt):
     folder = tmp_path / "logs" / "src" / "ckpt_2"
-    shutil.copytree(final_ckpt[0], folder)
+    shutil.copytree(final_ckpt, folder)
     before = fingerprint(folder)
     with pytest.raises(T.UsageError, match="a resumed run writes under its own --run_id"):
         T.run(args(tmp_path, "src", num_steps=4, resume=folder, save_final=True))
@@ -156,11 +159,12 @@ def test_a_resumed_run_needs_its_own_run_id(tmp_path, final_ckpt):
     assert fingerprint(folder) == before and not (tmp_path / "logs" / "src.txt").exists()
 
 
-def test_a_mismatch_stops_with_one_line(tmp_path, final_ckpt):
-    proc = cli(args(tmp_path, "again", resume=final_ckpt[0], num_layers=6, attn_pattern="LS--SL"), tmp_path)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+def test_a_mismatch_stops_with_one_line(tmp_path, final_ckpt, monkeypatch, capsys):
+    code, _, err = main_in_process(args(tmp_path, "again", resume=final_ckpt, num_layers=6, attn_pattern="LS--SL"),
+                                   monkeypatch, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("error: checkpoint ") and "needs --num_layers=4 (this run: 6)" in lines[0]
 
 

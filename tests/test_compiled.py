@@ -12,6 +12,8 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 import train_gpt as T
 from conftest import tiny_args
 
+pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute each on a cold cache
+
 # 512-token sequences in 128-token blocks: the long window grows 1 -> 2 -> 3 blocks over the 6 steps, so the
 # short window goes 0 -> 1 (window 0 is the case the CPU flex kernel crashed on).
 REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, final_window_tokens=384, num_steps=6,
@@ -31,39 +33,54 @@ def train_losses(tmp_path, run_id: str) -> list[float]:
 def test_windows_of_the_rehearsal_cross_zero():
     cfg = T.parse_config([f"--{k}={v}" for k, v in REHEARSAL.items()] + ["--preset=tiny"])
     steps = [T.schedule(s, cfg) for s in range(cfg.num_steps)]
-    assert [s.long_window for s in steps] == [1, 1, 1, 2, 2, 3] and [s.short_window for s in steps] == [0, 0, 0, 1, 1, 1]
+    assert [s.long_window for s in steps] == [1, 1, 1, 2, 2, 3]
+    assert [s.short_window for s in steps] == [0, 0, 0, 1, 1, 1]
+
+
+CFG = T.parse_config(["--preset=tiny"])
+WINDOWS = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)  # (long, short) per call
+
+
+def model_and_compiled_twin(twin_flex: bool) -> tuple[T.GPT, T.GPT, torch.nn.Module]:
+    """A dense-attention model with every parameter off its init, a twin with the same weights (FlexAttention or
+    dense) and the twin compiled with fullgraph, on a fresh dynamo cache."""
+    torch.manual_seed(0)
+    model = T.GPT(CFG, use_flex=False, fp8_head=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    twin = T.GPT(CFG, use_flex=twin_flex, fp8_head=True)
+    twin.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    return model, twin, torch.compile(twin, dynamic=False, fullgraph=True)
+
+
+def sample_tokens(seed: int) -> torch.Tensor:
+    tokens = torch.randint(0, 50000, (CFG.train_seq_len + 1,), generator=torch.Generator().manual_seed(seed))
+    tokens[[0, 100, 300, 301]] = T.BOS_ID  # documents that cross block edges, one of a single token
+    return tokens
 
 
 def test_compiled_model_equals_eager_across_windows_with_one_graph():
-    cfg = T.parse_config(["--preset=tiny", "--fp8_head=true"])
-    torch.manual_seed(0)
-    eager = T.GPT(cfg, use_flex=False, fp8_head=True)
-    with torch.no_grad():  # break the zero inits so every parameter has a gradient
-        for p in eager.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    twin = T.GPT(cfg, use_flex=False, fp8_head=True)
-    twin.load_state_dict(eager.state_dict())
-    torch._dynamo.reset()
-    compiled = torch.compile(twin, dynamic=False, fullgraph=True)
-    tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), generator=torch.Generator().manual_seed(1))
-    tokens[[0, 100, 300, 301]] = T.BOS_ID  # documents that cross block edges
-    windows = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)  # (long, short)
-    for i in range(len(windows)):
+    eager, twin, compiled = model_and_compiled_twin(twin_flex=False)
+    tokens = sample_tokens(1)
+    for windows in WINDOWS:
         for model in (eager, compiled):
             model.zero_grad()
-            model(tokens[:-1], tokens[1:].long(), windows[i]).backward()
+            model(tokens[:-1], tokens[1:].long(), windows).backward()
         # Fused kernels round bf16 intermediates once where eager rounds after each op: the loss agrees to
         # ~1e-5, each matrix's gradient to ~1-2% (the e5m2 head gradient included).
-        loss_e = eager(tokens[:-1], tokens[1:].long(), windows[i])
-        loss_c = compiled(tokens[:-1], tokens[1:].long(), windows[i])
+        loss_e = eager(tokens[:-1], tokens[1:].long(), windows)
+        loss_c = compiled(tokens[:-1], tokens[1:].long(), windows)
         assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-4)
         for (name, a), b in zip(twin.named_parameters(), eager.parameters()):
             if name != "scalars":  # sums of cancelling terms: relative error is not meaningful there
                 assert (a.grad.float() - b.grad.float()).norm() < 0.05 * b.grad.float().norm(), name
     assert model_graphs() == 1  # the window is a tensor: no recompile when it changes
-    eager.eval(), twin.eval()
+    eager.eval()
+    twin.eval()
     with torch.no_grad():
-        loss_e, loss_c = (m(tokens[:-1], tokens[1:].long(), windows[2]) for m in (eager, compiled))
+        loss_e, loss_c = (m(tokens[:-1], tokens[1:].long(), WINDOWS[2]) for m in (eager, compiled))
     assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-4)
     assert model_graphs() == 2
 
@@ -71,25 +88,14 @@ def test_compiled_model_equals_eager_across_windows_with_one_graph():
 def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mode():
     # The CUDA model builds BlockMasks inside its compiled graph; on the CPU that graph runs forward only
     # (no flex backward), which is enough to see that it compiles whole and computes the dense model's loss.
-    cfg = T.parse_config(["--preset=tiny"])
-    torch.manual_seed(0)
-    dense = T.GPT(cfg, use_flex=False, fp8_head=True)
-    with torch.no_grad():
-        for p in dense.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    flex = T.GPT(cfg, use_flex=True, fp8_head=True)
-    flex.load_state_dict(dense.state_dict())
-    torch._dynamo.reset()
-    compiled = torch.compile(flex, dynamic=False, fullgraph=True)
-    tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
-    tokens[[0, 60, 130, 131, 400]] = T.BOS_ID
-    windows = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)
+    dense, flex, compiled = model_and_compiled_twin(twin_flex=True)
+    tokens = sample_tokens(2)
     with torch.no_grad():
         for training in (True, False):
             dense.train(training)
             flex.train(training)
-            for i in range(len(windows)):
-                args = tokens[:-1], tokens[1:].long(), windows[i]
+            for windows in WINDOWS:
+                args = tokens[:-1], tokens[1:].long(), windows
                 assert compiled(*args).item() == pytest.approx(dense(*args).item(), rel=1e-4)
     assert model_graphs() == 2
 

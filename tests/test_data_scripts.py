@@ -94,6 +94,7 @@ def test_tokenize_round_trip(tmp_path: Path, workers: str, capsys: pytest.Captur
     assert "exceeds --shard_tokens" in report.err
 
 
+@pytest.mark.slow
 @needs_tokenizer
 def test_tokenize_command_line_and_overwrite(tmp_path: Path) -> None:
     (tmp_path / "one.txt").write_text("one small document")
@@ -253,6 +254,7 @@ def test_download_bad_n(tmp_path: Path, n: str, capsys: pytest.CaptureFixture[st
     assert hub.calls == [] and not (tmp_path / "fw").exists()
 
 
+@pytest.mark.slow
 def test_download_command_line_offline(tmp_path: Path) -> None:
     """The real hf_hub_download, told not to use the network: one line, exit 1, nothing partial left."""
     pytest.importorskip("huggingface_hub")

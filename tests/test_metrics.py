@@ -13,10 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import REPO, free_port, tiny_args
-
-# Small runs (two sequences a step, a narrower model) keep a step under a second on a shared 2-core machine.
-SMALL = dict(global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, val_seq_len=1024)
+from conftest import REPO, SMALL, free_port, tiny_args
 
 SUMMARY_KEYS = {"run_id", "final_val_loss", "train_time_ms", "steps", "step_avg_ms", "tokens_per_s",
                 "peak_memory_allocated_mib", "peak_memory_reserved_mib", "world_size", "gpu_names", "torch_version",
@@ -79,6 +76,7 @@ def _gather_rank(rank: int, world_size: int, ports: tuple[int, int], args: list[
                                          "gathers_in_reduce": gathers_in_reduce}))
 
 
+@pytest.mark.slow
 def test_packed_gather_matches_separate_all_reduces_and_runs_once_per_logging_step(tmp_path):
     args = tiny_args(tmp_path, num_steps=4, val_every=0, log_every=2, **SMALL)
     out = tmp_path / "gather.json"

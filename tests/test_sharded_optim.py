@@ -244,6 +244,7 @@ def test_model_zero_grad_set_to_none_costs_a_copy_but_stays_correct(recipe_refer
     assert not result["grads_in_buckets"]
 
 
+@pytest.mark.slow  # the spawned worlds
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_two_ranks_equal_rank_ordered_reference_bit_for_bit(case, sharded, recipe_reference):
     for rank_results in sharded[2]:
@@ -251,6 +252,7 @@ def test_two_ranks_equal_rank_ordered_reference_bit_for_bit(case, sharded, recip
         assert rank_results[("recipe", *case)]["grads_in_buckets"]
 
 
+@pytest.mark.slow  # the spawned worlds
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_sharded_params_match_single_process_reference(world_size, case, sharded, fp32_reference):
@@ -258,6 +260,7 @@ def test_sharded_params_match_single_process_reference(world_size, case, sharded
         assert_params_close(rank_results[("fp32", *case)]["params"], fp32_reference[0])
 
 
+@pytest.mark.slow  # the spawned worlds
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_one_reduce_scatter_and_one_all_gather_per_bucket_per_step(world_size, sharded):
     for rank_results in sharded[world_size]:
@@ -273,6 +276,7 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket_per_step(world_size, s
                     assert calls == ({"all_gather": n} if overlap == "hooks" else {"reduce_scatter": n, "all_gather": n})
 
 
+@pytest.mark.slow  # the spawned worlds
 def test_state_per_rank_at_four_ranks_is_under_a_third_of_one_rank(sharded):
     cfg = small_config("fp32")
     one = T.ShardedMuonAdam(make_model(cfg, "fp32"), cfg, 0, 1, compile_ns=False).state_bytes()
@@ -280,6 +284,7 @@ def test_state_per_rank_at_four_ranks_is_under_a_third_of_one_rank(sharded):
         assert rank_results[("fp32", "hooks", 25.0)]["state_bytes"] <= 0.3 * one
 
 
+@pytest.mark.slow  # the spawned worlds
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_state_dicts_reassemble_to_the_reference_state(world_size, sharded, fp32_reference):
     _, want = fp32_reference
