@@ -1313,11 +1313,9 @@ def window_table(cfg: Config, device: torch.device) -> Tensor:
 
 # -----------------------------------------------------------------------------
 # Metrics
-# Rank 0 prints and appends to logs/<run_id>.txt: the source, the environment, the resolved config,
-# then speedrun-grammar step lines. logs/<run_id>.jsonl gets one JSON object per logged step and per
-# validation; logs/<run_id>.json the run summary at the end. Train metrics stay on the device between
-# logging steps (class Metrics): one all-gather per logging step, copied to pinned memory without
-# blocking and printed once that copy has landed. The FLOP model (for MFU) reads the model itself.
+# Rank 0 writes logs/<run_id>.txt (source, environment, config, speedrun-grammar lines), a JSONL record per
+# logged step and validation, and the run summary. Train metrics stay on the device between logging steps:
+# one collective per logging step, no host sync. MFU's FLOP count reads the matmul weights off the model.
 
 SEPARATOR = "=" * 100
 
@@ -1675,14 +1673,9 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
 
 # -----------------------------------------------------------------------------
 # Profiler
-# --profile=START:END traces the 0-based training steps START..END-1 (log lines step:START+1 .. step:END)
-# with torch.profiler: CPU activity, plus CUDA kernels and copies on a GPU, one gzipped Chrome/Perfetto
-# trace per rank, <log_dir>/<run_id>/trace_rank<R>.json.gz. --bench replaces the run by a short benchmark:
-# after the warmup, BENCH_SETTLE_STEPS untimed steps, bench_steps steps timed with CUDA events (untraced),
-# one profiler warmup step, then bench_steps traced and timed steps; no validation; the schedule is the
-# configured run's (its first steps). Each rank writes its raw figures to <log_dir>/<run_id>/bench_rank<R>.json;
-# records/trace_report.py turns them and the traces into the report (medians, GPU idle, copy and NCCL overlap)
-# and is run here at the end, as it can be afterwards on any run folder.
+# Only what must run inside training: torch.profiler around the chosen steps (--profile), the timings of a
+# --bench, and each rank's raw figures. records/trace_report.py turns traces and figures into the report
+# (medians, MFU, GPU idle, copy and NCCL overlap); --bench runs it at its end.
 
 STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
 TRACE_REPORT = Path(__file__).resolve().parent / "records" / "trace_report.py"
@@ -1703,6 +1696,13 @@ def trace_report(folder: Path, log: RunLog) -> dict | None:
 
 class StepProfiler:
     """The --profile / --bench hooks of the training loop; inert when neither is set.
+
+    --profile=START:END traces the 0-based training steps START..END-1 (log lines step:START+1 .. step:END):
+    CPU activity, plus CUDA kernels and copies on a GPU, one gzipped Chrome/Perfetto trace per rank,
+    <log_dir>/<run_id>/trace_rank<R>.json.gz. --bench replaces the run by a benchmark on the run's schedule
+    (its first steps): after the warmup, BENCH_SETTLE_STEPS untimed steps, bench_steps steps timed with CUDA
+    events (untraced), one profiler warmup step, bench_steps traced and timed steps; no validation. Each
+    rank then writes its figures to <log_dir>/<run_id>/bench_rank<R>.json.
 
     `with profiler.step(step): ...` around each training step starts torch.profiler one step ahead of the
     traced range (a discarded profiler warmup step), marks each traced step with record_function
@@ -1818,17 +1818,9 @@ class StepProfiler:
 
 # -----------------------------------------------------------------------------
 # Checkpoints
-# --save_every=N and --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop: save()
-# issues device-to-host copies into pinned buffers on a side stream the compute stream then waits for
-# (that wait, timed by events, is the GPU stall the log reports) and a writer thread saves the files,
-# each under a temporary name then renamed: model.pt (rank 0: {name: tensor}), rank<R>.pt (every rank:
-# its optimizer shard in ShardedMuonAdam.state_dict()'s format, RNG states, step, train time, consumed
-# steps, config, source hash) and, last, meta.json (rank 0, once every rank file is on disk: the size of
-# every file). A checkpoint is complete when meta.json lists every file with its size; --resume takes
-# nothing less, and a rank whose write fails leaves rank<R>.failed (training goes on). --resume restores
-# everything, at the same world size bit for bit; every rank reads every rank file, so another world size
-# re-shards. CKPT_MATCH_FIELDS and the train files must match; other fields may change (a longer
-# --num_steps moves the cooldown and window schedules). A run never writes into an existing checkpoint.
+# --save_every / --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop (device-to-host
+# copies on a side stream, files written by a thread); --resume continues a run exactly, at the same world
+# size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
 CKPT_FORMAT = 2  # 2: train_time_ms (was train_ms)
@@ -2030,7 +2022,17 @@ class PendingCheckpoint:
 
 
 class Checkpointer:
-    """Asynchronous checkpoints (see the section comment); inert without --save_every or --save_final.
+    """Asynchronous checkpoints; inert without --save_every or --save_final.
+
+    save() issues device-to-host copies into pinned buffers on a side stream that the compute stream then
+    waits for (that wait, timed by events, is the GPU stall the log reports); a writer thread saves the files,
+    each under a temporary name then renamed: model.pt (rank 0: {name: tensor}), rank<R>.pt (every rank: its
+    optimizer shard in ShardedMuonAdam.state_dict()'s format, RNG states, step, train time, consumed steps,
+    config, source hash) and, last, meta.json (rank 0, once every rank file is on disk: every file's size).
+    A checkpoint is complete when meta.json lists every file with its size; a rank whose write fails leaves
+    rank<R>.failed (training goes on). --resume needs CKPT_MATCH_FIELDS and the train files to match; other
+    fields may change (a longer --num_steps moves the cooldown and window schedules). A run never writes
+    into an existing checkpoint.
 
     due(step) says whether to save after `step` steps; save() issues the copies and queues the write (the
     loop's stall is the time spent in it); poll() logs, in order, the checkpoints that are complete on disk;
