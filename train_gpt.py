@@ -13,8 +13,10 @@ import contextlib
 import dataclasses
 import datetime
 import glob
+import errno
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -22,6 +24,7 @@ import platform
 import queue
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -100,7 +103,8 @@ class Config:
     compile: bool | None = None  # torch.compile model and Newton-Schulz (fullgraph); false on CUDA: flex alone
     fp8_head: bool | None = None  # FP8 lm_head matmul in training (also off with DISABLE_FP8=1)
     seed: int = -1  # -1 draws a random seed (always printed)
-    run_id: str = ""  # default: a fresh uuid
+    run_id: str = ""  # default: a fresh uuid; an id whose log exists is refused
+    overwrite: bool = False  # reuse a --run_id: replace that run's log and summary (never its checkpoints)
     log_dir: str = "logs"
     preset: str = ""
     # profiling and benchmark (see the Profiler section)
@@ -215,24 +219,35 @@ def bench_length(cfg: Config) -> int:
     return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
 
 
+def run_length(cfg: Config) -> int:
+    """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
+    return bench_length(cfg) if cfg.bench else cfg.num_steps
+
+
+# The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning
+# rate or a beta of 1.5 stops the run at start-up with one line instead of training on it.
+RULES: dict[str, Callable[[float], bool]] = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
+                                             ">= -1": lambda v: v >= -1, "in [0, 1]": lambda v: 0 <= v <= 1,
+                                             "in [0, 1)": lambda v: 0 <= v < 1}
+FIELD_RULES: dict[str, str] = {
+    **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
+                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_scale", "logit_cap",
+                     "logit_temp", "block_size", "final_window_tokens", "num_steps", "muon_lr", "embed_lr", "head_lr",
+                     "scalar_lr", "adam_eps", "bucket_mb", "log_every", "bench_steps"], "> 0"),
+    **dict.fromkeys(["prefetch_depth", "num_value_embeds", "gate_channels", "muon_momentum_warmup_steps", "val_every",
+                     "warmup_steps", "peak_tflops", "save_every"], ">= 0"),
+    **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
+    **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2"], "in [0, 1)"),
+    "seed": ">= -1",
+}
+
+
 def validate_config(cfg: Config, world_size: int) -> int:
     """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
-    positive = ["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
-                "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size", "num_steps",
-                "final_window_tokens", "bench_steps"]
-    for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise UsageError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    for name in ["prefetch_depth", "warmup_steps", "val_every", "muon_momentum_warmup_steps", "num_value_embeds",
-                 "gate_channels", "save_every"]:
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    if cfg.log_every < 1:
-        raise UsageError(f"--log_every must be >= 1, got {cfg.log_every}")
-    if cfg.peak_tflops < 0:
-        raise UsageError(f"--peak_tflops must be >= 0 (0 looks the GPU up), got {cfg.peak_tflops}")
-    if not 0.0 <= cfg.cooldown_frac <= 1.0:
-        raise UsageError(f"--cooldown_frac must be in [0, 1], got {cfg.cooldown_frac}")
+    for name, rule in FIELD_RULES.items():
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and RULES[rule](value)):
+            raise UsageError(f"--{name} must be {rule}, got {value}")
     if cfg.global_batch_seqs % world_size:
         raise UsageError(f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the world size "
                          f"{world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)")
@@ -247,13 +262,14 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)")
     if cfg.gate_channels > cfg.model_dim:
         raise UsageError(f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}")
+    if cfg.num_heads * cfg.head_dim != cfg.model_dim:
+        raise UsageError(f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} must equal --model_dim="
+                         f"{cfg.model_dim} (value embeddings and skips add model_dim vectors to the heads' values)")
     for name in ["train_seq_len", "val_seq_len"]:
         if getattr(cfg, name) % cfg.block_size:
             raise UsageError(f"--{name}={getattr(cfg, name)} must be a multiple of --block_size={cfg.block_size}")
     if cfg.val_tokens % cfg.val_seq_len:
         raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
-    if cfg.bucket_mb <= 0:
-        raise UsageError(f"--bucket_mb must be positive, got {cfg.bucket_mb}")
     if cfg.comm_overlap not in COMM_OVERLAP:
         raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
     if cfg.device not in ("auto", "cuda", "cpu"):
@@ -445,6 +461,14 @@ class TrainTokenStream:
         self.pos = int(self.bos[i])
         return starts
 
+    def shard_steps(self, index: int) -> int:
+        """How many steps file `index` supplies: the stream takes each shard alone (it drops a shard's tail)."""
+        self.tokens, self.bos = self._read(index)
+        self.pos, steps = 0, 0
+        while self.pos + self.window + 1 < len(self.tokens) and self._take_starts() is not None:
+            steps += 1
+        return steps
+
     def skip(self, steps: int) -> None:
         """Pass over the sequences of `steps` steps (a resumed run's consumed data): no token is copied."""
         for _ in range(steps):
@@ -519,14 +543,18 @@ class ValBatches:
 
 
 def check_train_data(cfg: Config, files: list[Path], steps: int) -> None:
-    """Refuse up front a run whose training files cannot hold the tokens its `steps` steps will consume."""
-    held = sum(shard_token_count(p) for p in files) * cfg.train_epochs
-    needed = steps * cfg.global_batch_seqs * (cfg.train_seq_len + 1)
-    if held < needed:
-        raise UsageError(f"the run needs at least {needed:,} training tokens ({steps} steps x "
-                         f"{cfg.global_batch_seqs} x {cfg.train_seq_len + 1}) but {len(files)} file(s) x "
-                         f"{cfg.train_epochs} epoch(s) hold {held:,}; add shards (`{DOWNLOAD_HINT}`), "
-                         f"raise --train_epochs or lower --num_steps")
+    """Refuse up front a run whose training files cannot supply its `steps` steps, counted with the stream's
+    own rule (a long document yields one sequence, the rest of it is skipped), reading shards until enough."""
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size)
+    supplied = 0
+    for index in range(len(files)):
+        supplied += stream.shard_steps(index)
+        if supplied * cfg.train_epochs >= steps:
+            return
+    raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences of {cfg.train_seq_len} "
+                     f"tokens, each starting at a document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) "
+                     f"supply {supplied * cfg.train_epochs}; add shards (`{DOWNLOAD_HINT}`), raise --train_epochs "
+                     f"or lower --num_steps")
 
 
 def bind_thread_to_device(device: torch.device) -> None:
@@ -1358,51 +1386,62 @@ def environment_report(device: torch.device) -> str:
     return "\n".join(lines)
 
 
-def json_safe(value: object) -> object:
-    """value with every non-finite float (a diverged loss) as None, so the JSON stays strict."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 class RunLog:
-    """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there)."""
+    """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value
+    that is not finite (a diverged loss) is written as NaN or Infinity, as Python's json reads it back. A
+    write that fails (a full disk) stops the run with one line saying so."""
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.file = self.jsonl = None
-        for p in (path, jsonl_path):
-            if p is not None:
-                p.parent.mkdir(parents=True, exist_ok=True)
         if path is not None:
-            self.file = open(path, "w", buffering=1 << 16)
+            self.file = self._open(path)
         if jsonl_path is not None:
-            self.jsonl = open(jsonl_path, "w", buffering=1 << 16)
+            self.jsonl = self._open(jsonl_path)
 
-    def __call__(self, line: str, console: bool = True) -> None:
+    @staticmethod
+    def _open(path: Path) -> IO:
+        try:
+            return open(path, "w", buffering=1 << 16)
+        except OSError as e:
+            raise UsageError(f"cannot write the log {path}: {e.strerror}") from None
+
+    @staticmethod
+    def _checked(f: IO, action: Callable[[], object]) -> None:
+        try:
+            action()
+        except OSError as e:
+            raise UsageError(f"cannot write the log {f.name}: {e.strerror}") from None
+
+    def __call__(self, line: str, console: bool = True, flush: bool = False) -> None:
+        """Write a line (and with flush, everything so far to disk) before printing it: a line seen is kept."""
         if self.file is None:
             return
+        self._checked(self.file, lambda: self.file.write(line + "\n"))
+        if flush:
+            self.flush()
         if console:
             print0(line)
-        self.file.write(line + "\n")
 
     def record(self, entry: dict[str, object]) -> None:
         """Append one JSON object as one line of the JSONL log."""
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(json_safe(entry)) + "\n")
+            self._checked(self.jsonl, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
 
     def flush(self) -> None:
+        """Push what was written to the files: a hard stop (kill -9, the OOM killer) loses none of it."""
         for f in (self.file, self.jsonl):
             if f is not None:
-                f.flush()
+                self._checked(f, f.flush)
 
-    def close(self) -> None:
+    def close(self, last_line: str | None = None) -> None:
+        """Close the files, after a last line (why a run stopped early) when given."""
+        if last_line is not None:
+            with contextlib.suppress(UsageError):
+                self(last_line, console=False)
         for f in (self.file, self.jsonl):
             if f is not None:
-                f.close()
+                with contextlib.suppress(OSError):
+                    f.close()
         self.file = self.jsonl = None
 
 
@@ -1503,9 +1542,10 @@ class Metrics:
     device) and end_step: device adds and two CUDA events (the host clock on CPU), no collective, no host
     sync. A logging step (logs_at) packs what differs between ranks (RANK_STATS, by name) into one vector,
     all-gathers it, reduces mean/sum/min/max on the device and copies the result without blocking into a
-    pinned host slot (rank 0); tokens, steps and the schedule, the same on every rank, stay on the host.
-    The line is printed once its copy's event has landed (poll), or at flush() (before a val line, at the
-    end). train_loss is the token mean since the previous line; tok/s and mfu use the GPU time of those steps
+    pinned host slot; tokens, steps and the schedule, the same on every rank, stay on the host. Rank 0
+    prints the line once its copy's event has landed (poll), or at flush() (before a val line, at the end).
+    A loss that is not finite stops the run on every rank at the next logging step (_check_finite).
+    train_loss is the token mean since the previous line; tok/s and mfu use the GPU time of those steps
     (rank 0's CUDA events; the slowest rank's host clock on CPU); train_time is the host clock.
     """
 
@@ -1525,7 +1565,8 @@ class Metrics:
         self.host = torch.zeros(self.SLOTS, len(self.STATS), len(self.RANK_STATS), dtype=torch.float64,
                                 pin_memory=self.on_cuda)
         self.host_view = self.host.numpy()  # read as numpy: no Tensor call on the host side
-        self.pending: list[PendingLine] = []
+        self.pending: list[PendingLine] = []  # staged lines, printed (rank 0) once their copy has landed
+        self.last: PendingLine | None = None  # the latest staged line: checked for a diverged loss
         self.next_slot = 0
 
     def logs_at(self, step: int) -> bool:
@@ -1577,16 +1618,18 @@ class Metrics:
             else:  # a host number goes in as a kernel argument (fill_): no host-to-device copy
                 local[i].fill_(host[name] or 0.0)
         stats = self.reduce_ranks(local, self.rt.world_size)
-        if self.rt.rank == 0:
-            if len(self.pending) == self.SLOTS:
-                self._print(self.pending.pop(0), wait=True)
-            slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.SLOTS
-            self.host[slot].copy_(stats, non_blocking=self.on_cuda)
-            event = None
-            if self.on_cuda:
-                event = torch.cuda.Event()
-                event.record()
-            self.pending.append(PendingLine(step, train_time_ms, slot, event, self.timers, self.steps, self.tokens, s))
+        if self.last is not None:  # every rank, at the same step: the previous line has long landed
+            self._check_finite(self.last)
+        if len(self.pending) == self.SLOTS:
+            self._print(self.pending.pop(0), wait=True)
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.SLOTS
+        self.host[slot].copy_(stats, non_blocking=self.on_cuda)
+        event = None
+        if self.on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.last = PendingLine(step, train_time_ms, slot, event, self.timers, self.steps, self.tokens, s)
+        self.pending.append(self.last)
         for t in self.sums.values():
             t.zero_()
         self.tokens, self.steps, self.host_ms, self.timers = 0, 0, 0.0, []
@@ -1598,8 +1641,24 @@ class Metrics:
 
     def flush(self) -> None:
         """Wait for and print every pending line (before validation lines and at the end)."""
+        self._print_pending()
+        if self.last is not None:
+            self._check_finite(self.last)
+
+    def _print_pending(self) -> None:
         while self.pending:
             self._print(self.pending.pop(0), wait=True)
+
+    def _check_finite(self, p: PendingLine) -> None:
+        """Stop a diverged run at the logging step after the one whose loss is not finite (or at a flush): every
+        rank holds the line's statistics and checks them at the same point of the loop, so every rank stops."""
+        if p.event is not None:
+            p.event.synchronize()  # landed long ago: the line is a logging interval old
+        loss = float(self.host_view[p.slot][self.STATS.index("sum")][self.RANK_STATS.index("loss_sum")])
+        if not math.isfinite(loss):
+            self._print_pending()
+            raise UsageError(f"the train loss is {loss} at step {p.step}: the run diverged; lower the learning "
+                             f"rates (--muon_lr, --embed_lr, --head_lr, --scalar_lr) or check the data")
 
     def _print(self, p: PendingLine, wait: bool = False) -> None:
         if wait and p.event is not None:
@@ -1612,9 +1671,6 @@ class Metrics:
         train_loss = total["loss_sum"] / max(tokens, 1)
         step_avg = p.train_time_ms / p.step
         eta_s = step_avg * (cfg.num_steps - p.step) / 1000
-        self.log(f"step:{p.step}/{cfg.num_steps} train_loss:{train_loss:.4f} train_time:{p.train_time_ms:.0f}ms "
-                 f"step_avg:{step_avg:.2f}ms tok/s:{'-' if tok_s is None else f'{tok_s:.0f}'} "
-                 f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}")
         self.log.record({
             "step": p.step, "total": cfg.num_steps, "train_loss": train_loss, "train_time_ms": p.train_time_ms,
             "step_avg_ms": step_avg, "tokens_per_s": tok_s, "mfu_pct": mfu, "eta_s": eta_s,
@@ -1625,7 +1681,9 @@ class Metrics:
             "train_loss_rank_min": low["loss_sum"] / max(p.tokens, 1),
             "train_loss_rank_max": high["loss_sum"] / max(p.tokens, 1),
         })
-        self.log.flush()  # a line is final once printed: a hard stop loses none of them
+        self.log(f"step:{p.step}/{cfg.num_steps} train_loss:{train_loss:.4f} train_time:{p.train_time_ms:.0f}ms "
+                 f"step_avg:{step_avg:.2f}ms tok/s:{'-' if tok_s is None else f'{tok_s:.0f}'} "
+                 f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}", flush=True)
 
 
 def git_commit(directory: Path) -> str | None:
@@ -1667,7 +1725,7 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
     """Write JSON to a temporary file beside path, then rename it over path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "w") as f:
-        json.dump(json_safe(data), f, indent=2)
+        json.dump(data, f, indent=2)
         f.write("\n")
 
 
@@ -1714,11 +1772,9 @@ class StepProfiler:
         self.cfg, self.rt = cfg, rt
         self.traced: range | None = None
         self.timed: range | None = None
-        self.stop_step: int | None = None  # bench: the loop ends here
-        if cfg.bench:
+        if cfg.bench:  # the loop stops at run_length(cfg), the end of the traced steps
             self.timed = range(BENCH_SETTLE_STEPS, BENCH_SETTLE_STEPS + cfg.bench_steps)
             self.traced = range(self.timed.stop + 1, self.timed.stop + 1 + cfg.bench_steps)
-            self.stop_step = self.traced.stop
         elif cfg.profile:
             self.traced = profile_steps(cfg.profile, cfg.num_steps)
         self.folder = Path(cfg.log_dir) / cfg.run_id
@@ -1823,13 +1879,13 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 2  # 2: train_time_ms (was train_ms)
+CKPT_FORMAT = 3  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json
 # The fields that fix the parameters' shapes, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "num_value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "train_seq_len", "global_batch_seqs",
                      "train_epochs")
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
-CKPT_ERROR_GRACE_S = 30.0  # after an error in the loop, how long it still waits for them
+CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
 
 
 def rank_file(rank: int) -> str:
@@ -1850,8 +1906,12 @@ def train_files_identity(cfg: Config) -> list[list]:
 
 
 def read_checkpoint_meta(folder: Path) -> dict:
-    """The metadata of a complete checkpoint directory; a UsageError saying what is missing or broken otherwise."""
+    """The metadata of a complete checkpoint directory (every file it lists there, with its size; load_part
+    checks each file's checksum as it reads it); a UsageError saying what is missing or broken otherwise."""
     where = f"checkpoint {folder}"
+    if folder.is_file():
+        raise UsageError(f"{where} is a file: --resume takes a ckpt_<step> directory (the folder holding "
+                         f"{CKPT_META})")
     if not folder.is_dir():
         raise UsageError(f"{where} does not exist (--resume takes a ckpt_<step> directory)")
     path = folder / CKPT_META
@@ -1869,12 +1929,12 @@ def read_checkpoint_meta(folder: Path) -> dict:
     for name in [CKPT_MODEL, *map(rank_file, range(world_size))]:
         if name not in files:
             raise UsageError(f"{where}: {CKPT_META} does not list {name}")
-    for name, size in files.items():
+    for name, entry in files.items():
         if not (folder / name).is_file():
             raise UsageError(f"{where} is incomplete: {name} is missing")
         actual = (folder / name).stat().st_size
-        if actual != size:
-            raise UsageError(f"{where}: {name} has {actual} bytes, {CKPT_META} says {size}: truncated or corrupt")
+        if not isinstance(entry, dict) or actual != entry.get("bytes"):
+            raise UsageError(f"{where}: {name} has {actual} bytes, {CKPT_META} says {entry}: truncated or corrupt")
     return meta
 
 
@@ -1900,11 +1960,21 @@ def check_resume(cfg: Config) -> None:
         check_resume_config(cfg, read_checkpoint_meta(folder), folder)
 
 
-def check_checkpoint_paths(cfg: Config) -> None:
-    """Never write into a checkpoint: refuse a resumed run under the checkpoint's own run id (its log and
-    checkpoints would land beside, or over, the ones it resumes), and a saving run whose folder already
-    holds checkpoints (a reused --run_id)."""
-    run_dir = Path(cfg.log_dir) / cfg.run_id
+def check_run_paths(cfg: Config) -> None:
+    """Before anything is written: the log folder can be created and written, no earlier run's log is
+    replaced (unless --overwrite), and no checkpoint is ever written into: a resumed run writes under its own
+    run id, and a saving run's folder holds no checkpoints yet."""
+    log_dir, run_dir = Path(cfg.log_dir), Path(cfg.log_dir) / cfg.run_id
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--log_dir={cfg.log_dir}: cannot create it ({e.strerror}); give a writable folder") from None
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"--log_dir={cfg.log_dir} is not writable; give a writable folder")
+    logs = [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]
+    if logs and not cfg.overwrite:
+        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: choose another --run_id "
+                         f"(or none, for a fresh one), or --overwrite=true to replace them")
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
         raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
                          f"its own --run_id (leave it unset for a fresh one)")
@@ -1930,19 +2000,36 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
 
 
-def save_atomic(obj: object, path: Path) -> None:
+def save_atomic(obj: object, path: Path) -> str:
+    """torch.save obj to path atomically; returns the file's sha256. Serialized in memory first, so that a
+    failed write is the file system's own error (a full disk: ENOSPC), not torch's zip writer's."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     with atomic_file(path) as f:
-        torch.save(obj, f)
+        f.write(buffer.getbuffer())
+    return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 
-def load_part(path: Path) -> dict:
+def load_part(path: Path, sha256: str) -> dict:
+    """A checkpoint file, read once, checked against the checksum meta.json recorded, then loaded."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UsageError(f"checkpoint file {path} is missing: the checkpoint is incomplete") from None
-    except Exception as e:  # truncated zip, garbage, a foreign pickle
-        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}): truncated or corrupt; "
-                         f"resume from another checkpoint") from None
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"checkpoint file {path} cannot be read ({e.strerror}): the checkpoint is incomplete") \
+            from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise UsageError(f"checkpoint file {path} does not match its checksum in {CKPT_META}: corrupt or from "
+                         f"another checkpoint; resume from another checkpoint")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # a file written under the right checksum but unloadable: a foreign pickle
+        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); resume from another "
+                         f"checkpoint") from None
+
+
+def stale_temporaries(run_dir: Path) -> list[Path]:
+    """*.tmp files in a run's checkpoint folders: saves a killed process left half-written."""
+    return sorted(run_dir.glob("ckpt_*/*.tmp"))
 
 
 @dataclass
@@ -1955,9 +2042,9 @@ class ResumePoint:
 def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
                      log: RunLog) -> ResumePoint:
     meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
-    step, saved_world = meta["step"], meta["world_size"]
+    step, saved_world, files = meta["step"], meta["world_size"], meta["files"]
     params = dict(model.named_parameters())
-    state = load_part(folder / CKPT_MODEL)
+    state = load_part(folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"])
     if not isinstance(state, dict) or set(state) != set(params) or \
             any(state[n].shape != p.shape or state[n].dtype != p.dtype for n, p in params.items()):
         raise UsageError(f"checkpoint file {folder / CKPT_MODEL} does not hold this model's parameters")
@@ -1965,7 +2052,7 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
         for n, p in params.items():
             p.copy_(state[n])
     try:
-        parts = [load_part(folder / rank_file(r)) for r in range(saved_world)]
+        parts = [load_part(folder / rank_file(r), files[rank_file(r)]["sha256"]) for r in range(saved_world)]
         if any(p["step"] != step or p["optimizer"]["step_count"] != step for p in parts):
             raise ValueError
         optimizer.load_state_dict([p["optimizer"] for p in parts])
@@ -1983,6 +2070,11 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
     if meta.get("source_sha256") != source_sha256():
         log(f"resume: train_gpt.py differs from the checkpoint's (sha256 {str(meta.get('source_sha256'))[:12]} -> "
             f"{source_sha256()[:12]})")
+    stale = stale_temporaries(folder.parent)
+    if stale:  # not removed here: the run that left them may still be running
+        mib = sum(p.stat().st_size for p in stale) / 2**20
+        log(f"resume: {folder.parent} holds {len(stale)} temporary file(s), {mib:.0f} MiB, left by an interrupted "
+            f"save (e.g. {stale[0]}); delete them once that run has stopped")
     return ResumePoint(step, float(meta["train_time_ms"]), rng)
 
 
@@ -2046,6 +2138,7 @@ class Checkpointer:
         self.start_step = start_step
         self.enabled = cfg.save_every > 0 or cfg.save_final
         self.pending: list[PendingCheckpoint] = []
+        self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
         if not self.enabled:
             return
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
@@ -2120,9 +2213,10 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
             if event is not None:
                 event.synchronize()
+            sums = {}
             if model is not None:
-                save_atomic(model, folder / CKPT_MODEL)
-            save_atomic(part, folder / rank_file(rank))
+                sums[CKPT_MODEL] = save_atomic(model, folder / CKPT_MODEL)
+            sums[rank_file(rank)] = save_atomic(part, folder / rank_file(rank))
             if meta is not None:
                 deadline = time.monotonic() + CKPT_WAIT_S
                 for r in range(1, world_size):
@@ -2133,8 +2227,9 @@ class Checkpointer:
                         if time.monotonic() > min(deadline, self.give_up_at):
                             raise RuntimeError(f"rank {r} did not write {rank_file(r)}")
                         time.sleep(0.01)
-                names = [CKPT_MODEL, *map(rank_file, range(world_size))]
-                meta["files"] = {n: (folder / n).stat().st_size for n in names}
+                for r in range(1, world_size):  # the other ranks' files are complete once renamed into place
+                    sums[rank_file(r)] = hashlib.sha256((folder / rank_file(r)).read_bytes()).hexdigest()
+                meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "sha256": h} for n, h in sums.items()}
                 write_json_atomic(folder / CKPT_META, meta)
             return time.perf_counter()
         except BaseException as e:
@@ -2149,15 +2244,18 @@ class Checkpointer:
             try:
                 done = p.future.result()
             except Exception as e:  # training goes on; the checkpoint stays incomplete (no meta.json)
-                print_all(f"checkpoint: {p.folder} FAILED ({type(e).__name__}: {e}); the run continues",
-                          file=sys.stderr)
+                why = f"no space left on {p.folder}" if getattr(e, "errno", None) == errno.ENOSPC else \
+                    f"{type(e).__name__}: {e}"
+                self.failures.append(f"{p.folder} ({why})")
+                print_all(f"checkpoint: {p.folder} FAILED ({why}); the run continues", file=sys.stderr)
+                self.log(f"checkpoint: {p.folder} FAILED ({why})", console=False, flush=True)
                 continue
             gpu_ms = p.gpu_stall_ms()
             gpu = "" if gpu_ms is None else f", GPU stall {gpu_ms:.2f} ms"
-            self.log(f"checkpoint: {p.folder} (step {p.step}: loop stall {p.stall_ms:.2f} ms{gpu}, on disk "
-                     f"{done - p.issued:.2f} s later)")
             self.log.record({"step": p.step, "checkpoint": str(p.folder), "stall_ms": p.stall_ms,
                              "gpu_stall_ms": gpu_ms, "write_s": done - p.issued})
+            self.log(f"checkpoint: {p.folder} (step {p.step}: loop stall {p.stall_ms:.2f} ms{gpu}, on disk "
+                     f"{done - p.issued:.2f} s later)", flush=True)
 
     @staticmethod
     def _copied(p: PendingCheckpoint) -> bool:
@@ -2323,10 +2421,10 @@ def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: Ru
     """Evaluate and log a val line; (step, val loss, train time so far)."""
     loss = evaluate(model, val, cfg, rt, windows)
     step_avg = train_time_ms / max(step, 1)
-    log(f"step:{step}/{cfg.num_steps} val_loss:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms")
     log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
                 "step_avg_ms": step_avg})
-    log.flush()
+    log(f"step:{step}/{cfg.num_steps} val_loss:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms",
+        flush=True)
     return step, loss, train_time_ms
 
 
@@ -2353,12 +2451,17 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
 
 
-def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
+def load_data(cfg: Config) -> tuple[list[Path], ValTokens]:
+    """The training shards, checked to hold what the run trains on, and the validation tokens: read before
+    anything is written, so a run without its data leaves nothing behind."""
     train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
+    check_train_data(cfg, train_files, run_length(cfg))
+    return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
+
+
+def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens) -> TrainResult:
+    last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
-    last_step = profiler.stop_step or cfg.num_steps  # a benchmark stops early, on the run's schedule
-    check_train_data(cfg, train_files, last_step)
-    val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
     raw_model, model, optimizer = build_model(cfg, rt, log)
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
     start_step = resumed.step if resumed else 0
@@ -2406,7 +2509,16 @@ def train(cfg: Config, rt: Runtime, log: RunLog) -> TrainResult:
         loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
     checkpointer.close()
     optimizer.wait_for_params()
-    return finish(cfg, rt, log, raw_model, profiler, val_points, clock.ms)
+    result = finish(cfg, rt, log, raw_model, profiler, val_points, clock.ms)
+    failures = checkpointer.failures
+    if rt.world_size > 1:  # every rank exits alike, whichever rank's write failed
+        every: list[list[str]] = [[]] * rt.world_size
+        dist.all_gather_object(every, failures)
+        failures = [f for rank_failures in every for f in rank_failures]
+    if failures:
+        raise UsageError(f"the run finished, but {len(failures)} requested checkpoint(s) failed: {failures[0]}"
+                         f"{' and more (see the log)' if len(failures) > 1 else ''}")
+    return result
 
 
 # -----------------------------------------------------------------------------
@@ -2455,33 +2567,57 @@ def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
     cfg.seed, cfg.run_id = ident
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, as SLURM, Kubernetes and torchrun stop a job: handled as Ctrl-C is."""
+
+
+STOPS = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}  # the last line of the log and of stderr
+EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + SIGINT, 128 + SIGTERM
+
+
+def stop_on_signal(signum: int, frame: object) -> None:
+    """The first SIGINT or SIGTERM stops the run through the loop's cleanup (loaders closed, pending checkpoints
+    finished, logs flushed); later ones are ignored, so that they cannot break into that cleanup."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
 def run(argv: list[str]) -> TrainResult:
-    """Parse, set up the process group and train; raises UsageError for anything the user can fix."""
-    rt, log = None, RunLog(None)
+    """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
+    is checked before anything is written; a run that stops after its log was opened says why in the log."""
+    rt, log, stop = None, RunLog(None), None
     try:
         cfg = parse_config(argv)
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         check_resume(cfg)
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
-        check_checkpoint_paths(cfg)
+        train_files, val = load_data(cfg)
+        check_run_paths(cfg)
+        if rt.world_size > 1:
+            dist.barrier()  # every rank checked the log folder before rank 0 writes into it
         torch.manual_seed(cfg.seed)
         if rt.rank == 0:
             log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt", Path(cfg.log_dir) / f"{cfg.run_id}.jsonl")
+            (Path(cfg.log_dir) / f"{cfg.run_id}.json").unlink(missing_ok=True)  # an --overwrite's old summary
             log(Path(__file__).read_text(), console=False)
             log(SEPARATOR, console=False)
             log(environment_report(rt.device))
             log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
             log(SEPARATOR)
             log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
-        result = train(cfg, rt, log)
+        result = train(cfg, rt, log, train_files, val)
         if rt.world_size > 1:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
             dist.barrier()
         return result
+    except BaseException as e:
+        stop = f"error: {e}" if isinstance(e, UsageError) else STOPS.get(type(e), f"failed: {type(e).__name__}: {e}")
+        raise
     finally:
-        log.close()
+        log.close(stop)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -2491,14 +2627,16 @@ def main() -> None:
     if "--help" in argv or "-h" in argv:
         print0(config_help())
         return
+    signal.signal(signal.SIGINT, stop_on_signal)
+    signal.signal(signal.SIGTERM, stop_on_signal)
     try:
         run(argv)
     except UsageError as e:
         print0(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # the loaders and checkpoint writers were closed on the way out
-        print0("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # the loaders and checkpoint writers were closed on the way out
+        print0(STOPS[type(e)], file=sys.stderr)
+        sys.exit(EXIT_CODES[type(e)])
 
 
 if __name__ == "__main__":

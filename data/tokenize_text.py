@@ -31,6 +31,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
@@ -128,6 +129,12 @@ _encoding: tiktoken.Encoding | None = None  # per process: set by _init_worker o
 def _init_worker() -> None:
     global _encoding
     _encoding = load_encoding()
+
+
+def _init_pool_worker() -> None:
+    """A pool process: Ctrl-C reaches the whole process group, and only the main process handles it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker()
 
 
 def encode_document(text: str) -> np.ndarray:
@@ -243,7 +250,7 @@ def tokenize(args: argparse.Namespace) -> None:
     documents = read_documents(files)
     try:
         if workers > 1:
-            with multiprocessing.Pool(workers, initializer=_init_worker) as pool:
+            with multiprocessing.Pool(workers, initializer=_init_pool_worker) as pool:
                 for doc in pool.imap(encode_document, documents, chunksize=64):
                     writer.add(doc)
         else:
@@ -280,6 +287,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenize(args)
     except UsageError as e:
         fail(str(e))
+    except KeyboardInterrupt:  # the shards written so far were removed on the way out
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -244,10 +244,15 @@ def load_summary(path: Path) -> dict[str, Any]:
     return data
 
 
+def _loss(value: object) -> float | None:
+    """A loss: any float, NaN and infinity included (a diverged run keeps them; they must show)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _val_point(item: object) -> ValPoint | None:
     if not isinstance(item, (list, tuple)) or len(item) < 2:
         return None
-    step, loss = _int(item[0]), _num(item[1])
+    step, loss = _int(item[0]), _loss(item[1])
     if step is None or loss is None:
         return None
     return ValPoint(step, loss, _num(item[2]) if len(item) > 2 else None)
@@ -267,7 +272,7 @@ def apply_summary(run: Run, summary: dict[str, Any]) -> None:
     if points:
         run.val_points = points
         run.final_val_loss = points[-1].loss
-    numbers = {"final_val_loss": _num, "train_time_ms": _num, "step_avg_ms": _num, "tokens_per_s": _num,
+    numbers = {"final_val_loss": _loss, "train_time_ms": _num, "step_avg_ms": _num, "tokens_per_s": _num,
                "peak_memory_allocated_mib": _num, "peak_memory_reserved_mib": _num, "world_size": _int, "seed": _int,
                "torch_version": _str, "cuda_version": _str, "git_commit": _str}
     for key, convert in numbers.items():
@@ -397,9 +402,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Se
 # early are still listed, with a warning on stderr.
 
 
+def diverged(run: Run) -> bool:
+    return run.final_val_loss is not None and not math.isfinite(run.final_val_loss)
+
+
+def describe_loss(run: Run) -> str:
+    return f"{run.final_val_loss} (diverged)" if diverged(run) else fmt(run.final_val_loss, ".4f")
+
+
 def show_table(runs: Sequence[Run]) -> str:
     headers = ["run", "val loss", "time (s)", "steps", "step_avg (ms)", "tok/s", "hardware"]
-    rows = [[run.name, fmt(run.final_val_loss, ".4f"), fmt(run.train_time_s, ".2f"), describe_steps(run),
+    rows = [[run.name, describe_loss(run), fmt(run.train_time_s, ".2f"), describe_steps(run),
              fmt(run.step_avg_ms, ".2f"), fmt(run.tokens_per_s, ",.0f"), describe_hardware(run)] for run in runs]
     return format_table(headers, rows, left=(0, 6))
 
@@ -503,13 +516,17 @@ def group_stats(runs: Sequence[Run], label: str) -> GroupStats:
     for run in runs:
         if run.final_val_loss is None:
             warn(f"{run.name}: no validation line; left out of the {label} val loss statistics")
+        elif diverged(run):
+            warn(f"{run.name}: diverged (final val loss {run.final_val_loss}); left out of the {label} val loss "
+                 f"statistics")
         if run.train_time_s is None:
             warn(f"{run.name}: no train time; left out of the {label} train time statistics")
     ends = sorted({run.last_step for run in runs if run.last_step is not None})
     if len(ends) > 1:
-        warn(f"{label} runs end at different steps ({', '.join(map(str, ends))}); computing anyway")
+        warn(f"the {label} end at different steps ({', '.join(map(str, ends))}); computing anyway")
     return GroupStats(names=[run.name for run in runs],
-                      losses=[run.final_val_loss for run in runs if run.final_val_loss is not None],
+                      losses=[run.final_val_loss for run in runs
+                              if run.final_val_loss is not None and not diverged(run)],
                       times_s=[run.train_time_s for run in runs if run.train_time_s is not None])
 
 
@@ -565,12 +582,12 @@ def describe_group(label: str, group: GroupStats) -> list[str]:
 
 
 def stats_report(runs: Sequence[Run], target: float, baseline: Sequence[Run] | None = None) -> str:
-    group = group_stats(runs, "runs")
+    group = group_stats(runs, "runs")  # labels read "the runs", "the baseline runs"
     out = describe_group("runs", group)
     out.append(f"  one-sided t-test, H1 mean val loss < {target}: "
                f"{describe_test(target_test(group.losses, target), f'(have {len(group.losses)})')}")
     if baseline:
-        base = group_stats(baseline, "baseline")
+        base = group_stats(baseline, "baseline runs")
         out += describe_group("baseline", base)
         need = "in each group"
         out.append(f"Welch t-test (two-sided), train time, runs vs baseline: "

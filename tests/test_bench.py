@@ -2,17 +2,15 @@
 the load-balance count against the dense mask. No speed thresholds anywhere."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import REPO, free_port, main_in_process, tiny_args
+from conftest import REPO, main_in_process, tiny_args
 
 sys.path.insert(0, str(REPO / "records"))
 import load_balance as LB  # noqa: E402
@@ -49,21 +47,6 @@ def test_profile_writes_one_trace_per_run_and_the_report_reads_it(tmp_path, caps
     assert capsys.readouterr().err.startswith("error: ")
 
 
-def _profile_rank(rank: int, world_size: int, port: int, args: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    T.run(args)
-
-
-@pytest.mark.slow
-def test_profile_two_ranks_write_a_trace_each(tmp_path):
-    args = small(tmp_path, num_steps=2, profile="0:2", run_id="prof2")
-    mp.spawn(_profile_rank, args=(2, free_port(), args), nprocs=2, join=True)
-    for r in range(2):
-        assert trace_steps(tmp_path / "logs" / "prof2" / f"trace_rank{r}.json.gz") == [0, 1]
-
-
 def test_bench_prints_figures_and_writes_json(tmp_path, capsys):
     result = T.run(small(tmp_path, num_steps=6, bench=True, bench_steps=1, run_id="bench"))
     out = capsys.readouterr().out
@@ -84,7 +67,7 @@ def test_bench_prints_figures_and_writes_json(tmp_path, capsys):
 def test_bench_needs_data_for_its_own_steps_only(tmp_path):
     # The benchmark runs the first steps of a long schedule (the recipe's 1695 steps on a small corpus).
     args = small(tmp_path, num_steps=100_000, bench=True, bench_steps=1, run_id="long")
-    with pytest.raises(T.UsageError, match="the run needs at least"):
+    with pytest.raises(T.UsageError, match="the run needs 100000 steps"):
         T.run([a for a in args if not a.startswith("--bench")])
     assert T.run(args).bench["traced_steps"] == [4, 4]
 
@@ -96,7 +79,7 @@ def test_bench_needs_data_for_its_own_steps_only(tmp_path):
     (["--profile=2:7"], "END is beyond --num_steps=6"),
     (["--bench", "--profile=1:2"], "leave out --profile"),
     (["--bench", "--bench_steps=3"], "runs 9 steps but --num_steps is 6"),
-    (["--bench", "--bench_steps=0"], "--bench_steps must be positive"),
+    (["--bench", "--bench_steps=0"], "--bench_steps must be > 0"),
 ])
 def test_bad_profile_and_bench_values(tmp_path, flags, message):
     with pytest.raises(T.UsageError, match=message.replace("+", r"\+")) as err:

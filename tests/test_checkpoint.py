@@ -2,6 +2,7 @@
 checkpoint to W = 1, refusal of partial, corrupt or mismatched checkpoints (left untouched), and a
 checkpoint at the last step complete on disk when the process exits."""
 
+import errno
 import hashlib
 import os
 import re
@@ -130,8 +131,8 @@ def garbage_meta(folder: Path) -> None:
     (lambda f: (f / "rank0.pt").unlink(), {}, "is incomplete: rank0.pt is missing"),
     (lambda f: (f / "meta.json").unlink(), {}, "is incomplete: no meta.json"),
     (garbage_meta, {}, "meta.json is unreadable"),
-    (scribble, {}, "rank0.pt is unreadable"),
-    (None, {"model_dim": 32}, "needs --model_dim=64 (this run: 32)"),
+    (scribble, {}, "rank0.pt does not match its checksum in meta.json"),
+    (None, {"model_dim": 32, "num_heads": 1}, "needs --model_dim=64 (this run: 32)"),
     (None, {"global_batch_seqs": 4}, "needs --global_batch_seqs=2 (this run: 4)"),
     (None, {"num_steps": 1}, "is at step 2, beyond --num_steps=1"),
 ], ids=["truncated", "missing-rank", "missing-meta", "garbage-meta", "corrupt-rank", "model-dim", "batch",
@@ -168,15 +169,37 @@ def test_a_mismatch_stops_with_one_line(tmp_path, final_ckpt, monkeypatch, capsy
     assert lines[0].startswith("error: checkpoint ") and "needs --num_layers=4 (this run: 6)" in lines[0]
 
 
-def test_a_failed_write_leaves_the_checkpoint_incomplete_and_training_goes_on(tmp_path, monkeypatch, capsys):
-    def disk_full(obj: object, path: Path) -> None:
-        raise OSError(28, "No space left on device")
+class FullDisk:
+    """A file whose writes fail as on a full disk (ENOSPC), opened in place of train_gpt's checkpoint files."""
 
-    monkeypatch.setattr(T, "save_atomic", disk_full)
-    result = T.run(args(tmp_path, "full", num_steps=2, val_every=0, save_final=True))
-    assert [s for s, _ in result.val_losses] == [0, 2]
+    def __init__(self, path, mode):
+        self.file = open(path, mode)
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def test_a_full_disk_leaves_no_partial_file_training_goes_on_and_the_run_fails_at_the_end(tmp_path, monkeypatch,
+                                                                                           capsys):
+    monkeypatch.setattr(T, "open", lambda path, mode="r", *a, **k: FullDisk(path, mode) if "ckpt_" in str(path)
+                        else open(path, mode, *a, **k), raising=False)
+    with pytest.raises(T.UsageError, match=r"the run finished, but 1 requested checkpoint\(s\) failed: .*ckpt_2 "
+                                           r"\(no space left on .*ckpt_2\)"):
+        T.run(args(tmp_path, "full", num_steps=2, val_every=0, save_final=True))
     folder = ckpt(tmp_path, "full", 2)
-    assert sorted(p.name for p in folder.iterdir()) == ["rank0.failed"]
-    assert f"checkpoint: {folder} FAILED (OSError" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.failed"]  # no half-written file is left
+    assert f"checkpoint: {folder} FAILED (no space left on {folder}); the run continues" in capsys.readouterr().err
     with pytest.raises(T.UsageError, match="is incomplete: no meta.json"):
         T.read_checkpoint_meta(folder)
+    log = (tmp_path / "logs" / "full.txt").read_text()
+    assert "step:2/2 val_loss:" in log and (tmp_path / "logs" / "full.json").exists()  # the run itself finished
+    assert log.rstrip().endswith("requested checkpoint(s) failed: " + f"{folder} (no space left on {folder})")

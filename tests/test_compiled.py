@@ -76,13 +76,7 @@ def test_compiled_model_equals_eager_across_windows_with_one_graph():
         for (name, a), b in zip(twin.named_parameters(), eager.parameters()):
             if name != "scalars":  # sums of cancelling terms: relative error is not meaningful there
                 assert (a.grad.float() - b.grad.float()).norm() < 0.05 * b.grad.float().norm(), name
-    assert model_graphs() == 1  # the window is a tensor: no recompile when it changes
-    eager.eval()
-    twin.eval()
-    with torch.no_grad():
-        loss_e, loss_c = (m(tokens[:-1], tokens[1:].long(), WINDOWS[2]) for m in (eager, compiled))
-    assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-4)
-    assert model_graphs() == 2
+    assert model_graphs() == 1  # the window is a tensor: no recompile when it changes (eval: the run's test)
 
 
 def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mode():

@@ -96,19 +96,21 @@ def test_tokenize_round_trip(tmp_path: Path, workers: str, capsys: pytest.Captur
 
 @pytest.mark.slow
 @needs_tokenizer
-def test_tokenize_command_line_and_overwrite(tmp_path: Path) -> None:
+def test_tokenize_command_line_and_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "one.txt").write_text("one small document")
     out = tmp_path / "out"
-    command = [sys.executable, str(REPO / "data" / "tokenize_text.py"), str(tmp_path / "one.txt"),
-               "--out_dir", str(out), "--val_tokens", "0"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    args = [str(tmp_path / "one.txt"), "--out_dir", str(out), "--val_tokens", "0"]
+    run = subprocess.run([sys.executable, str(REPO / "data" / "tokenize_text.py"), *args], capture_output=True,
+                         text=True, timeout=60)  # the command line itself, once
     assert run.returncode == 0, run.stderr
     assert [p.name for p in out.iterdir()] == ["text_train_000001.bin"] and "1 documents" in run.stdout
-    again = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert again.returncode == 1 and "--overwrite" in again.stderr and len(again.stderr.splitlines()) == 1
+    with pytest.raises(SystemExit) as again:
+        tokenize_text.main(args)
+    assert again.value.code == 1
+    lines = error_lines(capsys)
+    assert "--overwrite" in lines[0] and len(lines) == 1
     (out / "text_train_000002.bin").write_bytes(b"stale")
-    replaced = subprocess.run(command + ["--overwrite"], capture_output=True, text=True, timeout=60)
-    assert replaced.returncode == 0, replaced.stderr
+    tokenize_text.main(args + ["--overwrite"])
     assert sorted(p.name for p in out.iterdir()) == ["text_train_000001.bin"]
 
 

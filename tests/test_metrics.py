@@ -78,7 +78,8 @@ def _gather_rank(rank: int, world_size: int, ports: tuple[int, int], args: list[
 
 @pytest.mark.slow
 def test_packed_gather_matches_separate_all_reduces_and_runs_once_per_logging_step(tmp_path):
-    args = tiny_args(tmp_path, num_steps=4, val_every=0, log_every=2, **SMALL)
+    # The spawned world also profiles two steps: each rank writes its own trace (no collective of its own).
+    args = tiny_args(tmp_path, num_steps=4, val_every=0, log_every=2, profile="0:2", run_id="gather", **SMALL)
     out = tmp_path / "gather.json"
     mp.spawn(_gather_rank, args=(2, (free_port(), free_port()), args, str(out)), nprocs=2, join=True)
     result = json.loads(out.read_text())
@@ -89,6 +90,11 @@ def test_packed_gather_matches_separate_all_reduces_and_runs_once_per_logging_st
     buckets = int(re.search(r"\(2 ranks, (\d+) buckets\)", log).group(1))
     assert result["gathers_in_training"] == 4 * buckets + 2
     assert torch.allclose(torch.tensor(result["packed"]), torch.tensor(result["separate"]), rtol=1e-12, atol=0)
+    sys.path.insert(0, str(REPO / "records"))
+    import trace_report
+    for r in range(2):
+        trace = trace_report.load_trace(tmp_path / "logs" / "gather" / f"trace_rank{r}.json.gz")
+        assert sorted(trace_report.cpu_step_spans(trace)) == [0, 1]
 
 
 def test_world_size_one_uses_no_collective(monkeypatch):
@@ -296,7 +302,7 @@ def test_peak_flops_table_and_override():
 
 def test_format_eta_and_log_every_validation():
     assert T.format_eta(0) == "0m00s" and T.format_eta(83.4) == "1m23s" and T.format_eta(3725) == "1h02m05s"
-    with pytest.raises(T.UsageError, match="--log_every must be >= 1"):
+    with pytest.raises(T.UsageError, match="--log_every must be > 0"):
         T.validate_config(T.parse_config(["--log_every=0"]), 1)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -343,3 +344,26 @@ def test_cli_help() -> None:
 def test_log_without_code_still_shows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run_main(capsys, "show", str(no_code_log(tmp_path)))
     assert rc == 0 and "3.2800" in out
+
+
+def test_a_diverged_run_shows_nan_and_stays_out_of_the_statistics(tmp_path, capsys):
+    # The trainer keeps NaN in its summary (a diverged val loss); the tool used to fall back to the last
+    # finite val point and report the run as fine.
+    good = [make_log(tmp_path / f"good{i}.txt", curve(3.28 + i / 100)) for i in range(2)]
+    bad = make_log(tmp_path / "bad.txt", {0: 10.8258, 10: 4.0, 20: float("nan")})
+    (tmp_path / "bad.json").write_text(json.dumps({"final_val_loss": float("nan"), "steps": 20,
+                                                   "val_losses": [[0, 10.8258, 0], [20, float("nan"), 2000]]}))
+    assert "NaN" in (tmp_path / "bad.json").read_text()
+    run = compare.load_run(bad)
+    assert math.isnan(run.final_val_loss) and compare.diverged(run)
+    table = compare.show_table([*map(compare.load_run, good), run])
+    assert "nan (diverged)" in table
+    report = compare.stats_report([*map(compare.load_run, [*good, bad])], 3.3)
+    assert "(n=3)" in report and "n=2)" in report  # three runs, two losses in the statistics
+    assert "bad: diverged (final val loss nan); left out of the runs val loss statistics" in capsys.readouterr().err
+
+
+def test_runs_of_different_lengths_are_named_once(tmp_path, capsys):
+    runs = [compare.load_run(make_log(tmp_path / f"r{n}.txt", curve(3.3, n), num_steps=n)) for n in (10, 20)]
+    compare.stats_report(runs, 3.3)
+    assert "warning: the runs end at different steps (10, 20); computing anyway" in capsys.readouterr().err

@@ -70,15 +70,20 @@ def test_torchrun_two_cpu_processes_finish_with_a_val_line(tmp_path):
     (["--bogus=1"], {}, "unknown option --bogus"),
     (["--num_steps=ten"], {}, "--num_steps expects int"),
     (["--preset=huge"], {}, "unknown preset 'huge'"),
-    (["--num_steps=0"], {}, "--num_steps must be positive"),
+    (["--num_steps=0"], {}, "--num_steps must be > 0, got 0"),
     (["--device=tpu"], {}, "--device must be auto, cuda or cpu"),
     ([], {"WORLD_SIZE": "3"}, "not divisible by the world size 3"),
     (["--train_files=nowhere/*.bin"], {}, "no files match 'nowhere/*.bin'"),
-    (["--num_steps=100000"], {}, "the run needs at least"),
+    (["--num_steps=100000"], {}, "the run needs 100000 steps of 8 sequences of 128 tokens"),
     (["--val_tokens=1048576", "--val_seq_len=1024"], {}, "validation needs 1048577 tokens"),
     (["--compile=maybe"], {}, "--compile expects true or false or auto, got 'maybe'"),
-    (["--fp8_head=true", "--model_dim=120"], {}, "the FP8 head needs --model_dim, --train_seq_len, --vocab_size "
-                                                  "divisible by 16 (torch._scaled_mm), got --model_dim=120"),
+    (["--fp8_head=true", "--vocab_size=50260"], {}, "the FP8 head needs --model_dim, --train_seq_len, --vocab_size "
+                                                    "divisible by 16 (torch._scaled_mm), got --vocab_size=50260"),
+    (["--num_heads=3"], {}, "--num_heads=3 x --head_dim=64 must equal --model_dim=128"),
+    (["--muon_lr=nan"], {}, "--muon_lr must be > 0, got nan"),
+    (["--muon_lr=-1"], {}, "--muon_lr must be > 0, got -1.0"),
+    (["--adam_beta2=1.5"], {}, "--adam_beta2 must be in [0, 1), got 1.5"),
+    (["--cooldown_frac=inf"], {}, "--cooldown_frac must be in [0, 1], got inf"),
 ])
 def test_bad_input_stops_with_one_clear_line(tmp_path, monkeypatch, capsys, args, env, message):
     for k, v in env.items():
@@ -108,7 +113,7 @@ def test_help_lists_every_field(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_promptly_with_one_line(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *tiny_args(tmp_path, num_steps=200)],
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *tiny_args(tmp_path, num_steps=100)],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("step:2/"):  # the prefetch thread and shard preloader are running
