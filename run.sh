@@ -1,13 +1,39 @@
 #!/usr/bin/env bash
 # Launch train_gpt.py on every visible GPU; arguments pass through (e.g. ./run.sh --num_steps=500).
 # Without a GPU it runs the tiny preset on the bundled sample, on the CPU, to show the pipeline working.
+# NPROC=N sets the number of processes (NPROC=2 ./run.sh on a CPU: two gloo ranks).
+# One process runs python directly. Several run under torchrun, whose own report of a failed rank would
+# bury the rank's one line: here the launcher stays quiet, so that line is the last one printed, and the
+# exit code is the rank's (2: bad input, 130: Ctrl-C, 143: SIGTERM).
 set -euo pipefail
 cd "$(dirname "$0")"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+args=("$@")
 if [ "$gpus" -eq 0 ]; then
     echo "run.sh: no CUDA GPU visible; running --preset=tiny on the CPU with data/sample/" >&2
     # glibc returns large freed blocks to the OS and page-faults them back every step: keep them.
     export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4000000000} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4000000000}
-    exec torchrun --standalone --nproc_per_node=1 train_gpt.py --preset=tiny --device=cpu "$@"
+    args=(--preset=tiny --device=cpu "$@")
 fi
-exec torchrun --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
+nproc=${NPROC:-$((gpus > 0 ? gpus : 1))}
+if [ "$nproc" -le 1 ]; then
+    exec python train_gpt.py "${args[@]}"
+fi
+exec python - "$nproc" "${args[@]}" <<'PY'
+import logging
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
+logging.disable(logging.ERROR)  # torchrun's banners and per-rank reports; a launcher failure still raises
+nproc, args = sys.argv[1], sys.argv[2:]
+try:
+    run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "train_gpt.py", *args]))
+except ChildFailedError as e:  # a rank exited non-zero, after printing its one line
+    code = e.get_first_failure()[1].exitcode
+    sys.exit(code if code > 0 else 128 - code)  # a negative code: the rank died of that signal
+except SignalException as e:  # Ctrl-C or SIGTERM reached the launcher too; the ranks stopped and said so
+    sys.exit(128 + int(e.sigval))
+PY

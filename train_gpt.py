@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import difflib
 import glob
 import errno
 import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -23,10 +25,12 @@ import os
 import platform
 import queue
 import random
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -53,65 +57,63 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 @dataclass
 class Config:
     # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # training shards (glob; relative: also under this folder)
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # validation shards (glob)
     train_epochs: int = 1  # passes over the training files, in order
-    train_seq_len: int = 48 * 1024  # tokens per sequence; one sequence per micro-step
+    train_seq_len: int = 48 * 1024  # tokens per sequence; one sequence per micro-step, starting at a document
     global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
-    val_seq_len: int = 4 * 64 * 1024
-    val_tokens: int = 10_485_760
-    prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, in the main thread
+    val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence (contiguous, not document-aligned)
+    val_tokens: int = 10_485_760  # validation tokens: the first ones of the val shards
     # model
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
-    num_layers: int = 12
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_ratio: int = 4
-    num_value_embeds: int = 3  # tables used by the first and again by the last layers
+    num_layers: int = 12  # transformer blocks (even: U-net skips pair layer i with num_layers-1-i)
+    model_dim: int = 768  # residual width; num_heads x head_dim
+    num_heads: int = 6  # attention heads
+    head_dim: int = 128  # width of a head
+    mlp_ratio: int = 4  # MLP hidden width / model_dim
+    num_value_embeds: int = 3  # value-embedding tables, used by the first and again by the last layers
     attn_pattern: str = "LSSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
-    attn_scale: float = 0.12
+    attn_scale: float = 0.12  # attention logit scale (in place of 1/sqrt(head_dim))
     gate_channels: int = 12  # leading channels of the attention input that drive the head gates
-    logit_cap: float = 30.0
-    logit_temp: float = 7.5
-    block_size: int = 128  # attention block granularity (FlexAttention tile)
-    final_window_tokens: int = 1728  # long window grows linearly to this over the run
-    # optimizer and schedule
-    num_steps: int = 1695
-    cooldown_frac: float = 0.45
-    final_lr_frac: float = 0.1
-    muon_lr: float = 0.05
-    muon_momentum_start: float = 0.85
-    muon_momentum_end: float = 0.95
-    muon_momentum_warmup_steps: int = 300
-    embed_lr: float = 0.6
-    head_lr: float = 0.008
-    scalar_lr: float = 0.04
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
+    logit_cap: float = 30.0  # logits are logit_cap * sigmoid(z / logit_temp)
+    logit_temp: float = 7.5  # see logit_cap
+    block_size: int = 128  # attention block granularity (FlexAttention tile; a multiple of 128 on CUDA)
+    # optimizer
+    muon_lr: float = 0.05  # Muon (block matrices)
+    muon_momentum_start: float = 0.85  # Muon momentum at step 0
+    muon_momentum_end: float = 0.95  # ... after muon_momentum_warmup_steps
+    embed_lr: float = 0.6  # Adam: token and value embeddings
+    head_lr: float = 0.008  # Adam: LM head
+    scalar_lr: float = 0.04  # Adam: the scalar vector (skip weights, mixing, value lambdas)
+    adam_beta1: float = 0.8  # Adam's first-moment decay
+    adam_beta2: float = 0.95  # Adam's second-moment decay
+    adam_eps: float = 1e-10  # Adam's epsilon (added to the raw sqrt(v))
+    # schedule
+    num_steps: int = 1695  # optimizer steps
+    cooldown_frac: float = 0.45  # the last fraction of steps whose lr falls linearly
+    final_lr_frac: float = 0.1  # lr multiplier at the end of the cooldown
+    muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
+    final_window_tokens: int = 1728  # the long attention window grows linearly to this over the run
+    # systems
+    device: str = "auto"  # auto | cuda | cpu
+    compile: bool | None = None  # torch.compile the model and Newton-Schulz; auto: on for CUDA, off for CPU
+    fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
+    prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, main thread
     bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
     comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
-    # run
-    val_every: int = 125  # 0 validates only at the start and the end
-    warmup_steps: int = 10  # untimed kernel warmup; model and optimizer are restored afterwards
-    log_every: int = 1  # train metrics every N steps (and the last); N never changes training
     peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
-    device: str = "auto"  # auto | cuda | cpu
-    # auto (None): on for CUDA, off for CPU, resolved at start-up. --device=cpu --compile=true --fp8_head=true
-    # rehearses the GPU path on the CPU: the compiled graphs and FP8 custom ops, with dense attention.
-    compile: bool | None = None  # torch.compile model and Newton-Schulz (fullgraph); false on CUDA: flex alone
-    fp8_head: bool | None = None  # FP8 lm_head matmul in training (also off with DISABLE_FP8=1)
+    # run
+    preset: str = ""  # a named set of fields, applied before explicit flags
     seed: int = -1  # -1 draws a random seed (always printed)
-    run_id: str = ""  # default: a fresh uuid; an id whose log exists is refused
+    run_id: str = ""  # default: a fresh one; an id whose log exists is refused
     overwrite: bool = False  # reuse a --run_id: replace that run's log and summary (never its checkpoints)
-    log_dir: str = "logs"
-    preset: str = ""
-    # profiling and benchmark (see the Profiler section)
+    log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints)
+    val_every: int = 125  # validate every N steps; 0: only at the start and the end
+    warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
+    log_every: int = 1  # train metrics every N steps (and the last); N never changes training
     profile: str = ""  # START:END traces training steps START..END-1 to <log_dir>/<run_id>/trace_rank<R>.json.gz
-    bench: bool = False  # a short steady-state benchmark instead of the run; report in <log_dir>/<run_id>_bench.json
-    bench_steps: int = 20  # timed steps, then as many traced steps
-    # checkpoints (see the Checkpoints section)
+    bench: bool = False  # a short benchmark instead of the run; report in <log_dir>/<run_id>_bench.json
+    bench_steps: int = 20  # --bench: timed steps, then as many traced steps
     save_every: int = 0  # checkpoint every N steps to <log_dir>/<run_id>/ckpt_<step>/; 0 = off
     save_final: bool = False  # checkpoint after the last step
     resume: str = ""  # a ckpt_<step> directory: continue that run exactly (same shapes and data; own --run_id)
@@ -121,6 +123,7 @@ PRESETS: dict[str, dict[str, object]] = {
     # A CPU-sized model on the bundled sample: the whole pipeline in under two minutes on 2 cores.
     # On the CPU the vocabulary-sized logits dominate the cost, so few large steps learn the most per second.
     "tiny": dict(
+        seed=1337,  # fixed, so that the README's numbers reproduce
         train_files="data/sample/sample_train_*.bin",
         val_files="data/sample/sample_val_*.bin",
         train_seq_len=512,
@@ -180,7 +183,8 @@ def parse_config(argv: list[str]) -> Config:
             raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
         name, _, text = arg[2:].partition("=")
         if name not in kinds:
-            raise UsageError(f"unknown option --{name} (see --help for the list)")
+            near = difflib.get_close_matches(name, kinds, n=1)
+            raise UsageError(f"unknown option --{name}{f'; did you mean --{near[0]}?' if near else ''} (see --help)")
         if kinds[name] not in (bool, "bool | None") and "=" not in arg:
             raise UsageError(f"--{name} needs a value: --{name}=VALUE")
         overrides[name] = _parse_value(name, kinds[name], text)
@@ -191,11 +195,32 @@ def parse_config(argv: list[str]) -> Config:
     return Config(**fields)
 
 
+def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
+    """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
+    a field is its documentation (--help prints it)."""
+    groups: list[tuple[str, list[tuple[str, str]]]] = []
+    for line in inspect.getsource(Config).splitlines()[2:]:
+        code, _, comment = line.strip().partition("  # ")
+        if code.startswith("# "):
+            groups.append((code[2:], []))
+        elif ":" in code:
+            groups[-1][1].append((code.split(":")[0], comment))
+    return groups
+
+
 def config_help() -> str:
-    lines = ["usage: train_gpt.py [--field=value ...]", "", "fields (default):"]
-    for f in dataclasses.fields(Config):
-        lines.append(f"  --{f.name}={AUTO if f.default is None else f.default}")
-    lines.append(f"presets: {', '.join(PRESETS)} (--preset=NAME)")
+    lines = ["usage: train_gpt.py [--field=value ...]     (on N GPUs: torchrun --standalone --nproc_per_node=N "
+             "train_gpt.py ..., or ./run.sh ...)", "Every field of the Config dataclass, with its default:"]
+    defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
+    for group, fields in field_groups():
+        lines.append(f"\n{group}:")
+        for name, comment in fields:
+            flag = f"  --{name}={defaults[name]}"
+            lines.append(f"{flag:<44}{comment}" if len(flag) < 44 else f"{flag}\n{'':<44}{comment}")
+    lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
+    for name, fields in PRESETS.items():
+        lines.append(textwrap.fill(", ".join(f"--{k}={v}" for k, v in fields.items()), width=116,
+                                   initial_indent=f"  {name}: ", subsequent_indent="    "))
     return "\n".join(lines)
 
 
@@ -333,6 +358,7 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 BOS_ID = 50256
 DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
+HERE = Path(__file__).resolve().parent  # the repository: where data/ and records/ are
 
 
 @contextlib.contextmanager
@@ -394,11 +420,27 @@ def load_shard(path: Path, vocab_size: int) -> np.ndarray:
 
 
 def find_shards(pattern: str) -> list[Path]:
+    """The shards a glob names, in order. A relative pattern that matches nothing from the working directory is
+    tried under this file's folder too, so the defaults and presets work from anywhere."""
     files = sorted(Path(p) for p in glob.glob(pattern))
+    if not files and not Path(pattern).is_absolute():
+        files = sorted(Path(p) for p in glob.glob(str(HERE / pattern)))
     if not files:
-        raise UsageError(f"no files match {pattern!r}; download FineWeb with `{DOWNLOAD_HINT}` "
-                         f"or point --train_files/--val_files at your shards")
+        if pattern in (PRESETS["tiny"]["train_files"], PRESETS["tiny"]["val_files"]):
+            hint = "the bundled sample is missing from this checkout: restore it with `git checkout data/sample`"
+        else:
+            hint = more_data_hint(pattern, missing=True)
+        raise UsageError(f"no files match {pattern!r} (here or under {HERE}); {hint}")
     return files
+
+
+def more_data_hint(pattern: str, missing: bool = False) -> str:
+    """Where more (or any) data for a glob comes from: FineWeb's downloader for its shards, else your own text."""
+    if "fineweb10B" in pattern:
+        return f"download {'' if missing else 'more '}FineWeb shards with `{DOWNLOAD_HINT}`"
+    if missing:
+        return "check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py"
+    return "make more shards from text with data/tokenize_text.py"
 
 
 class TrainTokenStream:
@@ -553,8 +595,8 @@ def check_train_data(cfg: Config, files: list[Path], steps: int) -> None:
             return
     raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences of {cfg.train_seq_len} "
                      f"tokens, each starting at a document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) "
-                     f"supply {supplied * cfg.train_epochs}; add shards (`{DOWNLOAD_HINT}`), raise --train_epochs "
-                     f"or lower --num_steps")
+                     f"supply {supplied * cfg.train_epochs}; raise --train_epochs, lower --num_steps or "
+                     f"{more_data_hint(cfg.train_files)}")
 
 
 def bind_thread_to_device(device: torch.device) -> None:
@@ -941,9 +983,9 @@ class GPT(nn.Module):
         ve = [table(input_seq) for table in self.value_embeds]
         return ve + [None] * (self.cfg.num_layers - 2 * len(ve)) + ve
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor) -> Tensor:
-        """Summed cross-entropy in training, mean in eval. input_seq is one packed (T,) sequence; windows is
-        (long, short) in blocks, an int tensor (a new value never recompiles)."""
+    def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
+        """Soft-capped fp32 logits, (T, vocab), for one packed (T,) sequence; windows is (long, short) in blocks,
+        an int tensor (a new value never recompiles). The FP8 head serves training only."""
         cfg, L = self.cfg, self.cfg.num_layers
         skip_w, mix, sa = self.scalars[: L // 2], self.scalars[L // 2: 5 * L // 2], self.scalars[5 * L // 2:]
         ves = self.value_embeds_per_layer(input_seq)
@@ -966,8 +1008,12 @@ class GPT(nn.Module):
                                                FP8_W_SCALE, FP8_GRAD_SCALE * train_loss_scale(cfg))
         else:
             logits = F.linear(x, self.lm_head.weight.type_as(x))
-        logits = cfg.logit_cap * torch.sigmoid(logits.float() / cfg.logit_temp)
-        return F.cross_entropy(logits, target_seq, reduction="sum" if self.training else "mean")
+        return cfg.logit_cap * torch.sigmoid(logits.float() / cfg.logit_temp)
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor) -> Tensor:
+        """Summed cross-entropy in training, mean in eval."""
+        return F.cross_entropy(self.logits(input_seq, windows), target_seq,
+                               reduction="sum" if self.training else "mean")
 
 
 # -----------------------------------------------------------------------------
@@ -2435,8 +2481,8 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
     if rt.device.type == "cuda":
         log(f"peak memory allocated: {int(memory['peak_memory_allocated_mib'])} MiB "
             f"reserved: {int(memory['peak_memory_reserved_mib'])} MiB")
-    else:
-        log("peak memory allocated: 0 MiB reserved: 0 MiB (CPU run)")
+    else:  # torch allocates from the process heap on a CPU: its peak resident size is what there is
+        log(f"peak memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB resident (CPU run)")
     bench = profiler.finish(log, model)
     gpu_names = [torch.cuda.get_device_name(rt.device)] if rt.device.type == "cuda" else []
     if gpu_names and rt.world_size > 1:

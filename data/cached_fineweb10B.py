@@ -9,14 +9,19 @@ Each train shard holds 100M tokens (about 200 MB); 103 exist, and the 8xH100 rec
 
 Files already present and valid are skipped. Every downloaded file is checked against the
 shard header (train_gpt.shard_token_count); an invalid one is removed and reported. When the hub
-cannot be reached the script prints one line and exits 1, removing the partial files of the
-failed downloads; finished files are kept, so rerunning resumes where it stopped.
+cannot be reached (checked first, in seconds) the script prints one line and exits 1, removing the
+partial files of failed downloads and the hub's bookkeeping folder; finished files are kept, so
+rerunning resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import urllib.error
+import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
@@ -84,6 +89,27 @@ def remove_partials(local_dir: Path, name: str) -> None:
             leftover.unlink(missing_ok=True)
 
 
+def hub_unreachable(endpoint: str, timeout_s: float = 10.0) -> str | None:
+    """Why the hub does not answer at all, or None when it does (any HTTP status): offline, this takes
+    about a second, where huggingface_hub would retry each file for half a minute."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s)
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return short_reason(e.reason if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException)
+                            else e)
+    return None
+
+
+def clean_up(local_dir: Path, created: bool) -> None:
+    """After a failed run: the hub's bookkeeping folder, and the target folder if this run made it and it
+    holds nothing."""
+    shutil.rmtree(local_dir / ".cache", ignore_errors=True)
+    if created and local_dir.is_dir() and not any(local_dir.iterdir()):
+        local_dir.rmdir()
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
@@ -119,7 +145,13 @@ def main(argv: Sequence[str] | None = None, download: Download | None = None) ->
         except ImportError:
             fail("huggingface_hub is not installed: pip install huggingface_hub")
         download = hf_hub_download
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        reason = None if os.environ.get("HF_HUB_OFFLINE") else hub_unreachable(endpoint)
+        if reason is not None:
+            fail(f"cannot reach the Hugging Face hub at {endpoint} ({reason}); check your connection or "
+                 f"HF_ENDPOINT and rerun")
     local_dir: Path = args.dir
+    created = not local_dir.exists()
     local_dir.mkdir(parents=True, exist_ok=True)
 
     todo: list[str] = []
@@ -164,6 +196,8 @@ def main(argv: Sequence[str] | None = None, download: Download | None = None) ->
 
     for name in failed:
         remove_partials(local_dir, name)
+    if failed or invalid:
+        clean_up(local_dir, created)
     if failed:
         name, reason = next(iter(failed.items()))
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""

@@ -8,8 +8,8 @@ its "text" field. An INPUT folder contributes its .txt and .jsonl files (not sub
 by name. Documents keep the order of the inputs; empty ones are skipped.
 
 Tokens: GPT-2 BPE (tiktoken "r50k_base", encode_ordinary, so a literal "<|endoftext|>" in the
-text is plain text), each document prefixed with BOS 50256. Offline, tiktoken needs
-TIKTOKEN_CACHE_DIR pointing at a folder holding the r50k_base file.
+text is plain text), each document prefixed with BOS 50256. The BPE file comes from the bundled
+data/tokenizer/ (no network needed) unless TIKTOKEN_CACHE_DIR names another folder.
 
 Shards, all of whole documents:
   NAME_val_000000.bin    the first documents, until it holds at least --val_tokens tokens
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import tiktoken
 
 ENCODING = "r50k_base"
+BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer"  # r50k_base's BPE file, named as tiktoken caches it
 EXTENSIONS = (".txt", ".jsonl")
 PARALLEL_MIN_BYTES = 1_000_000
 DEFAULT_VAL_TOKENS = 262_144
@@ -110,17 +111,16 @@ def load_encoding() -> tiktoken.Encoding:
         import tiktoken
     except ImportError:
         raise UsageError("tiktoken is not installed: pip install tiktoken") from None
+    cache = os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(BUNDLED_TOKENIZER))  # read at the first get_encoding
     try:
         return tiktoken.get_encoding(ENCODING)
-    except Exception as e:  # tiktoken fetches the BPE file over HTTP when it is not cached
+    except Exception as e:  # a missing or wrong BPE file: tiktoken then tries to download it
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         reason = reason if len(reason) <= 120 else reason[:117] + "..."
-        cache = os.environ.get("TIKTOKEN_CACHE_DIR")
-        if cache:
-            raise UsageError(f"cannot load the GPT-2 tokenizer ({ENCODING}) from TIKTOKEN_CACHE_DIR={cache} "
-                             f"({reason}); point it at a folder holding the {ENCODING} file") from None
-        raise UsageError(f"cannot load the GPT-2 tokenizer ({ENCODING}) ({reason}); offline, set "
-                         f"TIKTOKEN_CACHE_DIR to a folder holding it (e.g. shared/tiktoken_cache)") from None
+        where = f"the bundled {cache}" if cache == str(BUNDLED_TOKENIZER) else f"TIKTOKEN_CACHE_DIR={cache}"
+        raise UsageError(f"cannot load the GPT-2 tokenizer ({ENCODING}) from {where} ({reason}); restore it with "
+                         f"`git checkout data/tokenizer` or point TIKTOKEN_CACHE_DIR at a folder holding the "
+                         f"{ENCODING} file") from None
 
 
 _encoding: tiktoken.Encoding | None = None  # per process: set by _init_worker or on first use

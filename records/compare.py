@@ -6,7 +6,7 @@ upstream modded-nanogpt logs. A record folder stands for every run log (*.txt) i
     python records/compare.py show RUN...
     python records/compare.py diff A B
     python records/compare.py stats RUN... [--target 3.28] [--baseline RUN...]
-    python records/compare.py plot RUN... -o out.png
+    python records/compare.py plot RUN... [-o compare.png]
 
 Bad input is reported as one `error:` line on stderr with exit code 2.
 """
@@ -78,6 +78,7 @@ class Run:
     seed: int | None = None
     git_commit: str | None = None
     val_points: list[ValPoint] = field(default_factory=list)
+    train_points: list[ValPoint] = field(default_factory=list)  # per logged step: train loss (and train time)
     final_val_loss: float | None = None
     last_step: int | None = None
     total_steps: int | None = None
@@ -207,6 +208,7 @@ def _fill_from_steps(run: Run, steps: list[StepLine]) -> None:
     run.step_avg_ms = latest([s.step_avg_ms for s in steps])
     run.tokens_per_s = latest([s.tokens_per_s for s in steps])
     run.val_points = [ValPoint(s.step, s.val_loss, s.train_time_ms) for s in steps if s.val_loss is not None]
+    run.train_points = [ValPoint(s.step, s.train_loss, s.train_time_ms) for s in steps if s.train_loss is not None]
     run.final_val_loss = run.val_points[-1].loss if run.val_points else None
 
 
@@ -304,12 +306,31 @@ def _read(path: Path) -> str:
         raise LogError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
+def load_train_points(path: Path) -> list[ValPoint]:
+    """Per logged step, the train loss and train time from a run's .jsonl (full precision); [] when unreadable."""
+    points = []
+    try:
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            entry = json.loads(line)
+            step, loss = _int(entry.get("step")), _loss(entry.get("train_loss"))
+            if step is not None and loss is not None:
+                points.append(ValPoint(step, loss, _num(entry.get("train_time_ms"))))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        warn(f"{path}: unreadable step records; the train loss comes from the log lines")
+        return []
+    return points
+
+
 def load_run(path: Path) -> Run:
-    """One run from its .txt log, with the .json summary beside it applied when present."""
+    """One run from its .txt log, with the .json summary and the .jsonl step records beside it applied when
+    present."""
     run = parse_log(_read(path), path.stem, path)
     summary = path.with_suffix(".json")
     if summary.is_file():
         apply_summary(run, load_summary(summary))
+    records = path.with_suffix(".jsonl")
+    if records.is_file():
+        run.train_points = load_train_points(records) or run.train_points
     return run
 
 
@@ -521,6 +542,9 @@ def group_stats(runs: Sequence[Run], label: str) -> GroupStats:
                  f"statistics")
         if run.train_time_s is None:
             warn(f"{run.name}: no train time; left out of the {label} train time statistics")
+    hardware = sorted({describe_hardware(run) for run in runs} - {"-"})
+    if len(hardware) > 1:
+        warn(f"the {label} ran on different hardware ({'; '.join(hardware)}); pooling them anyway")
     ends = sorted({run.last_step for run in runs if run.last_step is not None})
     if len(ends) > 1:
         warn(f"the {label} end at different steps ({', '.join(map(str, ends))}); computing anyway")
@@ -606,14 +630,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 # -----------------------------------------------------------------------------
 # plot
-# Two panels, val loss against step and against train time (s), one labelled line per run. The
-# loss axis leaves out the step-0 loss (about ln(vocab) for every run) so that the late,
+# Two panels, loss against step and against train time (s): per run, its val points (markers, a line
+# style of its own, so that identical runs stay apart) and its per-step train loss (thin, same colour).
+# The loss axis leaves out the step-0 loss (about ln(vocab) for every run) so that the late,
 # close-together part of the curves stays readable.
+
+LINE_STYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "x", "P", "*"]
 
 
 def loss_limits(runs: Sequence[Run]) -> tuple[float, float] | None:
     """y-limits spanning every validation after step 0 with a 5% margin; None if there is none."""
-    losses = [p.loss for run in runs for p in run.val_points if p.step > 0]
+    losses = [p.loss for run in runs for p in run.val_points + run.train_points if p.step > 0 and math.isfinite(p.loss)]
     if not losses:
         return None
     low, high = min(losses), max(losses)
@@ -621,29 +649,43 @@ def loss_limits(runs: Sequence[Run]) -> tuple[float, float] | None:
     return low - margin, high + margin
 
 
-def plot_runs(runs: Sequence[Run], out: Path) -> None:
+def plot_figure(runs: Sequence[Run]):  # -> matplotlib Figure
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run in runs:
-        by_step.plot([p.step for p in run.val_points], [p.loss for p in run.val_points], marker=".",
-                     label=run.name)
+    for i, run in enumerate(runs):
+        style = dict(linestyle=LINE_STYLES[i % len(LINE_STYLES)], marker=MARKERS[i % len(MARKERS)], markersize=4)
+        line, = by_step.plot([p.step for p in run.val_points], [p.loss for p in run.val_points], label=run.name,
+                             **style)
         timed = [(p.time_ms / 1000, p.loss) for p in run.val_points if p.time_ms is not None]
-        by_time.plot([t for t, _ in timed], [loss for _, loss in timed], marker=".", label=run.name)
+        by_time.plot([t for t, _ in timed], [loss for _, loss in timed], label=run.name, color=line.get_color(),
+                     **style)
+        if run.train_points:
+            train = dict(color=line.get_color(), linewidth=0.6, alpha=0.5, label=f"{run.name} (train)")
+            by_step.plot([p.step for p in run.train_points], [p.loss for p in run.train_points], **train)
+            timed = [(p.time_ms / 1000, p.loss) for p in run.train_points if p.time_ms is not None]
+            by_time.plot([t for t, _ in timed], [loss for _, loss in timed], **train)
     limits = loss_limits(runs)
     clipped = limits is not None and any(not limits[0] <= p.loss <= limits[1] for r in runs for p in r.val_points)
     for ax, xlabel in ((by_step, "step"), (by_time, "train time (s)")):
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("val loss (step 0 off scale)" if clipped else "val loss")
+        ax.set_ylabel("loss (step 0 off scale)" if clipped else "loss")
         if limits is not None:
             ax.set_ylim(*limits)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    by_step.set_title("val loss vs step")
-    by_time.set_title("val loss vs train time")
+    by_step.set_title("loss vs step (val: markers, train: thin)")
+    by_time.set_title("loss vs train time")
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(runs: Sequence[Run], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(runs)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format="png", dpi=110)
@@ -661,7 +703,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not any(run.val_points for run in runs):
         raise LogError("no run has a validation line ('step:S/T val_loss:V ...'); nothing to plot")
     plot_runs(runs, Path(args.output))
-    print(f"wrote {args.output}")
+    print(f"wrote {Path(args.output).resolve()}")
     return 0
 
 
@@ -690,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=cmd_stats)
     plot = sub.add_parser("plot", help="PNG of val loss vs step and vs train time")
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run log (.txt) or record folder")
-    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
+    plot.add_argument("-o", "--output", default="compare.png", help="PNG file to write (default: compare.png)")
     plot.set_defaults(func=cmd_plot)
     return parser
 

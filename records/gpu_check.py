@@ -2,14 +2,15 @@
 
     python records/gpu_check.py [--out DIR] [--skip_bench]
 
-One command, at most ten minutes on one H100, from the repo root's checkout with the proxy corpus copied into
-the git-ignored data/proxy/ (`cp -r ../shared/data/proxy data/`). Two stages, each under its own time limit:
+One command, at most ten minutes on one H100, from the repo root's checkout with a corpus for the benchmark:
+shards in the git-ignored data/proxy/ (proxy_train_*.bin, proxy_val_*.bin) or FineWeb in data/fineweb10B/
+(python data/cached_fineweb10B.py 1). Two stages, each under its own time limit:
 
 1. tests: tests/test_cuda.py (FP8 ops and head through cuBLAS, compiled FlexAttention against dense attention,
    the prefetch loader against a slowed stream, the compiled GPT's graphs, a tiny run with checkpoints), the
    no-host-sync test, and the CPU suite's FP8 and FlexAttention tests. Without a GPU the CUDA tests are
    skipped with their reason and the CPU rehearsal of the compiled path (tests/test_compiled.py) runs instead.
-2. bench: train_gpt.py --bench at the recipe's per-rank shape (8 micro-steps of 49,152 tokens) on the proxy
+2. bench: train_gpt.py --bench at the recipe's per-rank shape (8 micro-steps of 49,152 tokens) on that
    corpus; without a GPU, the tiny preset compiled with the FP8 head, on the CPU.
 
 Every check prints PASS, FAIL or SKIP with its figures, and the script goes on past a failure (exit code 1 if
@@ -35,7 +36,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROXY_TRAIN, PROXY_VAL = "data/proxy/proxy_train_*.bin", "data/proxy/proxy_val_*.bin"
+# The benchmark's corpus, the first one present: a proxy corpus, or FineWeb (the trainer's default).
+CORPORA = [("data/proxy/proxy_train_*.bin", "data/proxy/proxy_val_*.bin"),
+           ("data/fineweb10B/fineweb_train_*.bin", "data/fineweb10B/fineweb_val_*.bin")]
 GPU_TESTS = ["tests/test_cuda.py", "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps"]
 CPU_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
              "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
@@ -113,12 +116,13 @@ def bench_stage(out: Path, cuda: bool) -> dict:
     run_id = f"gpu_check_bench_{datetime.datetime.now():%Y%m%d_%H%M%S}"
     logs = out / "logs"
     if cuda:
-        name = "bench: recipe shape, proxy corpus"
-        if not list(REPO.glob(PROXY_TRAIN)) or not list(REPO.glob(PROXY_VAL)):
+        corpus = next(((t, v) for t, v in CORPORA if list(REPO.glob(t)) and list(REPO.glob(v))), None)
+        name = f"bench: recipe shape, {corpus[0].split('/')[1] if corpus else 'no'} corpus"
+        if corpus is None:
             return {"check": name, "result": "FAIL", "seconds": 0.0, "figures": {},
-                    "note": "no proxy corpus in data/proxy/: cp -r ../shared/data/proxy data/"}
-        # The recipe's schedule (the first steps: a one-block window) needs 1695 steps' worth of tokens up front.
-        args = [f"--train_files={PROXY_TRAIN}", f"--val_files={PROXY_VAL}", "--train_epochs=30", "--val_tokens=262144"]
+                    "note": "no shards in data/proxy/ or data/fineweb10B/ (python data/cached_fineweb10B.py 1)"}
+        # A bench needs data for its own ~43 steps; epochs let a small corpus supply them.
+        args = [f"--train_files={corpus[0]}", f"--val_files={corpus[1]}", "--train_epochs=30", "--val_tokens=262144"]
     else:
         name = "bench: tiny preset, CPU, compiled with the FP8 head"
         args = ["--preset=tiny", "--device=cpu", "--compile=true", "--fp8_head=true", "--bench_steps=3",

@@ -31,11 +31,12 @@ the implied slowdown: a step takes as long as its slowest rank, so the attention
 sum(max) / sum(mean) of the perfectly balanced time (and the whole step, by the FLOP model, the same
 ratio of whole-step FLOPs).
 
-The proxy corpus (../shared/data/proxy, 23M tokens) holds fewer tokens than 200 steps x 8 x 49,152
-(~79M plus the skipped tails), so the files are repeated in order (TrainTokenStream's epochs, as
---train_epochs does in training); the number of passes used is printed. Repeated passes give the
-same sequences again: one pass over the proxy files is 50 steps, so 200 steps are 4 passes over the
-same 50 steps' batches (with the window schedule of steps 0..199).
+A proxy corpus (shards in the git-ignored data/proxy/; 23M tokens in ours) holds fewer tokens than
+200 steps x 8 x 49,152 (~79M plus the skipped tails), so the files are repeated in order
+(TrainTokenStream's epochs, as --train_epochs does in training); the number of passes used is
+printed. Repeated passes give the same sequences again: one pass over the proxy files is 50 steps,
+so 200 steps are 4 passes over the same 50 steps' batches (with the window schedule of steps
+0..199).
 
     python records/load_balance.py [--train_files PATTERN] [--steps 200] [--world_size 8]
                                    [--window_blocks N] [--quiet]
@@ -58,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import train_gpt as T  # noqa: E402
 
-DEFAULT_FILES = str(REPO.parent / "shared" / "data" / "proxy" / "proxy_train_*.bin")
+DEFAULT_FILES = str(REPO / "data" / "proxy" / "proxy_train_*.bin")
 
 
 def query_block_costs(input_seq: np.ndarray, block_size: int, window: int) -> tuple[np.ndarray, np.ndarray]:

@@ -139,9 +139,20 @@ def test_bad_shards_name_the_file_and_the_problem(tmp_path, case, message):
     assert str(path) in str(err.value) and message in str(err.value)
 
 
-def test_missing_files_name_the_pattern_and_the_download_command():
-    with pytest.raises(T.UsageError, match=r"no files match 'nowhere/\*\.bin'.*python data/cached_fineweb10B.py"):
-        T.find_shards("nowhere/*.bin")
+@pytest.mark.parametrize("pattern, hint", [
+    ("data/fineweb10B/fineweb_train_*.bin", "download FineWeb shards with `python data/cached_fineweb10B.py 8`"),
+    ("data/sample/sample_train_*.bin", None),  # the bundled sample: found from any folder (see below)
+    ("nowhere/*.bin", "check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py"),
+])
+def test_missing_files_name_the_pattern_and_a_hint_that_fits(tmp_path, monkeypatch, pattern, hint):
+    monkeypatch.chdir(tmp_path)  # relative patterns are looked up here, then beside train_gpt.py
+    if hint is None:
+        assert T.find_shards(pattern) == sorted((T.HERE / "data" / "sample").glob("sample_train_*.bin"))
+        monkeypatch.setattr(T, "HERE", tmp_path)  # a checkout that lost its sample
+        hint = "the bundled sample is missing from this checkout: restore it with `git checkout data/sample`"
+    with pytest.raises(T.UsageError, match="no files match") as err:
+        T.find_shards(pattern)
+    assert str(err.value).endswith(hint)
 
 
 def test_running_out_of_data_says_how_much_the_files_hold(tmp_path):

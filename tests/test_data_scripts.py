@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TIKTOKEN_CACHE = Path(os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "tiktoken_cache")))
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "data"))
 
@@ -21,8 +20,7 @@ import tokenize_text  # noqa: E402
 import train_gpt  # noqa: E402
 
 needs_tokenizer = pytest.mark.skipif(
-    not TIKTOKEN_CACHE.is_dir(),
-    reason=f"no tiktoken cache at {TIKTOKEN_CACHE} (set TIKTOKEN_CACHE_DIR to a folder holding r50k_base)")
+    not (REPO / "data" / "tokenizer").is_dir(), reason="no data/tokenizer/ in this checkout (the bundled GPT-2 BPE)")
 
 
 def error_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -151,12 +149,20 @@ def test_tokenize_missing_tokenizer_hint(tmp_path: Path, monkeypatch: pytest.Mon
         raise ConnectionError("Max retries exceeded")
 
     monkeypatch.setattr(tiktoken, "get_encoding", unreachable)
-    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
     (tmp_path / "a.txt").write_text("text")
     with pytest.raises(SystemExit) as exit_info:
         tokenize_text.main([str(tmp_path / "a.txt"), "--out_dir", str(tmp_path / "out")])
     lines = error_lines(capsys)
-    assert exit_info.value.code == 1 and len(lines) == 1 and "set TIKTOKEN_CACHE_DIR" in lines[0]
+    assert exit_info.value.code == 1 and len(lines) == 1 and "from the bundled" in lines[0]
+    assert "git checkout data/tokenizer" in lines[0]
+
+
+def test_tokenize_uses_the_bundled_tokenizer_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tokenize_text, "_encoding", None)
+    encoding = tokenize_text.load_encoding()
+    assert encoding.encode("Hello world") == [15496, 995] and encoding.eot_token == train_gpt.BOS_ID
 
 
 # -- cached_fineweb10B.py -------------------------------------------------------------------------
@@ -268,3 +274,18 @@ def test_download_command_line_offline(tmp_path: Path) -> None:
     assert "Traceback" not in run.stderr
     assert not list(tmp_path.glob("*.bin"))
     assert_no_partial_files(tmp_path)
+    assert not (tmp_path / ".cache").exists()  # the hub's bookkeeping folder goes too
+
+
+def test_download_fails_fast_when_the_hub_does_not_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")  # a name that never resolves
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    target = tmp_path / "fineweb10B"
+    with pytest.raises(SystemExit) as exit_info:
+        cached_fineweb10B.main(["2", "--dir", str(target)])
+    lines = error_lines(capsys)
+    assert exit_info.value.code == 1 and len(lines) == 1
+    assert lines[0].startswith("error: cannot reach the Hugging Face hub at http://hub.invalid (")
+    assert not target.exists()  # nothing left behind

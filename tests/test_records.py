@@ -305,6 +305,30 @@ def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert image.shape[0] > 100 and image.shape[1] > 100
 
 
+def test_plot_defaults_to_compare_png_and_keeps_identical_runs_apart(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a, b = (make_log(tmp_path / f"{n}.txt", curve(3.27)) for n in "ab")  # the same curve twice
+    records = [{"step": s, "train_loss": 10.0 - s / 4, "train_time_ms": 100.0 * s} for s in range(1, 21)]
+    (tmp_path / "a.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    rc, out, _ = run_main(capsys, "plot", str(a), str(b))
+    assert rc == 0 and out.strip() == f"wrote {tmp_path / 'compare.png'}" and (tmp_path / "compare.png").exists()
+    runs = [compare.load_run(a), compare.load_run(b)]
+    assert [p.loss for p in runs[0].train_points] == [r["train_loss"] for r in records]  # from the .jsonl
+    upstream = compare.load_run(make_log(tmp_path / "up.txt", curve(3.28), upstream=True))
+    assert [p.loss for p in upstream.train_points] == [5.0] * 20  # no .jsonl: the log's own train lines
+    by_step = compare.plot_figure(runs).axes[0]
+    val_lines = [line for line in by_step.lines if line.get_marker() not in ("None", None, "")]
+    assert len(val_lines) == 2
+    assert {(line.get_linestyle(), line.get_marker()) for line in val_lines} == {("-", "o"), ("--", "s")}
+    assert sum("(train)" in line.get_label() for line in by_step.lines) == 1  # b has no train losses
+
+
+def test_stats_warns_when_pooling_different_hardware(tmp_path, capsys):
+    runs = [compare.load_run(make_log(tmp_path / f"g{n}.txt", curve(3.28), gpus=n)) for n in (8, 4)]
+    compare.stats_report(runs, 3.3)
+    assert "the runs ran on different hardware" in capsys.readouterr().err
+
+
 # -----------------------------------------------------------------------------
 # Bad input through the real command line: one `error:` line, exit code 2, no traceback.
 

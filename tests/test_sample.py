@@ -1,0 +1,54 @@
+"""sample.py: text from a checkpoint of the tiny model; the logits it samples from are the ones the loss reads."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sample
+import train_gpt as T
+from conftest import SMALL, tiny_args
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sample")
+    T.run(tiny_args(tmp, run_id="s", num_steps=3, val_every=0, save_final=True, **SMALL))
+    return tmp / "logs" / "s" / "ckpt_3"
+
+
+def test_logits_are_what_the_loss_reads():
+    cfg = T.parse_config(["--preset=tiny"])
+    torch.manual_seed(0)
+    model = T.GPT(cfg, use_flex=False, fp8_head=False).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        tokens = torch.randint(0, 50000, (cfg.train_seq_len + 1,))
+        windows = torch.tensor([2, 1])
+        logits = model.logits(tokens[:-1], windows)
+        assert logits.shape == (cfg.train_seq_len, cfg.vocab_size) and logits.dtype == torch.float32
+        assert torch.equal(F.cross_entropy(logits, tokens[1:]), model(tokens[:-1], tokens[1:], windows))
+
+
+def test_sampling_is_reproducible_and_greedy_is_top_1(checkpoint, capsys):
+    args = [str(checkpoint), "--prompt", "The", "--tokens", "8"]
+    greedy = sample.main(args + ["--temperature", "0"])
+    assert capsys.readouterr().out == "The" + greedy + "\n"
+    assert sample.main(args + ["--temperature", "0"]) == greedy
+    one = {sample.main(args + ["--temperature", "1", "--top_k", "1", "--seed", str(s)]) for s in range(3)}
+    assert len(one) == 1  # one candidate a step: no randomness left
+    assert sample.main(args + ["--seed", "3"]) == sample.main(args + ["--seed", "3"])
+    assert len({sample.main(args + ["--temperature", "2", "--top_k", "0", "--seed", str(s)]) for s in range(4)}) > 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "does not exist"),
+    (["--tokens=0"], "--tokens must be >= 1"),
+    (["--tokens=100000"], "this model takes at most 1024"),
+])
+def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, flags, message):
+    target = str(tmp_path / "nope") if not flags else str(checkpoint)
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main([target, *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err, err
