@@ -1,6 +1,6 @@
 """Speedrun GPT trainer: the whole recipe in one file, in data-flow order.
 
-config -> data -> model -> optimizer -> schedule -> metrics -> profiler -> checkpoints -> training -> main().
+config -> data -> model -> schedule -> optimizer -> metrics -> profiler -> checkpoints -> training -> main().
 Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
 (N in 1, 2, 4, 8) or plain `python train_gpt.py --preset=tiny` on a CPU.
 Importing this module has no side effects; the tests import it. Analysis that need not run inside
@@ -85,15 +85,30 @@ class Config:
     embed_lr: float = 0.6  # Adam: token and value embeddings
     head_lr: float = 0.008  # Adam: LM head
     scalar_lr: float = 0.04  # Adam: the scalar vector (skip weights, mixing, value lambdas)
-    adam_beta1: float = 0.8  # Adam's first-moment decay
+    adam_beta1: float = 0.8  # Adam's first-moment decay (#40: 0.65)
     adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-10  # Adam's epsilon (added to the raw sqrt(v))
+    # optimizer, recipe v2 (each off by default: record #28; --preset=v2 turns them on; README "Recipes")
+    orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (#28's quintic) | polar_express (#38)
+    normuon_beta2: float = 0.0  # NorMuon (#41): decay of the per-row/column second moment of the update; 0 = off
+    mlp_up_lr_mul: float = 1.0  # Muon lr multiplier of the MLPs' c_fc (#42/#48: 2)
+    mlp_down_lr_mul: float = 1.0  # ... of their c_proj (#48: 4)
+    muon_wd: float = 0.0  # cautious weight decay (#43): wd*lr*(lr*lr_mul) where update and weight agree in sign
+    adam_wd: float = 0.0  # cautious weight decay for Adam (#50): (lr)^2*adam_wd*wd_mul where step and weight agree
+    embed_wd_mul: float = 5.0  # adam_wd multiplier of the token and value embeddings (the scalars never decay)
+    head_wd_mul: float = 150.0  # ... of the LM head
+    adam_every: int = 1  # Adam steps every N steps, on the gradients summed since its last step (#39: 2)
+    scalar_beta1: float = 0.8  # Adam's beta1 for the scalar vector (#52, smoothed scalars: 0.9)
+    scalar_beta2: float = 0.95  # ... and its beta2 (#52: 0.99)
     # schedule
     num_steps: int = 1695  # optimizer steps
-    cooldown_frac: float = 0.45  # the last fraction of steps whose lr falls linearly
+    cooldown_frac: float = 0.45  # the last fraction of the scheduled steps (before any extension): lr falls linearly
     final_lr_frac: float = 0.1  # lr multiplier at the end of the cooldown
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     final_window_tokens: int = 1728  # the long attention window grows linearly to this over the run
+    window_stages: str = ""  # "S/L,...": short/long windows (blocks) per equal stage, then the extension's (#46)
+    extension_steps: int = 0  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46: 40)
+    muon_momentum_cooldown_steps: int = 0  # Muon momentum falls back to its start over the last N steps (#39: 50)
     # systems
     device: str = "auto"  # auto | cuda | cpu
     compile: bool | None = None  # torch.compile the model and Newton-Schulz; auto: on for CUDA, off for CPU
@@ -103,7 +118,7 @@ class Config:
     comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
     peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
     # run
-    preset: str = ""  # a named set of fields, applied before explicit flags
+    preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
     seed: int = -1  # -1 draws a random seed (always printed)
     run_id: str = ""  # default: a fresh one; an id whose log exists is refused
     overwrite: bool = False  # reuse a --run_id: replace that run's log and summary (never its checkpoints)
@@ -143,6 +158,27 @@ PRESETS: dict[str, dict[str, object]] = {
         val_every=20,
         warmup_steps=2,
     ),
+    # Recipe v2 so far: the optimizer and schedule of records #38-#72 (spec recipe_v2 §4.4), at #28's shape,
+    # batch and step count until a GPU run re-tunes them. On tiny (--preset=tiny,v2) give the step-counted
+    # fields tiny values too, e.g. --extension_steps=2 --muon_momentum_cooldown_steps=5.
+    "v2": dict(
+        orthogonalizer="polar_express",
+        muon_lr=0.023,
+        normuon_beta2=0.95,
+        mlp_up_lr_mul=2.0,
+        mlp_down_lr_mul=4.0,
+        muon_wd=1.2,
+        adam_wd=0.005,
+        adam_every=2,
+        adam_beta1=0.65,
+        scalar_beta1=0.9,
+        scalar_beta2=0.99,
+        cooldown_frac=0.55,
+        final_lr_frac=0.15,
+        window_stages="1/3,3/7,5/11,6/13",
+        extension_steps=40,
+        muon_momentum_cooldown_steps=50,
+    ),
 }
 
 
@@ -174,7 +210,7 @@ def _parse_value(name: str, kind: type | str, text: str) -> object:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """Defaults, then the preset's fields, then explicit --field=value overrides."""
+    """Defaults, then the presets' fields, then explicit --field=value overrides."""
     types = {"int": int, "float": float, "bool": bool, "str": str, "bool | None": "bool | None"}
     kinds = {f.name: types[f.type] for f in dataclasses.fields(Config)}
     overrides: dict[str, object] = {}
@@ -188,11 +224,12 @@ def parse_config(argv: list[str]) -> Config:
         if kinds[name] not in (bool, "bool | None") and "=" not in arg:
             raise UsageError(f"--{name} needs a value: --{name}=VALUE")
         overrides[name] = _parse_value(name, kinds[name], text)
-    preset = str(overrides.get("preset", ""))
-    if preset and preset not in PRESETS:
-        raise UsageError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    fields = {**PRESETS.get(preset, {}), **overrides}
-    return Config(**fields)
+    fields: dict[str, object] = {}
+    for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
+        if preset not in PRESETS:
+            raise UsageError(f"unknown preset {preset!r}; choose from: {', '.join(PRESETS)} (several: --preset=A,B)")
+        fields.update(PRESETS[preset])
+    return Config(**{**fields, **overrides})
 
 
 def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
@@ -239,6 +276,21 @@ def profile_steps(spec: str, num_steps: int) -> range:
     return range(a, b)
 
 
+def window_stages(spec: str) -> list[tuple[int, int]]:
+    """--window_stages=S/L,S/L,... as (short, long) windows in blocks; UsageError when malformed."""
+    try:
+        stages = [tuple(int(w) for w in pair.split("/")) for pair in spec.split(",")]
+    except ValueError:
+        stages = []
+    if not stages or any(len(st) != 2 or min(st) < 0 for st in stages):
+        raise UsageError(f"--window_stages expects SHORT/LONG blocks per stage, comma-separated "
+                         f"(e.g. 1/3,3/7,5/11,6/13), got {spec!r}")
+    return stages  # type: ignore[return-value]
+
+
+ORTHOGONALIZERS = ("newton_schulz", "polar_express")
+
+
 def bench_length(cfg: Config) -> int:
     """The steps a --bench run trains: settle, timed, one profiler warmup, traced."""
     return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
@@ -258,11 +310,14 @@ FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
                      "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_scale", "logit_cap",
                      "logit_temp", "block_size", "final_window_tokens", "num_steps", "muon_lr", "embed_lr", "head_lr",
-                     "scalar_lr", "adam_eps", "bucket_mb", "log_every", "bench_steps"], "> 0"),
+                     "scalar_lr", "adam_eps", "bucket_mb", "log_every", "bench_steps", "mlp_up_lr_mul",
+                     "mlp_down_lr_mul", "adam_every"], "> 0"),
     **dict.fromkeys(["prefetch_depth", "num_value_embeds", "gate_channels", "muon_momentum_warmup_steps", "val_every",
-                     "warmup_steps", "peak_tflops", "save_every"], ">= 0"),
+                     "warmup_steps", "peak_tflops", "save_every", "muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul",
+                     "extension_steps", "muon_momentum_cooldown_steps"], ">= 0"),
     **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
-    **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2"], "in [0, 1)"),
+    **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "normuon_beta2",
+                     "scalar_beta1", "scalar_beta2"], "in [0, 1)"),
     "seed": ">= -1",
 }
 
@@ -297,6 +352,19 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
     if cfg.comm_overlap not in COMM_OVERLAP:
         raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
+    if cfg.orthogonalizer not in ORTHOGONALIZERS:
+        raise UsageError(f"--orthogonalizer must be {' or '.join(ORTHOGONALIZERS)}, got {cfg.orthogonalizer!r}")
+    if cfg.window_stages:
+        window_stages(cfg.window_stages)
+    if cfg.extension_steps >= cfg.num_steps:
+        raise UsageError(f"--extension_steps={cfg.extension_steps} must be below --num_steps={cfg.num_steps} "
+                         f"(the extension is the end of the run)")
+    # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
+    if cfg.save_every % cfg.adam_every:
+        raise UsageError(f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}")
+    if cfg.save_final and cfg.num_steps % cfg.adam_every:
+        raise UsageError(f"--save_final needs --num_steps={cfg.num_steps} to be a multiple of --adam_every="
+                         f"{cfg.adam_every}")
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
     if cfg.profile:
@@ -1017,29 +1085,87 @@ class GPT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# Schedule
+# Everything that varies with the step, in one place: the training loop sets the optimizer from it and
+# hands the windows to the model (as a device table, so a new window never recompiles), and the FLOP
+# model and the metrics read the same values. A new staged quantity is a new field here.
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    lr_mult: float  # of every group's lr: 1, a linear cooldown to final_lr_frac over the last cooldown_frac of the
+    #                 scheduled steps (num_steps - extension_steps), then final_lr_frac through the extension
+    muon_momentum: float  # start -> end over muon_momentum_warmup_steps; back over muon_momentum_cooldown_steps
+    long_window: int  # attention window of the long layers, in blocks: grows to final_window_tokens, or staged
+    short_window: int  # of the short layers: short_window(long_window), or staged
+    adam_step: bool  # Adam updates at the end of this step (every adam_every-th step), on the summed gradients
+
+
+def short_window(long_window: int) -> int:
+    """The short layers' window: half the long one, rounded down (0: the diagonal block alone)."""
+    return long_window // 2
+
+
+def schedule(step: int, cfg: Config) -> StepSchedule:
+    """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
+    scheduled = cfg.num_steps - cfg.extension_steps
+    x = min(step / scheduled, 1.0)
+    cool = min((1 - x) / cfg.cooldown_frac, 1.0) if cfg.cooldown_frac else 1.0
+    lr_mult = 1.0 if x < 1 - cfg.cooldown_frac else cool + (1 - cool) * cfg.final_lr_frac
+    warm = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
+    if cfg.muon_momentum_cooldown_steps:
+        warm = min(warm, (cfg.num_steps - step) / cfg.muon_momentum_cooldown_steps)
+    momentum = cfg.muon_momentum_start + warm * (cfg.muon_momentum_end - cfg.muon_momentum_start)
+    if cfg.window_stages:  # equal stages of the scheduled steps; with an extension, the last pair is its own
+        stages = window_stages(cfg.window_stages)
+        equal = len(stages) - (1 if cfg.extension_steps else 0)
+        short, long = stages[min(int(equal * step / scheduled), len(stages) - 1)]
+    else:  # the smallest block multiple >= final_window * step / num_steps, at least one block
+        long = max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
+        short = short_window(long)
+    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0)
+
+
+def window_table(cfg: Config, device: torch.device) -> Tensor:
+    """(num_steps + 1, 2) int32 on the device: row s is step s's (long, short) window for the model."""
+    steps = [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
+    return torch.tensor([(s.long_window, s.short_window) for s in steps], dtype=torch.int32, device=device)
+
+
+# -----------------------------------------------------------------------------
 # Optimizer
-# Muon (momentum + Newton-Schulz orthogonalization) for the block matrices, Adam for embeddings,
-# head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as backward
-# finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
+# Muon (momentum + Newton-Schulz or Polar Express orthogonalization) for the block matrices, Adam for
+# embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as
+# backward finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
 # functions, and the shards are all-gathered back into the parameters, awaited only where next read.
 
 
-def newton_schulz(G: Tensor, steps: int = 5) -> Tensor:
+NS_QUINTIC = ((3.4445, -4.7750, 2.0315),) * 5  # record #28: one quintic, five times
+# Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
+# 2% safety factor on the normalization.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+
+
+def newton_schulz(G: Tensor, coefficients: tuple = NS_QUINTIC, safety: float = 1.0, eps: float = 1e-7) -> Tensor:
     """Approximately orthogonalize each matrix of G (batched over leading dims) in bf16.
 
-    Each iteration is X <- a X + (b A + c A^2) X with A = X X^T, written as two baddbmm: the products
-    accumulate in fp32 and a*X + B@X (and b*A + c*A@A) round to bf16 once, as the record's kernels do;
-    rounding after every operation would double the error against an exact (fp64) iteration.
+    After X <- X / (|X|_F * safety + eps), each iteration is X <- a X + (b A + c A^2) X with A = X X^T,
+    written as two baddbmm: the products accumulate in fp32 and a*X + B@X (and b*A + c*A@A) round to bf16
+    once, as the record's kernels do; rounding after every operation would double the error against an
+    exact (fp64) iteration.
     """
-    a, b, c = 3.4445, -4.7750, 2.0315
     X = G.bfloat16()
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * safety + eps)
     shape = X.shape
     X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dimension
-    for _ in range(steps):
+    for a, b, c in coefficients:
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a)
@@ -1047,17 +1173,47 @@ def newton_schulz(G: Tensor, steps: int = 5) -> Tensor:
     return X.mT if transposed else X
 
 
-def muon_update_(p: Tensor, grad: Tensor, buf: Tensor, lr: float, momentum: float, orthogonalize=newton_schulz) -> None:
-    """Nesterov momentum then an orthogonalized step, scaled by sqrt(max(1, rows/cols))."""
+def polar_express(G: Tensor) -> Tensor:
+    return newton_schulz(G, POLAR_EXPRESS, safety=1.02, eps=1e-6)
+
+
+def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
+    rows, cols = shape[-2:]
+    return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
+
+
+def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
+    """NorMuon (#41): divide the orthogonalized update by the running RMS of its rows (or columns), kept in v
+    (fp32, updated in place), then give it back its own Frobenius norm."""
+    O = O.float()
+    v.lerp_(O.square().mean(dim=-1 if v.size(-1) == 1 else -2, keepdim=True), 1 - beta2)
+    scaled = O * v.clamp_min(1e-10).rsqrt()
+    return scaled * (O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+
+
+def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float,
+                 orthogonalize: Callable[[Tensor], Tensor] = newton_schulz, lr_mul: float | Tensor = 1.0,
+                 normuon_beta2: float = 0.0, wd: float = 0.0) -> None:
+    """Nesterov momentum, orthogonalization (NorMuon-scaled with normuon_beta2), then a step of
+    lr * lr_mul * sqrt(max(1, rows/cols)); lr_mul is a float or a per-matrix tensor broadcasting over p.
+    Cautious weight decay (wd): p shrinks by wd * lr * (that step's lr) where the update has p's sign."""
+    buf = state["momentum"]
     buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum)
-    scale = math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
-    p.add_(orthogonalize(update).type_as(p), alpha=-lr * scale)
+    update = orthogonalize(grad.lerp(buf, momentum))
+    if normuon_beta2:
+        update = normuon_(update, state["v"], normuon_beta2)
+    update = update.type_as(p) * lr_mul
+    step_lr = lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
+    if wd:
+        p.sub_((update * p >= 0) * p * (wd * lr * step_lr * lr_mul))
+    p.add_(update, alpha=-step_lr)
 
 
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float) -> None:
-    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v).
+                 eps: float, wd: float = 0.0) -> None:
+    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v). Cautious weight decay (wd): p also
+    shrinks by lr^2 * wd where the step has p's sign (#50).
 
     Record #28 rounds differently (m by mul_/add_, the bias correction in fp32 from a device step counter,
     then m / denom * step_size): about 40% of the elements land one bf16 ulp apart. Matching it
@@ -1066,7 +1222,11 @@ def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: f
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    p.addcdiv_(m, v.sqrt().add_(eps), value=-step_size)
+    if wd:
+        u = m / v.sqrt().add_(eps) * step_size
+        p.sub_(u + (u * p > 0) * p * (lr * lr * wd))
+    else:
+        p.addcdiv_(m, v.sqrt().add_(eps), value=-step_size)
 
 
 @dataclass
@@ -1075,6 +1235,9 @@ class ParamGroup:
     lr: float
     params: list[nn.Parameter]
     names: list[str] = field(default_factory=list)
+    lr_muls: list[float] = field(default_factory=list)  # per parameter (Muon); Adam groups have one lr each
+    wd: float = 0.0  # cautious weight decay
+    betas: tuple[float, float] = (0.0, 0.0)  # Adam's
 
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
@@ -1082,9 +1245,17 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     named = dict(model.named_parameters())
     embed = [n for n in named if n.startswith(("embed.", "value_embeds."))]
     muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2]
-    spec = [("muon", cfg.muon_lr, muon), ("adam", cfg.embed_lr, embed), ("adam", cfg.head_lr, ["lm_head.weight"]),
-            ("adam", cfg.scalar_lr, ["scalars"])]
-    groups = [ParamGroup(kind, lr, [named[n] for n in names], names) for kind, lr, names in spec]
+    mul = {"c_fc": cfg.mlp_up_lr_mul, "c_proj": cfg.mlp_down_lr_mul}
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+
+    def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
+        return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
+
+    groups = [group("muon", cfg.muon_lr, muon, lr_muls=[mul.get(n.split(".")[-1], 1.0) for n in muon],
+                    wd=cfg.muon_wd),
+              group("adam", cfg.embed_lr, embed, wd=cfg.adam_wd * cfg.embed_wd_mul, betas=betas),
+              group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=betas),
+              group("adam", cfg.scalar_lr, ["scalars"], betas=(cfg.scalar_beta1, cfg.scalar_beta2))]
     assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
     return groups
 
@@ -1153,8 +1324,10 @@ class Bucket:
     accumulated gradients and the all-gather writes the parameters without copies.
     """
 
-    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
+    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int,
+                 normuon: bool = False):
         self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
+        self.wd, self.betas = group.wd, group.betas
         self.world_size = world_size
         self.unit = list(params[0].shape[-2:]) if self.kind == "muon" else []
         unit_numel = math.prod(self.unit)
@@ -1181,6 +1354,14 @@ class Bucket:
                                                                                      device=self.grad.device)
         if self.kind == "muon":
             self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device)}
+            if normuon:
+                self.state["v"] = torch.zeros(normuon_state_shape(shape), device=self.data.device)
+            # Each matrix's lr multiplier (1 for the padding), for the matrices of this rank's shard.
+            group_mul = dict(zip(group.names, group.lr_muls))
+            muls = [group_mul[n] for n, c in zip(names, self.counts) for _ in range(c)]
+            muls += [1.0] * (self.shard_units * world_size - len(muls))
+            self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units],
+                                       device=self.data.device).view(-1, 1, 1)
         else:
             self.state = {"m": torch.zeros_like(self.shard), "v": torch.zeros_like(self.shard)}
         self.pending = len(params)  # gradients not yet final in this step's last micro-step
@@ -1237,18 +1418,22 @@ class ShardedMuonAdam:
 
     Per step: reduce-scatter each bucket's gradients (from backward hooks on the last micro-step, or
     all after backward), update this rank's shard, all-gather the shards back into the parameters.
+    On steps without an Adam update (adam_every > 1) the Adam buckets do none of this: their gradients
+    keep accumulating in place, on every rank, until the step that reduces and applies their sum.
     Call wait_for_params() before anything reads the parameters (forward, validation, checkpoint).
     """
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.orthogonalize = newton_schulz
+        self.orthogonalize = {"newton_schulz": newton_schulz, "polar_express": polar_express}[cfg.orthogonalizer]
         if compile_ns:
-            self.orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
-        self.lr_mult, self.momentum, self.step_count = 1.0, cfg.muon_momentum_start, 0
+            self.orthogonalize = torch.compile(self.orthogonalize, dynamic=False, fullgraph=True)
+        self.lr_mult, self.momentum, self.adam_step = 1.0, cfg.muon_momentum_start, True  # set_step() sets them
+        self.step_count, self.adam_steps = 0, 0
         named = dict(model.named_parameters())
         plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
-        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
+        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size, cfg.normuon_beta2 > 0)
+                        for g, names in plan]
         self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
         self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
         if world_size > 1 and cfg.comm_overlap == "hooks":
@@ -1256,32 +1441,45 @@ class ShardedMuonAdam:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(lambda _, b=b: self._grad_final(b))
 
+    def set_step(self, s: StepSchedule) -> None:
+        """Take the schedule's values for the step about to be trained (before its first backward)."""
+        self.lr_mult, self.momentum, self.adam_step = s.lr_mult, s.muon_momentum, s.adam_step
+
+    def _updates(self, bucket: Bucket) -> bool:
+        return bucket.kind == "muon" or self.adam_step
+
     def _grad_final(self, bucket: Bucket) -> None:
         if not self.final_micro_step:
             return  # still accumulating: nothing is final before the last micro-step
         bucket.pending -= 1
         # Launch in bucket order only: every rank must issue its collectives in the same order.
         while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
-            self.buckets[self.launched].reduce_grads()
+            if self._updates(self.buckets[self.launched]):
+                self.buckets[self.launched].reduce_grads()
             self.launched += 1
 
     @torch.no_grad()
     def step(self) -> None:
         # after_backward launches everything here; so do hooks for buckets with a gradient that never arrived.
         for b in self.buckets[self.launched:]:
-            b.reduce_grads()
+            if self._updates(b):
+                b.reduce_grads()
         self.step_count += 1
+        self.adam_steps += self.adam_step
         c = self.cfg
         for b in self.buckets:
+            b.pending = len(b.params)
+            if not self._updates(b):
+                continue
             b.wait_grads()
             lr = b.lr * self.lr_mult
             if b.kind == "muon":
-                muon_update_(b.shard, b.grad_shard, b.state["momentum"], lr, self.momentum, self.orthogonalize)
+                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, self.orthogonalize, b.lr_mul,
+                             c.normuon_beta2, b.wd)
             else:
-                adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.step_count, lr, c.adam_beta1,
-                             c.adam_beta2, c.adam_eps)
+                adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
+                             c.adam_eps, b.wd)
             b.gather_params()
-            b.pending = len(b.params)
         self.launched, self.final_micro_step = 0, False
 
     def wait_for_params(self) -> None:
@@ -1290,9 +1488,12 @@ class ShardedMuonAdam:
             b.wait_params()
 
     @torch.no_grad()
-    def zero_grad(self) -> None:
-        """Zero the gradient buffers in place (set_to_none would detach .grad from them)."""
+    def zero_grad(self, everything: bool = False) -> None:
+        """Zero the gradient buffers of the buckets just updated (or all) in place (set_to_none would detach
+        .grad from them)."""
         for b in self.buckets:
+            if not (everything or self._updates(b)):
+                continue
             b.grad.zero_()
             for p, view in zip(b.params, b.grad_views):
                 p.grad = view
@@ -1316,7 +1517,7 @@ class ShardedMuonAdam:
             for name, lo, hi, state in b.owned():
                 params[name] = {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
         return {"world_size": self.world_size, "rank": self.rank, "step_count": self.step_count,
-                "buckets": [b.layout() for b in self.buckets], "params": params}
+                "adam_steps": self.adam_steps, "buckets": [b.layout() for b in self.buckets], "params": params}
 
     @torch.no_grad()
     def load_state_dict(self, shards: list[dict]) -> None:
@@ -1333,6 +1534,9 @@ class ShardedMuonAdam:
             for name, entry in shard["params"].items():
                 state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
                 pieces[name].append((*entry["units"], state))
+        kinds = {n: set(state) for b in self.buckets for n, _, _, state in b.owned()}
+        if any(set(parts[0][2]) != kinds[n] for n, parts in pieces.items() if n in kinds and parts):
+            raise ValueError("the optimizer state holds other statistics (e.g. NorMuon's) than this optimizer's")
         full: dict[str, dict[str, Tensor]] = {}
         for name, parts in pieces.items():
             parts.sort(key=lambda p: p[0])
@@ -1344,45 +1548,7 @@ class ShardedMuonAdam:
             for name, lo, hi, state in b.owned():
                 for k, t in state.items():
                     t.copy_(full[name][k][lo:hi])
-        self.step_count = shards[0]["step_count"]
-
-
-# -----------------------------------------------------------------------------
-# Schedule
-# Everything that varies with the step, in one place: the training loop sets the optimizer from it and
-# hands the windows to the model (as a device table, so a new window never recompiles), and the FLOP
-# model and the metrics read the same values. A new staged quantity is a new field here.
-
-
-@dataclass(frozen=True)
-class StepSchedule:
-    lr_mult: float  # of every group's lr: 1, then a linear cooldown to final_lr_frac over the last cooldown_frac
-    muon_momentum: float  # muon_momentum_start -> _end over the first muon_momentum_warmup_steps
-    long_window: int  # attention window of the long layers, in blocks: grows to final_window_tokens
-    short_window: int  # of the short layers: short_window(long_window)
-
-
-def short_window(long_window: int) -> int:
-    """The short layers' window: half the long one, rounded down (0: the diagonal block alone)."""
-    return long_window // 2
-
-
-def schedule(step: int, cfg: Config) -> StepSchedule:
-    """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
-    x = step / cfg.num_steps
-    cool = min((1 - x) / cfg.cooldown_frac, 1.0) if cfg.cooldown_frac else 1.0
-    lr_mult = 1.0 if x < 1 - cfg.cooldown_frac else cool + (1 - cool) * cfg.final_lr_frac
-    warm = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
-    momentum = cfg.muon_momentum_start + warm * (cfg.muon_momentum_end - cfg.muon_momentum_start)
-    # The smallest block multiple >= final_window * step / num_steps, at least one block.
-    long_window = max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
-    return StepSchedule(lr_mult, momentum, long_window, short_window(long_window))
-
-
-def window_table(cfg: Config, device: torch.device) -> Tensor:
-    """(num_steps + 1, 2) int32 on the device: row s is step s's (long, short) window for the model."""
-    steps = [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
-    return torch.tensor([(s.long_window, s.short_window) for s in steps], dtype=torch.int32, device=device)
+        self.step_count, self.adam_steps = shards[0]["step_count"], shards[0]["adam_steps"]
 
 
 # -----------------------------------------------------------------------------
@@ -1925,7 +2091,7 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 3  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json
+CKPT_FORMAT = 4  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps
 # The fields that fix the parameters' shapes, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "num_value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "train_seq_len", "global_batch_seqs",
@@ -2443,7 +2609,8 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     training writes (with --resume: the loaded state) is put back from device-side clones."""
     synchronize(rt.device)
     t0 = time.perf_counter()
-    snapshot, step_count = StateSnapshot(warmup_state_tensors(model, optimizer)), optimizer.step_count
+    snapshot = StateSnapshot(warmup_state_tensors(model, optimizer))
+    counts = optimizer.step_count, optimizer.adam_steps
     synchronize(rt.device)
     t1 = time.perf_counter()
     with loader:
@@ -2453,8 +2620,8 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     synchronize(rt.device)
     t2 = time.perf_counter()
     snapshot.restore()
-    optimizer.zero_grad()
-    optimizer.step_count = step_count
+    optimizer.zero_grad(everything=True)
+    optimizer.step_count, optimizer.adam_steps = counts
     del snapshot
     synchronize(rt.device)
     t3 = time.perf_counter()
@@ -2541,7 +2708,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
                 checkpointer.save(step, clock.now())
             if last:
                 break
-            optimizer.lr_mult, optimizer.momentum = schedules[step].lr_mult, schedules[step].muon_momentum
+            optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
             with profiler.step(step):
                 train_step(model, optimizer, next(loader), windows[step], loss_scale, metrics)

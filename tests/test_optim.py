@@ -67,7 +67,7 @@ def test_muon_step_equals_plain_reference():
     ref_p, ref_buf = p.clone(), buf.clone()
     lr, mom = 0.05, 0.9
     for g in grads:
-        T.muon_update_(p, g.clone(), buf, lr, mom)
+        T.muon_update_(p, g.clone(), {"momentum": buf}, lr, mom)
         ref_buf = mom * ref_buf + (1 - mom) * g
         nesterov = (1 - mom) * g + mom * ref_buf
         ref_p = ref_p - lr * T.newton_schulz(nesterov).float()  # rows < cols: scale factor 1
@@ -78,7 +78,7 @@ def test_muon_step_equals_plain_reference():
 def test_muon_scales_tall_matrices():
     p, buf = torch.zeros(32, 8), torch.zeros(32, 8)
     g = torch.randn(32, 8)
-    T.muon_update_(p, g.clone(), buf, lr=1.0, momentum=0.0)
+    T.muon_update_(p, g.clone(), {"momentum": buf}, lr=1.0, momentum=0.0)
     torch.testing.assert_close(p, -2.0 * T.newton_schulz(g).float())  # sqrt(32 / 8) = 2
 
 

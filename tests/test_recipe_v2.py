@@ -1,0 +1,201 @@
+"""Recipe v2, part 1 (optimizer and schedule): each item's math against a plain reference written from
+the spec's formula here (not from the implementation), its default off (record #28 unchanged), and the
+trainer's invariants with every item on: W = 1 and 2 agree, the warmup leaves no trace, resume is exact."""
+
+import math
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import SMALL, run_world, tiny_args
+
+# Every optimizer and schedule item of part 1 at once, at the tiny run's scale.
+V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
+                muon_wd=1.2, adam_wd=0.005, adam_every=2, scalar_beta1=0.9, scalar_beta2=0.99, extension_steps=2,
+                muon_momentum_cooldown_steps=3, window_stages="0/1,1/1,1/2,1/1", final_lr_frac=0.15)
+
+# Polar Express (Amsel et al. 2025; record #38): per-iteration (a, b, c), safety factor 1.02.
+PE_COEFFS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
+             (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+             (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+             (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+             (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
+
+
+def polar_express_exact(G: torch.Tensor) -> torch.Tensor:
+    """Spec §2.9 in float64: X / (|X|_F * 1.02 + 1e-6), then X <- a X + (b A + c A^2) X with A = X X^T."""
+    X = G.double()
+    tall = X.size(-2) > X.size(-1)
+    X = X.mT if tall else X
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in PE_COEFFS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+@pytest.mark.parametrize("shape", [(768, 768), (768, 3072), (3072, 768), (3, 48, 96)])
+def test_polar_express_follows_its_coefficients_within_bf16_rounding(shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    exact = polar_express_exact(G)
+
+    def error(X: torch.Tensor) -> float:
+        return ((X.double() - exact).norm() / exact.norm()).item()
+
+    assert error(T.polar_express(G)) < 0.035  # bf16: about 1-3%
+    assert error(T.newton_schulz(G)) > 0.1  # the bound tells the two iterations apart
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    spectrum = torch.logspace(0, -2, min(shape[-2:]))  # condition number 100
+    s = torch.linalg.svdvals(T.polar_express(U @ torch.diag_embed(spectrum.expand(*shape[:-2], -1)) @ Vh).float())
+    assert s.min() > 0.7 and s.max() < 1.2  # near-orthogonal, as the coefficients were designed for
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def test_normuon_divides_rows_or_columns_by_their_running_rms_and_keeps_the_norm():
+    torch.manual_seed(0)
+    for shape, axis in [((12, 8), -1), ((8, 12), -2)]:  # tall/square: per row; wide: per column
+        p, beta2, lr = torch.randn(shape), 0.9, 0.1
+        state = {"momentum": torch.zeros(shape), "v": torch.zeros(T.normuon_state_shape(shape))}
+        ref_p, ref_v = p.clone(), torch.zeros(1)
+        for _ in range(3):
+            O = torch.randn(shape)
+            T.muon_update_(p, O, state, lr, momentum=0.0, orthogonalize=identity, normuon_beta2=beta2)
+            ref_v = beta2 * ref_v + (1 - beta2) * (O**2).mean(dim=axis, keepdim=True)
+            scaled = O / ref_v.clamp_min(1e-10).sqrt()
+            ref_p = ref_p - lr * math.sqrt(max(1, shape[0] / shape[1])) * scaled * O.norm() / scaled.norm()
+        torch.testing.assert_close(state["v"], ref_v)
+        torch.testing.assert_close(p, ref_p)
+
+
+def test_cautious_weight_decay_on_muon_shrinks_only_where_the_update_agrees_in_sign():
+    torch.manual_seed(0)
+    p, O = torch.randn(3, 8, 8), torch.randn(3, 8, 8)
+    lr, wd, lr_mul = 0.02, 1.2, torch.tensor([1.0, 2.0, 4.0]).view(3, 1, 1)
+    state = {"momentum": torch.zeros_like(p)}
+    want = p - wd * lr * (lr * lr_mul) * (O * p >= 0) * p - lr * lr_mul * O
+    T.muon_update_(p, O, state, lr, momentum=0.0, orthogonalize=identity, lr_mul=lr_mul, wd=wd)
+    torch.testing.assert_close(p, want)
+
+
+def test_cautious_weight_decay_on_adam_shrinks_only_where_the_step_agrees_in_sign():
+    torch.manual_seed(0)
+    p = torch.randn(64)
+    m, v = torch.zeros(64), torch.zeros(64)
+    ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
+    lr, b1, b2, eps, wd = 0.01, 0.8, 0.95, 1e-10, 0.005 * 150
+    for t in range(1, 4):
+        g = torch.randn(64)
+        T.adam_update_(p, g, m, v, t, lr, b1, b2, eps, wd=wd)
+        ref_m, ref_v = b1 * ref_m + (1 - b1) * g, b2 * ref_v + (1 - b2) * g * g
+        u = lr * math.sqrt(1 - b2**t) / (1 - b1**t) * ref_m / (ref_v.sqrt() + eps)
+        ref_p = ref_p - u - lr**2 * wd * (u * ref_p > 0) * ref_p
+    torch.testing.assert_close(p, ref_p)
+
+
+def test_the_v2_groups_take_the_spec_multipliers_and_the_scalars_never_decay():
+    cfg = T.parse_config(["--preset=tiny,v2"])
+    groups = {n: g for g in T.build_param_groups(T.GPT(cfg, use_flex=False, fp8_head=False), cfg) for n in g.names}
+    lr_mul = {n: g.lr_muls[g.names.index(n)] for n, g in groups.items() if g.kind == "muon"}
+    assert lr_mul["blocks.0.mlp.c_fc"] == 2.0 and lr_mul["blocks.0.mlp.c_proj"] == 4.0
+    assert lr_mul["blocks.0.attn.qkvo_w"] == lr_mul["blocks.0.attn.gate_w"] == 1.0
+    assert groups["blocks.0.mlp.c_fc"].wd == 1.2 and groups["blocks.0.mlp.c_fc"].lr == 0.023
+    assert groups["lm_head.weight"].wd == pytest.approx(0.005 * 150)
+    assert groups["embed.weight"].wd == groups["value_embeds.0.weight"].wd == pytest.approx(0.005 * 5)
+    assert groups["scalars"].wd == 0 and groups["scalars"].betas == (0.9, 0.99)
+    assert groups["embed.weight"].betas == (0.65, 0.95)
+
+
+def test_v2_schedule_stages_extension_floor_momentum_cooldown_and_adam_steps():
+    cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10",  # 90 scheduled steps
+                          "--muon_momentum_warmup_steps=10"])
+    s = [T.schedule(step, cfg) for step in range(101)]
+    assert [(x.short_window, x.long_window) for x in (s[0], s[29], s[30], s[59], s[60], s[89], s[90], s[100])] == [
+        (1, 3), (1, 3), (3, 7), (3, 7), (5, 11), (5, 11), (6, 13), (6, 13)]
+    cd_start = 90 * (1 - 0.55)
+    assert s[40].lr_mult == 1.0
+    assert s[70].lr_mult == pytest.approx(0.15 + 0.85 * (90 - 70) / (90 - cd_start))
+    assert all(x.lr_mult == pytest.approx(0.15) for x in s[90:])
+    # momentum: 0.85 -> 0.95 over the first 10 steps, back to 0.85 over the last 50
+    assert s[0].muon_momentum == pytest.approx(0.85) and s[5].muon_momentum == pytest.approx(0.90)
+    assert s[10].muon_momentum == s[50].muon_momentum == pytest.approx(0.95)
+    assert s[75].muon_momentum == pytest.approx(0.85 + 0.1 * 25 / 50)
+    assert [x.adam_step for x in s[:4]] == [False, True, False, True]  # odd steps: the sum of two steps' gradients
+
+
+def test_record_28_defaults_step_adam_every_step_with_the_linear_windows():
+    cfg = T.Config()
+    s = [T.schedule(step, cfg) for step in (0, 1, 2, 1000)]
+    assert all(x.adam_step for x in s)
+    assert s[-1].long_window == math.ceil(1728 * 1000 / 1695 / 128) and s[-1].short_window == s[-1].long_window // 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window_stages=3/7,x"], "--window_stages expects SHORT/LONG blocks"),
+    (["--extension_steps=10", "--num_steps=10"], "--extension_steps=10 must be below --num_steps=10"),
+    (["--adam_every=2", "--save_every=3"], "--save_every=3 must be a multiple of --adam_every=2"),
+    (["--orthogonalizer=svd"], "--orthogonalizer must be newton_schulz or polar_express"),
+])
+def test_bad_v2_settings_are_refused_in_one_line(args, message):
+    with pytest.raises(T.UsageError, match=message):
+        T.validate_config(T.parse_config(args), 1)
+
+
+def test_adam_every_other_step_applies_the_summed_gradients_of_two_steps():
+    cfg = T.parse_config([f"--{k}={v}" for k, v in {**SMALL, "preset": "tiny", "adam_every": 2}.items()])
+    torch.manual_seed(0)
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    with torch.no_grad():  # break the zero inits: every parameter gets a gradient at step 0
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    opt = T.ShardedMuonAdam(model, cfg, 0, 1, compile_ns=False)
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adam = [n for g in T.build_param_groups(model, cfg) if g.kind == "adam" for n in g.names]
+    seq = torch.randint(0, cfg.vocab_size, (2, 129))
+    grads = []
+    for step in range(2):
+        opt.set_step(T.schedule(step, cfg))
+        model(seq[step, :-1], seq[step, 1:], torch.tensor([1, 1])).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        params = dict(model.named_parameters())
+        if step == 0:
+            assert all(torch.equal(params[n], ref[n]) for n in adam)
+            assert not torch.equal(params["blocks.0.mlp.c_proj"], ref["blocks.0.mlp.c_proj"])  # Muon: every step
+    g = next(x for x in T.build_param_groups(model, cfg) if x.names == ["lm_head.weight"])
+    want = ref["lm_head.weight"].clone()
+    m, v = torch.zeros_like(want), torch.zeros_like(want)
+    # backward adds step 1's gradient onto step 0's, which stayed in place
+    T.adam_update_(want, grads[1]["lm_head.weight"], m, v, 1, g.lr * T.schedule(1, cfg).lr_mult, *g.betas,
+                   cfg.adam_eps)
+    assert torch.equal(model.lm_head.weight, want)
+
+
+def v2_args(tmp_path, **overrides):
+    return tiny_args(tmp_path, **{**SMALL, **V2_PART1, "num_steps": 8, "val_every": 4, **overrides})
+
+
+@pytest.mark.slow
+def test_v2_part1_world_size_one_and_two_take_the_same_steps(tmp_path):
+    one = T.run(v2_args(tmp_path)).val_losses
+    two = run_world(2, v2_args(tmp_path), tmp_path)
+    assert [s for s, _ in one] == [s for s, _ in two] == [0, 4, 8]
+    for (_, a), (_, b) in zip(one, two):
+        assert a == pytest.approx(b, abs=2e-3)
+
+
+def test_v2_part1_warmup_leaves_no_trace_and_resume_is_exact(tmp_path):
+    full = T.run(v2_args(tmp_path, run_id="full", warmup_steps=3))  # odd: ends with Adam gradients pending
+    cold = T.run(v2_args(tmp_path, run_id="cold", save_every=4))
+    assert full.val_losses == cold.val_losses
+    resumed = T.run(v2_args(tmp_path, run_id="resumed", resume=tmp_path / "logs" / "cold" / "ckpt_4"))
+    assert resumed.val_losses == cold.val_losses[1:]
+    for a, b in zip(cold.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    losses = [loss for _, loss in full.val_losses]
+    assert losses[2] < losses[0] - 0.5
