@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -95,7 +95,8 @@ class Config:
     mlp_down_lr_mul: float = 1.0  # ... of their c_proj (#48: 4)
     muon_wd: float = 0.0  # cautious weight decay (#43): wd*lr*(lr*lr_mul) where update and weight agree in sign
     adam_wd: float = 0.0  # cautious weight decay for Adam (#50): (lr)^2*adam_wd*wd_mul where step and weight agree
-    embed_wd_mul: float = 5.0  # adam_wd multiplier of the token and value embeddings (the scalars never decay)
+    embed_wd_mul: float = 150.0  # adam_wd multiplier of the token embedding (#55; the scalars never decay)
+    value_embed_wd_mul: float = 5.0  # ... of the value embeddings (#55)
     head_wd_mul: float = 150.0  # ... of the LM head
     adam_every: int = 1  # Adam steps every N steps, on the gradients summed since its last step (#39: 2)
     scalar_beta1: float = 0.8  # Adam's beta1 for the scalar vector (#52, smoothed scalars: 0.9)
@@ -107,6 +108,11 @@ class Config:
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     final_window_tokens: int = 1728  # the long attention window grows linearly to this over the run
     window_stages: str = ""  # "S/L,...": short/long windows (blocks) per equal stage, then the extension's (#46)
+    seq_len_stages: str = ""  # "T,...": tokens per sequence per equal stage (#46); the extension keeps the last
+    lr_stages: str = ""  # "M,...": lr multiplier per equal stage (#46: 1,1.52,1.73); the cooldown falls from it
+    doc_len_stages: str = ""  # "D,...": documents cut to D tokens per equal stage (#29, #72: 896,2048,2048); 0 = whole
+    yarn: bool = False  # at each staged long-window change, YaRN-rescale RoPE and grow the attention scale (#31)
+    final_val_windows: str = ""  # "S/L": the last validation's windows in blocks (#35, #62: 6/20); default: as trained
     extension_steps: int = 0  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46: 40)
     muon_momentum_cooldown_steps: int = 0  # Muon momentum falls back to its start over the last N steps (#39: 50)
     # systems
@@ -158,9 +164,9 @@ PRESETS: dict[str, dict[str, object]] = {
         val_every=20,
         warmup_steps=2,
     ),
-    # Recipe v2 so far: the optimizer and schedule of records #38-#72 (spec recipe_v2 §4.4), at #28's shape,
-    # batch and step count until a GPU run re-tunes them. On tiny (--preset=tiny,v2) give the step-counted
-    # fields tiny values too, e.g. --extension_steps=2 --muon_momentum_cooldown_steps=5.
+    # Recipe v2 so far: the optimizer, data and schedule of records #29-#72 (spec recipe_v2 §4.4) at #28's model
+    # and step count until a GPU run re-tunes them. On tiny (--preset=tiny,v2) give the token- and step-counted
+    # fields tiny values too: README "Recipes".
     "v2": dict(
         orthogonalizer="polar_express",
         muon_lr=0.023,
@@ -176,6 +182,12 @@ PRESETS: dict[str, dict[str, object]] = {
         cooldown_frac=0.55,
         final_lr_frac=0.15,
         window_stages="1/3,3/7,5/11,6/13",
+        seq_len_stages="16384,32768,49152",
+        lr_stages="1,1.52,1.73",
+        doc_len_stages="896,2048,2048",
+        yarn=True,
+        attn_scale=0.1,
+        final_val_windows="6/20",
         extension_steps=40,
         muon_momentum_cooldown_steps=50,
     ),
@@ -288,6 +300,34 @@ def window_stages(spec: str) -> list[tuple[int, int]]:
     return stages  # type: ignore[return-value]
 
 
+STAGED = {"seq_len_stages": int, "lr_stages": float, "doc_len_stages": int}  # the comma lists besides windows
+
+
+def stage_values(name: str, spec: str, kind: type) -> list:
+    """--seq_len_stages / --lr_stages / --doc_len_stages: one value per equal stage; UsageError when malformed."""
+    try:
+        values = [kind(v) for v in spec.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not (math.isfinite(v) and v >= 0) for v in values):
+        raise UsageError(f"--{name} expects one non-negative {kind.__name__} per stage, comma-separated, got {spec!r}")
+    return values
+
+
+def num_stages(cfg: Config) -> int:
+    """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
+    the extension's pair when there is one); 1 when none is set. UsageError when they disagree."""
+    counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED if getattr(cfg, name)}
+    if cfg.window_stages:
+        counts["--window_stages"] = len(window_stages(cfg.window_stages)) - (1 if cfg.extension_steps else 0)
+    if len(set(counts.values())) > 1:
+        raise UsageError(f"the staged fields must list the same number of stages, got "
+                         f"{', '.join(f'{k}: {v}' for k, v in counts.items())} (--window_stages also lists the "
+                         f"extension's windows when --extension_steps > 0)")
+    return max([1, *counts.values()])
+
+
+
 ORTHOGONALIZERS = ("newton_schulz", "polar_express")
 
 
@@ -314,7 +354,7 @@ FIELD_RULES: dict[str, str] = {
                      "mlp_down_lr_mul", "adam_every"], "> 0"),
     **dict.fromkeys(["prefetch_depth", "num_value_embeds", "gate_channels", "muon_momentum_warmup_steps", "val_every",
                      "warmup_steps", "peak_tflops", "save_every", "muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul",
-                     "extension_steps", "muon_momentum_cooldown_steps"], ">= 0"),
+                     "value_embed_wd_mul", "extension_steps", "muon_momentum_cooldown_steps"], ">= 0"),
     **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
     **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "normuon_beta2",
                      "scalar_beta1", "scalar_beta2"], "in [0, 1)"),
@@ -354,8 +394,19 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
     if cfg.orthogonalizer not in ORTHOGONALIZERS:
         raise UsageError(f"--orthogonalizer must be {' or '.join(ORTHOGONALIZERS)}, got {cfg.orthogonalizer!r}")
-    if cfg.window_stages:
-        window_stages(cfg.window_stages)
+    for name, kind in STAGED.items():
+        if getattr(cfg, name):
+            stage_values(name, getattr(cfg, name), kind)
+    if cfg.yarn and not cfg.window_stages:
+        raise UsageError("--yarn rescales at each staged window change: it needs --window_stages")
+    if cfg.final_val_windows and len(window_stages(cfg.final_val_windows)) != 1:
+        raise UsageError(f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}")
+    if num_stages(cfg) < 1:
+        raise UsageError("--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension")
+    for seq_len in stage_values("seq_len_stages", cfg.seq_len_stages, int) if cfg.seq_len_stages else []:
+        if not 0 < seq_len <= cfg.train_seq_len or seq_len % cfg.block_size:
+            raise UsageError(f"--seq_len_stages: {seq_len} must be a multiple of --block_size={cfg.block_size} "
+                             f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)")
     if cfg.extension_steps >= cfg.num_steps:
         raise UsageError(f"--extension_steps={cfg.extension_steps} must be below --num_steps={cfg.num_steps} "
                          f"(the extension is the end of the run)")
@@ -419,7 +470,8 @@ def synchronize(device: torch.device) -> None:
 # Data
 # Shards are a 256-int32 header (magic, version, token count) then uint16 GPT-2 tokens; every
 # document starts with BOS (50256). Each step takes global_batch_seqs sequences that start at a
-# BOS, in a fixed global order, so any world size sees the same token stream.
+# BOS (its length and document cut staged by the schedule), in a fixed global order, so any world
+# size sees the same token stream.
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -511,23 +563,34 @@ def more_data_hint(pattern: str, missing: bool = False) -> str:
     return "make more shards from text with data/tokenize_text.py"
 
 
+class DataExhausted(UsageError):
+    """The training files ran out before the run's last step."""
+
+
+Pieces = list[tuple[int, int]]  # one sequence: (start, end) token ranges of the shard, concatenated
+
+
 class TrainTokenStream:
     """BOS-aligned training sequences in one global order, shared by every world size.
 
-    Each step opens a window of 2 * global_batch_seqs * seq_len tokens at the current position and
-    takes global_batch_seqs starts: a BOS s is accepted once the next BOS e has e - s >= seq_len,
-    and the next candidate is e (the tail of the last document is skipped). When the window would
-    run past the shard, the next shard is loaded and the leftover tail is dropped.
+    Step k takes global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len); seq_len + 1 tokens
+    each (inputs and shifted targets). A sequence starts at a BOS and packs the documents from there in order,
+    each cut to its first max_doc_len tokens (0: whole, #28), the last one cut to fit; the next sequence
+    starts at the first BOS at or after the previous one's last token. Uncut, a sequence is the contiguous
+    seq_len + 1 tokens from its BOS (#28's rule). A step is taken from one shard: when fewer than
+    2 * global_batch_seqs * seq_len tokens are left after the position, or a sequence would need a BOS the
+    shard does not have, the next shard is loaded and the rest dropped.
     """
 
     def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int, epochs: int = 1,
-                 preload: bool = False):
+                 preload: bool = False, step_shape: Callable[[int], tuple[int, int]] | None = None):
         self.files = files * epochs
-        self.seq_len, self.batch_seqs, self.vocab_size = seq_len, batch_seqs, vocab_size
-        self.window = 2 * batch_seqs * seq_len
+        self.seq_len, self.batch_seqs, self.vocab_size = seq_len, batch_seqs, vocab_size  # seq_len: the longest
+        self.step_shape = step_shape or (lambda step: (seq_len, 0))
         self.next_file, self.steps_served = 0, 0
         self.tokens = np.zeros(0, dtype=np.uint16)
         self.bos = np.zeros(0, dtype=np.int64)
+        self.long_docs: dict[int, np.ndarray] = {}  # max_doc_len -> indices (into bos) of longer documents
         self.pos = 0
         # Reading and scanning a 100M-token shard takes a large fraction of a second: do it ahead, off the loop.
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="shard-preload") if preload else None
@@ -540,15 +603,15 @@ class TrainTokenStream:
     def _load_next_shard(self) -> None:
         if self.next_file >= len(self.files):
             held = sum(shard_token_count(p) for p in self.files)
-            raise UsageError(f"training data exhausted at step {self.steps_served}: {len(self.files)} shard(s) "
-                             f"(with epochs) hold {held:,} tokens, less than the run consumes; add shards, "
-                             f"raise --train_epochs or lower --num_steps")
+            raise DataExhausted(f"training data exhausted at step {self.steps_served}: {len(self.files)} shard(s) "
+                                f"(with epochs) hold {held:,} tokens, less than the run consumes; add shards, "
+                                f"raise --train_epochs or lower --num_steps")
         if self.upcoming is not None:
             self.tokens, self.bos = self.upcoming.result()
         else:
             self.tokens, self.bos = self._read(self.next_file)
         self.next_file += 1
-        self.pos = 0
+        self.pos, self.long_docs = 0, {}
         has_next = self.next_file < len(self.files)
         self.upcoming = self.preloader.submit(self._read, self.next_file) if self.preloader and has_next else None
 
@@ -556,43 +619,64 @@ class TrainTokenStream:
         if self.preloader is not None:
             self.preloader.shutdown(wait=True, cancel_futures=True)
 
-    def _take_starts(self) -> list[int] | None:
-        """The step's starts from self.pos within the shard, or None when the shard cannot supply them."""
-        i = int(np.searchsorted(self.bos, self.pos))
-        starts: list[int] = []
-        while len(starts) < self.batch_seqs:
+    def _pack(self, i: int, need: int, max_doc_len: int) -> Pieces | None:
+        """`need` tokens from the document starting at bos[i] on, documents cut to max_doc_len (0: whole), as
+        contiguous pieces (runs of whole documents, each ended by a cut one); None past the shard's last BOS."""
+        if not max_doc_len:
+            return [(int(self.bos[i]), int(self.bos[i]) + need)] if i < len(self.bos) else None
+        if max_doc_len not in self.long_docs:
+            lengths = np.diff(self.bos, append=len(self.tokens))
+            self.long_docs[max_doc_len] = np.flatnonzero(lengths > max_doc_len)
+        long_docs, pieces = self.long_docs[max_doc_len], []
+        while need:
             if i >= len(self.bos):
                 return None
-            s = int(self.bos[i])
-            i = int(np.searchsorted(self.bos, s + self.seq_len))  # the first BOS at least seq_len after s
+            k = int(np.searchsorted(long_docs, i))
+            cut = int(long_docs[k]) if k < len(long_docs) else len(self.bos)  # the next document to cut
+            start = int(self.bos[i])
+            whole = (int(self.bos[cut]) if cut < len(self.bos) else len(self.tokens)) - start
+            take = min(whole + (max_doc_len if cut < len(self.bos) else 0), need)
+            pieces.append((start, start + take))
+            need, i = need - take, cut + 1
+        return pieces
+
+    def _take(self, seq_len: int, max_doc_len: int) -> list[Pieces] | None:
+        """The step's sequences from self.pos within the shard, or None when the shard cannot supply them."""
+        if self.pos + 2 * self.batch_seqs * seq_len + 1 >= len(self.tokens):
+            return None
+        i = int(np.searchsorted(self.bos, self.pos))
+        step: list[Pieces] = []
+        while len(step) < self.batch_seqs:
+            pieces = self._pack(i, seq_len + 1, max_doc_len)
+            if pieces is None:
+                return None
+            i = int(np.searchsorted(self.bos, pieces[-1][1] - 1))  # the first BOS at or after the last token
             if i == len(self.bos):
                 return None
-            starts.append(s)
+            step.append(pieces)
         self.pos = int(self.bos[i])
-        return starts
+        return step
 
-    def shard_steps(self, index: int) -> int:
-        """How many steps file `index` supplies: the stream takes each shard alone (it drops a shard's tail)."""
-        self.tokens, self.bos = self._read(index)
-        self.pos, steps = 0, 0
-        while self.pos + self.window + 1 < len(self.tokens) and self._take_starts() is not None:
-            steps += 1
-        return steps
+    def next_step(self) -> list[Pieces]:
+        """This step's global_batch_seqs sequences, in global order, as pieces of self.tokens."""
+        shape = self.step_shape(self.steps_served)
+        while (step := self._take(*shape)) is None:
+            self._load_next_shard()
+        self.steps_served += 1
+        return step
 
     def skip(self, steps: int) -> None:
         """Pass over the sequences of `steps` steps (a resumed run's consumed data): no token is copied."""
         for _ in range(steps):
-            self.next_starts()
+            self.next_step()
 
-    def next_starts(self) -> list[int]:
-        """Start offsets (into self.tokens) of this step's global_batch_seqs sequences, in global order."""
-        while True:
-            if self.pos + self.window + 1 < len(self.tokens):
-                starts = self._take_starts()
-                if starts is not None:
-                    self.steps_served += 1
-                    return starts
-            self._load_next_shard()
+    def steps_available(self, wanted: int) -> int:
+        """Serve up to `wanted` steps without copying; how many the files supplied (the data check)."""
+        try:
+            self.skip(wanted - self.steps_served)
+        except DataExhausted:
+            pass
+        return self.steps_served
 
 
 class TrainBatches:
@@ -600,19 +684,25 @@ class TrainBatches:
 
     def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None):
         self.stream, self.rank, self.world_size = stream, rank, world_size
-        self.shape = (stream.batch_seqs // world_size, stream.seq_len + 1)
+        self.shape = (stream.batch_seqs // world_size, stream.seq_len + 1)  # the longest step's
         self.steps_left = steps  # None: until the data runs out; a run asks for exactly what it trains on
 
-    def fill(self, out: Tensor) -> bool:
+    def fill(self, buffer: Tensor) -> Tensor | None:
+        """Write the next step's rows into the front of a flat buffer; the (rows, seq_len + 1) view, or None."""
         if self.steps_left is not None:
             if self.steps_left == 0:
-                return False
+                return None
             self.steps_left -= 1
-        starts = self.stream.next_starts()[self.rank::self.world_size]
-        rows = out.numpy()
-        for m, s in enumerate(starts):
-            rows[m] = self.stream.tokens[s: s + self.stream.seq_len + 1]
-        return True
+        step = self.stream.next_step()[self.rank::self.world_size]
+        length = sum(end - start for start, end in step[0])  # seq_len + 1 of this step's shape
+        rows = buffer[: len(step) * length].view(len(step), length)
+        out = rows.numpy()
+        for m, pieces in enumerate(step):
+            at = 0
+            for start, end in pieces:
+                out[m, at: at + end - start] = self.stream.tokens[start:end]
+                at += end - start
+        return rows
 
     def close(self) -> None:
         self.stream.close()
@@ -641,30 +731,28 @@ class ValBatches:
         self.chunks = iter(range(rank, (len(val.tokens) - 1) // seq_len, world_size))
         self.shape = (1, seq_len + 1)
 
-    def fill(self, out: Tensor) -> bool:
+    def fill(self, buffer: Tensor) -> Tensor | None:
         c = next(self.chunks, None)
         if c is None:
-            return False
-        out.numpy()[0] = self.val.tokens[c * self.seq_len: (c + 1) * self.seq_len + 1]
-        return True
+            return None
+        buffer.numpy()[:] = self.val.tokens[c * self.seq_len: (c + 1) * self.seq_len + 1]
+        return buffer.view(self.shape)
 
     def close(self) -> None:
         pass
 
 
-def check_train_data(cfg: Config, files: list[Path], steps: int) -> None:
-    """Refuse up front a run whose training files cannot supply its `steps` steps, counted with the stream's
-    own rule (a long document yields one sequence, the rest of it is skipped), reading shards until enough."""
-    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size)
-    supplied = 0
-    for index in range(len(files)):
-        supplied += stream.shard_steps(index)
-        if supplied * cfg.train_epochs >= steps:
-            return
-    raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences of {cfg.train_seq_len} "
-                     f"tokens, each starting at a document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) "
-                     f"supply {supplied * cfg.train_epochs}; raise --train_epochs, lower --num_steps or "
-                     f"{more_data_hint(cfg.train_files)}")
+def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
+                     ) -> None:
+    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream
+    itself (a long document yields one sequence, the rest of it is skipped), reading shards until enough."""
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, cfg.train_epochs,
+                              step_shape=step_shape)
+    supplied = stream.steps_available(steps)
+    if supplied < steps:
+        raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
+                         f"document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
+                         f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
 
 
 def bind_thread_to_device(device: torch.device) -> None:
@@ -689,7 +777,10 @@ class PrefetchLoader:
         self.source, self.depth, self.device = source, depth, device
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self.buffers = [torch.empty(source.shape, dtype=torch.int32, pin_memory=cuda) for _ in range(max(depth, 1))]
+        # Flat, sized for the longest batch: a shorter one (a staged sequence length) is a contiguous view in front.
+        self.buffers = [torch.empty(math.prod(source.shape), dtype=torch.int32, pin_memory=cuda)
+                        for _ in range(max(depth, 1))]
+        self.filled: list[Tensor | None] = [None] * len(self.buffers)  # the batch view of each buffer
         self.copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
         self.pending: tuple[Tensor, torch.cuda.Event | None] | None = None
         self.error: Exception | None = None
@@ -706,7 +797,8 @@ class PrefetchLoader:
     def _fill(self, i: int) -> bool:
         if self.copied[i] is not None:
             self.copied[i].synchronize()  # the previous copy out of this buffer has finished
-        return self.source.fill(self.buffers[i])
+        self.filled[i] = self.source.fill(self.buffers[i])
+        return self.filled[i] is not None
 
     def _produce(self) -> None:
         try:
@@ -743,7 +835,7 @@ class PrefetchLoader:
         if i is None:
             self.done = True
             return None
-        host = self.buffers[i]
+        host = self.filled[i]
         if self.copy_stream is None:
             batch, event = host.clone(), None
         else:
@@ -865,15 +957,22 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor) -> Tensor:
 
 
 class Rotary(nn.Module):
-    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all."""
+    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all.
+    set_frequencies rewrites the tables in place (YaRN): a compiled model reads the new values, no recompile."""
 
     def __init__(self, head_dim: int, max_len: int):
         super().__init__()
         n_rot = head_dim // 4
-        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n_rot), torch.zeros(head_dim // 2 - n_rot)])
-        theta = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
-        self.register_buffer("cos", theta.cos(), persistent=False)
-        self.register_buffer("sin", theta.sin(), persistent=False)
+        self.base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n_rot), torch.zeros(head_dim // 2 - n_rot)])
+        self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.set_frequencies(self.base)
+
+    @torch.no_grad()
+    def set_frequencies(self, freqs: Tensor) -> None:
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32), freqs.float()).to(self.cos.device)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
 
     def forward(self, x: Tensor) -> Tensor:  # (1, T, H, D)
         cos, sin = self.cos[None, : x.size(-3), None, :], self.sin[None, : x.size(-3), None, :]
@@ -972,12 +1071,14 @@ class CausalSelfAttention(nn.Module):
             self.qkvo_w[3].zero_()
         self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
         self.rotary = Rotary(cfg.head_dim, max_len)
+        # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
+        self.register_buffer("q_gain", torch.ones(()), persistent=False)
 
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask: BlockMask | Tensor) -> Tensor:
         T = x.size(1)
         qkv = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x))
         q, k, v = qkv.view(1, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
-        q, k = self.rotary(norm(q)), self.rotary(norm(k))
+        q, k = self.rotary(norm(q)) * self.q_gain, self.rotary(norm(k))
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
@@ -1025,6 +1126,10 @@ def train_loss_scale(cfg: Config) -> float:
     return 1.0 / cfg.global_batch_seqs
 
 
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
+YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
+
+
 class GPT(nn.Module):
     """use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; fp8_head: the FP8 head in
     training; compile_flex: compile flex_attention on its own (an uncompiled model on CUDA: unfused, flex
@@ -1043,9 +1148,32 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, windows[c], max_len, flex) for c in cfg.attn_pattern)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         nn.init.zeros_(self.lm_head.weight)
+        self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
         # One vector: U-net skip weights, per-block (a, b) mixing with x0, per-layer value lambdas.
         self.scalars = nn.Parameter(torch.cat([torch.ones(L // 2), torch.tensor([1.0, 0.0]).repeat(L),
                                                torch.tensor([0.5, 0.5]).repeat(L)]))
+
+    @torch.no_grad()
+    def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
+        """RoPE frequencies and attention scale after YaRN (#31) at each change of the long window, in blocks,
+        from the first to the last of long_windows; with one (or none), the base ones. A block of B tokens and
+        a window change W -> W': r = B W w / 2pi turns of frequency w in the old window, g = clamp((r - 1) / 31,
+        0, 1), w <- w (s + g (1 - s)) with s = W / W' (high frequencies kept, low ones interpolated); the
+        attention scale grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
+        if long_windows[1:] == self.yarn_windows[1:]:
+            return
+        freqs = next(b.attn.rotary.base for b in self.blocks if b.attn is not None).double()
+        scale = 1.0
+        for old, new in zip(long_windows, long_windows[1:]):
+            turns = self.cfg.block_size * old * freqs / (2 * math.pi)
+            g = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+            freqs = freqs * (old / new + g * (1 - old / new))
+            scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
+        for block in self.blocks:
+            if block.attn is not None:
+                block.attn.rotary.set_frequencies(freqs)
+                block.attn.q_gain.fill_(scale)
+        self.yarn_windows = long_windows
 
     def value_embeds_per_layer(self, input_seq: Tensor) -> list[Tensor | None]:
         ve = [table(input_seq) for table in self.value_embeds]
@@ -1093,12 +1221,16 @@ class GPT(nn.Module):
 
 @dataclass(frozen=True)
 class StepSchedule:
-    lr_mult: float  # of every group's lr: 1, a linear cooldown to final_lr_frac over the last cooldown_frac of the
-    #                 scheduled steps (num_steps - extension_steps), then final_lr_frac through the extension
+    lr_mult: float  # of every group's lr: the stage's (1 unstaged), then a linear cooldown from it to final_lr_frac
+    #                 over the last cooldown_frac of the scheduled steps (num_steps - extension_steps), then
+    #                 final_lr_frac through the extension
     muon_momentum: float  # start -> end over muon_momentum_warmup_steps; back over muon_momentum_cooldown_steps
     long_window: int  # attention window of the long layers, in blocks: grows to final_window_tokens, or staged
     short_window: int  # of the short layers: short_window(long_window), or staged
     adam_step: bool  # Adam updates at the end of this step (every adam_every-th step), on the summed gradients
+    seq_len: int  # tokens per training sequence (global_batch_seqs of them per step): train_seq_len, or staged
+    max_doc_len: int  # documents are cut to this many tokens in training; 0: whole
+    yarn_windows: tuple[int, ...] = ()  # --yarn: the long windows trained at so far, in order (GPT.apply_yarn)
 
 
 def short_window(long_window: int) -> int:
@@ -1110,20 +1242,33 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
     scheduled = cfg.num_steps - cfg.extension_steps
     x = min(step / scheduled, 1.0)
+    stage = int(num_stages(cfg) * step / scheduled)  # of the equal stages; the extension's is num_stages
+
+    def staged(values: list) -> Any:  # the stage's value; the extension keeps the last (or has its own)
+        return values[min(stage, len(values) - 1)]
+
+    peak = staged(stage_values("lr_stages", cfg.lr_stages, float)) if cfg.lr_stages else 1.0
     cool = min((1 - x) / cfg.cooldown_frac, 1.0) if cfg.cooldown_frac else 1.0
-    lr_mult = 1.0 if x < 1 - cfg.cooldown_frac else cool + (1 - cool) * cfg.final_lr_frac
+    lr_mult = peak if x < 1 - cfg.cooldown_frac else peak * cool + (1 - cool) * cfg.final_lr_frac
     warm = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
     if cfg.muon_momentum_cooldown_steps:
         warm = min(warm, (cfg.num_steps - step) / cfg.muon_momentum_cooldown_steps)
     momentum = cfg.muon_momentum_start + warm * (cfg.muon_momentum_end - cfg.muon_momentum_start)
-    if cfg.window_stages:  # equal stages of the scheduled steps; with an extension, the last pair is its own
-        stages = window_stages(cfg.window_stages)
-        equal = len(stages) - (1 if cfg.extension_steps else 0)
-        short, long = stages[min(int(equal * step / scheduled), len(stages) - 1)]
+    if cfg.final_val_windows and step == cfg.num_steps:  # no training step: the last validation's
+        short, long = window_stages(cfg.final_val_windows)[0]
+    elif cfg.window_stages:  # with an extension, the last pair is its own
+        short, long = staged(window_stages(cfg.window_stages))
     else:  # the smallest block multiple >= final_window * step / num_steps, at least one block
         long = max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
         short = short_window(long)
-    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0)
+    seq_len = (staged(stage_values("seq_len_stages", cfg.seq_len_stages, int)) if cfg.seq_len_stages
+               else cfg.train_seq_len)
+    max_doc_len = staged(stage_values("doc_len_stages", cfg.doc_len_stages, int)) if cfg.doc_len_stages else 0
+    yarn_windows = ()
+    if cfg.yarn:  # YaRN follows the training windows (not the last validation's), one change per stage
+        yarn_windows = tuple(dict.fromkeys(long for _, long in window_stages(cfg.window_stages)[: stage + 1]))
+    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, seq_len, max_doc_len,
+                        yarn_windows)
 
 
 def window_table(cfg: Config, device: torch.device) -> Tensor:
@@ -1243,7 +1388,7 @@ class ParamGroup:
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     """Muon takes every block matrix; Adam the embeddings (one lr), the head and the scalars."""
     named = dict(model.named_parameters())
-    embed = [n for n in named if n.startswith(("embed.", "value_embeds."))]
+    value_embeds = [n for n in named if n.startswith("value_embeds.")]
     muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2]
     mul = {"c_fc": cfg.mlp_up_lr_mul, "c_proj": cfg.mlp_down_lr_mul}
     betas = (cfg.adam_beta1, cfg.adam_beta2)
@@ -1253,9 +1398,11 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
 
     groups = [group("muon", cfg.muon_lr, muon, lr_muls=[mul.get(n.split(".")[-1], 1.0) for n in muon],
                     wd=cfg.muon_wd),
-              group("adam", cfg.embed_lr, embed, wd=cfg.adam_wd * cfg.embed_wd_mul, betas=betas),
+              group("adam", cfg.embed_lr, ["embed.weight"], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=betas),
+              group("adam", cfg.embed_lr, value_embeds, wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
               group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=betas),
               group("adam", cfg.scalar_lr, ["scalars"], betas=(cfg.scalar_beta1, cfg.scalar_beta2))]
+    groups = [g for g in groups if g.params]  # no value embeddings: no group
     assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
     return groups
 
@@ -1716,14 +1863,14 @@ def flops_per_token(model: GPT, s: StepSchedule) -> float:
 
     N = matmul_weights(model); 6 = 2 FLOPs per multiply-add x 3 (forward, and twice that backward).
     Attention: QK^T and AV cost 2 * 2 * heads * head_dim FLOPs per query-key pair forward, x3 with
-    backward. T_eff = mean_keys_per_query(W, train_seq_len), W the layer's window in tokens (at least one
+    backward. T_eff = mean_keys_per_query(W, the step's seq_len), W the layer's window in tokens (at least one
     block). This is the standard 6N + 12 * L * H * Dh * T with the causal, windowed key count in place of
     T; document masking is ignored (an upper bound of the attention work actually done).
     """
     cfg = model.cfg
     windows = {"long": s.long_window, "short": s.short_window}
     attention = sum(12 * b.attn.num_heads * b.attn.head_dim *
-                    mean_keys_per_query(max(windows[b.attn.window], 1) * cfg.block_size, cfg.train_seq_len)
+                    mean_keys_per_query(max(windows[b.attn.window], 1) * cfg.block_size, s.seq_len)
                     for b in model.blocks if b.attn is not None)
     return 6 * matmul_weights(model) + attention
 
@@ -1913,7 +2060,7 @@ def git_commit(directory: Path) -> str | None:
 def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
                 gpu_names: list[str]) -> dict[str, object]:
     """The end-of-run summary, logs/<run_id>.json (records/compare.py reads these keys)."""
-    tokens = cfg.num_steps * cfg.global_batch_seqs * cfg.train_seq_len
+    tokens = sum(cfg.global_batch_seqs * schedule(step, cfg).seq_len for step in range(cfg.num_steps))
     return {
         "run_id": cfg.run_id,
         "final_val_loss": val_points[-1][1] if val_points else None,
@@ -2062,7 +2209,7 @@ class StepProfiler:
             return None
         synchronize(self.rt.device)
         cfg, rt = self.cfg, self.rt
-        tokens = cfg.global_batch_seqs * cfg.train_seq_len
+        tokens = cfg.global_batch_seqs * schedule(self.traced.start, cfg).seq_len
         flops = float(np.mean([flops_per_token(model, schedule(step, cfg)) for step in self.traced]))
         peak = peak_flops(rt.device, cfg.peak_tflops)
         timed = self._step_ms(self.timed)
@@ -2539,10 +2686,20 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     return raw, model, optimizer
 
 
-def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, skip_steps: int = 0) -> PrefetchLoader:
-    """This rank's batches for `steps` steps, after the sequences of the first skip_steps (a resumed run's)."""
+def step_shape(cfg: Config) -> Callable[[int], tuple[int, int]]:
+    """Training step -> (seq_len, max_doc_len): the data stream's view of the schedule."""
+    def shape(step: int) -> tuple[int, int]:
+        s = schedule(step, cfg)
+        return s.seq_len, s.max_doc_len
+    return shape
+
+
+def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, skip_steps: int = 0,
+                 shape: Callable[[int], tuple[int, int]] | None = None) -> PrefetchLoader:
+    """This rank's batches for `steps` steps, after the sequences of the first skip_steps (a resumed run's);
+    shape: the steps' shapes, the schedule's by default."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, cfg.train_epochs,
-                              preload=cfg.prefetch_depth > 0)
+                              preload=cfg.prefetch_depth > 0, step_shape=shape or step_shape(cfg))
     stream.skip(skip_steps)
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
@@ -2603,10 +2760,35 @@ class StateSnapshot:
             t.copy_(s)
 
 
+def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
+    """One line per span of training steps with the same shapes and windows: a staged run's plan."""
+    def key(s: StepSchedule) -> tuple:
+        return s.seq_len, s.max_doc_len, s.short_window, s.long_window
+
+    spans = [0] + [k for k in range(1, cfg.num_steps) if key(schedules[k]) != key(schedules[k - 1])] + [cfg.num_steps]
+    lines = []
+    for a, b in zip(spans, spans[1:]):
+        s = schedules[a]
+        lines.append(f"stage: steps {a}-{b - 1}: {cfg.global_batch_seqs} x {s.seq_len} tokens "
+                     f"({cfg.global_batch_seqs * s.seq_len:,}/step), documents cut at {s.max_doc_len or 'none'}, "
+                     f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
+    return lines
+
+
+def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
+    """The training steps the warmup replays (shape and windows): warmup_steps of each distinct sequence
+    length, at its first step, since each length compiles its own graph (dynamic=False)."""
+    first: dict[int, int] = {}
+    for step, s in enumerate(schedules[:-1]):
+        first.setdefault(s.seq_len, step)
+    return [step for step in first.values() for _ in range(cfg.warmup_steps)]
+
+
 def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
-           loader: PrefetchLoader, step: Callable[[Tensor], None]) -> None:
-    """Untimed steps on real batches, one micro-step each, that compile and autotune; then every tensor
-    training writes (with --resume: the loaded state) is put back from device-side clones."""
+           loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, int], None]) -> None:
+    """Untimed steps on real batches, one micro-step each, that compile and autotune (the shapes and windows
+    of the training steps in `plan`); then every tensor training writes (with --resume: the loaded state) is
+    put back from device-side clones."""
     synchronize(rt.device)
     t0 = time.perf_counter()
     snapshot = StateSnapshot(warmup_state_tensors(model, optimizer))
@@ -2614,8 +2796,8 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     synchronize(rt.device)
     t1 = time.perf_counter()
     with loader:
-        for _ in range(cfg.warmup_steps):
-            step(next(loader)[:1])
+        for train_step_index in plan:
+            step(next(loader)[:1], train_step_index)
     optimizer.wait_for_params()
     synchronize(rt.device)
     t2 = time.perf_counter()
@@ -2625,7 +2807,7 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     del snapshot
     synchronize(rt.device)
     t3 = time.perf_counter()
-    log(f"warmup: snapshot {1000 * (t1 - t0):.1f} ms, {cfg.warmup_steps} steps {t2 - t1:.1f} s, "
+    log(f"warmup: snapshot {1000 * (t1 - t0):.1f} ms, {len(plan)} steps {t2 - t1:.1f} s, "
         f"restore {1000 * (t3 - t2):.1f} ms (untimed; state restored)")
 
 
@@ -2668,7 +2850,7 @@ def load_data(cfg: Config) -> tuple[list[Path], ValTokens]:
     """The training shards, checked to hold what the run trains on, and the validation tokens: read before
     anything is written, so a run without its data leaves nothing behind."""
     train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
-    check_train_data(cfg, train_files, run_length(cfg))
+    check_train_data(cfg, train_files, run_length(cfg), step_shape(cfg))
     return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
 
 
@@ -2682,13 +2864,18 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     windows = window_table(cfg, rt.device)
     loss_scale = train_loss_scale(cfg)
 
-    # The warmup runs at the first steps' windows, then puts everything (with --resume: the loaded state) back.
-    warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, cfg.warmup_steps),
-           lambda batch: train_step(model, optimizer, batch, windows[1], loss_scale))
+    # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
+    plan, shape = warmup_plan(cfg, schedules), step_shape(cfg)
+    warmup(cfg, rt, log, raw_model, optimizer,
+           train_loader(cfg, rt, train_files, len(plan), shape=lambda k: shape(plan[k])), plan,
+           lambda batch, step: train_step(model, optimizer, batch, windows[step], loss_scale))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
         f"the final window; peak {peak} per device")
+    if num_stages(cfg) > 1 or cfg.extension_steps:
+        for line in stage_plan(cfg, schedules):
+            log(line)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
     loader = train_loader(cfg, rt, train_files, last_step - start_step, skip_steps=start_step)
     val_points: list[tuple[int, float, float]] = []
@@ -2698,6 +2885,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     try:
         for step in range(start_step, last_step + 1):
             last = step == last_step
+            raw_model.apply_yarn(schedules[step].yarn_windows)
             if not cfg.bench and (last or step == 0 or (cfg.val_every and step % cfg.val_every == 0)):
                 optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
                 train_time_ms = clock.stop()

@@ -159,13 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'step':>5} {'W':>3} {'attn max/mean':>13} {'long max/mean':>13} {'tiles max/mean':>14} "
               f"{'step-FLOP max/mean':>18} slowest")
     for step in range(args.steps):
-        starts = stream.next_starts()
+        sequences = stream.next_step()
         w = args.window_blocks or T.schedule(step, cfg).long_window
         w_short = T.short_window(w)
         cost, long_cost, tiles = np.zeros(W), np.zeros(W), np.zeros(W)
-        for i, s in enumerate(starts):
+        for i, pieces in enumerate(sequences):
             r = i % W  # TrainBatches: rank r holds global sequences r, r + W, ...
-            seq = stream.tokens[s: s + cfg.train_seq_len]
+            seq = np.concatenate([stream.tokens[a:b] for a, b in pieces])[:-1]  # the inputs
             (pl, tl), (ps, _) = attention_pairs(seq, cfg.block_size, w), attention_pairs(seq, cfg.block_size, w_short)
             cost[r] += n_long * pl + n_short * ps
             long_cost[r] += pl

@@ -20,6 +20,14 @@ REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, final_windo
                  val_every=3, warmup_steps=2, val_tokens=2048)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_after():
+    """Compiled variants (the FP8 op bodies' too) stay cached per process: leave none behind for later tests,
+    which count their own against dynamo's recompile limit."""
+    yield
+    torch._dynamo.reset()
+
+
 def model_graphs() -> int:
     """Compiled variants of GPT.forward so far: with fullgraph, each is one whole graph."""
     return len(_debug_get_cache_entry_list(T.GPT.forward.__code__))
@@ -61,10 +69,12 @@ def sample_tokens(seed: int) -> torch.Tensor:
     return tokens
 
 
-def test_compiled_model_equals_eager_across_windows_with_one_graph():
+def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph():
     eager, twin, compiled = model_and_compiled_twin(twin_flex=False)
     tokens = sample_tokens(1)
-    for windows in WINDOWS:
+    for i, windows in enumerate(WINDOWS):
+        for model in (eager, twin):  # YaRN at each window change rewrites RoPE's tables and q's gain in place
+            model.apply_yarn(tuple(int(w) for w in WINDOWS[: i + 1, 0]))
         for model in (eager, compiled):
             model.zero_grad()
             model(tokens[:-1], tokens[1:].long(), windows).backward()
@@ -76,7 +86,7 @@ def test_compiled_model_equals_eager_across_windows_with_one_graph():
         for (name, a), b in zip(twin.named_parameters(), eager.parameters()):
             if name != "scalars":  # sums of cancelling terms: relative error is not meaningful there
                 assert (a.grad.float() - b.grad.float()).norm() < 0.05 * b.grad.float().norm(), name
-    assert model_graphs() == 1  # the window is a tensor: no recompile when it changes (eval: the run's test)
+    assert model_graphs() == 1  # window and YaRN are tensors: no recompile when they change (eval: the run's test)
 
 
 def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mode():
@@ -113,3 +123,21 @@ def test_compiled_fp8_training_has_one_train_and_one_eval_graph_and_follows_eage
     assert ours == pytest.approx(theirs, abs=0.15)
     for (_, a), (_, b) in zip(compiled.val_losses, eager.val_losses):
         assert a == pytest.approx(b, abs=0.15)
+
+
+def test_staged_sequence_lengths_compile_in_the_warmup_and_never_after(tmp_path, monkeypatch):
+    graphs_after_warmup = []
+    warmup = T.warmup
+
+    def counted_warmup(*args, **kwargs):
+        warmup(*args, **kwargs)
+        graphs_after_warmup.append(model_graphs())
+
+    monkeypatch.setattr(T, "warmup", counted_warmup)
+    torch._dynamo.reset()
+    staged = dict(REHEARSAL, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", yarn="true", warmup_steps=1)
+    result = T.run(tiny_args(tmp_path, run_id="staged", **staged))
+    assert graphs_after_warmup == [3]  # one training graph per sequence length, all before the clock
+    assert model_graphs() == 4  # + the eval graph; YaRN's changes at each stage recompiled nothing
+    assert "warmup: snapshot" in (tmp_path / "logs" / "staged.txt").read_text()
+    assert result.val_losses[-1][1] < result.val_losses[0][1] - 1.0

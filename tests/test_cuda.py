@@ -197,6 +197,25 @@ def test_tiny_preset_trains_on_cuda_and_checkpoints_report_the_gpu_stall(tmp_pat
     record_property("checkpoint_lines", " | ".join(stalls))
 
 
+def test_recipe_v2_on_cuda_compiles_each_sequence_length_in_the_warmup_and_resumes_exactly(tmp_path, monkeypatch,
+                                                                                           record_property):
+    # The whole of v2 part 1 on the GPU path: Polar Express compiled, three sequence lengths (three graphs, all
+    # compiled before the clock), clipped documents, YaRN rewriting RoPE in place, Adam every other step.
+    from test_compiled import model_graphs
+    from test_recipe_v2 import V2_PART1
+    graphs = []
+    warmup = T.warmup
+    monkeypatch.setattr(T, "warmup", lambda *a, **k: (warmup(*a, **k), graphs.append(model_graphs())))
+    torch._dynamo.reset()
+    v2 = {**RUN, **V2_PART1, "window_stages": "1/1,1/2,1/3,1/3", "num_steps": 8, "val_every": 4, "warmup_steps": 1}
+    full = T.run(tiny_args(tmp_path, run_id="v2", save_every=4, **v2))
+    record_property("graphs_after_warmup_and_at_the_end", f"{graphs} {model_graphs()}")
+    assert graphs == [3] and model_graphs() == 4  # + the eval graph: nothing compiled while the clock ran
+    resumed = T.run(tiny_args(tmp_path, run_id="v2_resumed", resume=tmp_path / "logs" / "v2" / "ckpt_4", **v2))
+    assert resumed.val_losses == full.val_losses[1:]
+    assert full.val_losses[-1][1] < full.val_losses[0][1] - 0.3
+
+
 def test_worker_threads_select_the_runs_device(tmp_path, monkeypatch):
     # On one GPU the device is cuda:0 anyway; what this checks is that the threads select it before CUDA calls.
     seen = []

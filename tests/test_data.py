@@ -187,7 +187,7 @@ def test_a_run_with_exactly_enough_data_never_sees_the_end(tmp_path):
     stream, available = T.TrainTokenStream(files, 128, 8, 50304), 0
     with pytest.raises(T.UsageError):
         while True:
-            stream.next_starts()
+            stream.next_step()
             available += 1
     # Bounded to the run's steps, the prefetch thread stops there instead of running into the end.
     with T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304, preload=True), 0, 1,

@@ -274,7 +274,8 @@ def test_flop_model_counts_the_models_own_matmul_weights_and_windows():
     assert T.matmul_weights(model) == counted  # every block matrix and the head; no embedding, no scalar
     # Windows covering the whole sequence on every attention layer: T_eff = (T + 1) / 2.
     full = cfg.train_seq_len // cfg.block_size
-    whole = T.StepSchedule(1.0, 0.9, long_window=full, short_window=full, adam_step=True)
+    whole = T.StepSchedule(1.0, 0.9, long_window=full, short_window=full, adam_step=True,
+                           seq_len=cfg.train_seq_len, max_doc_len=0)
     attn_layers = sum(c != "-" for c in cfg.attn_pattern)
     expected = 6 * counted + 12 * cfg.num_heads * cfg.head_dim * attn_layers * (cfg.train_seq_len + 1) / 2
     assert T.flops_per_token(model, whole) == pytest.approx(expected)
@@ -282,7 +283,7 @@ def test_flop_model_counts_the_models_own_matmul_weights_and_windows():
     # One block for every layer (short windows 0 and 1 both mean the diagonal block).
     one = 6 * counted + 12 * cfg.num_heads * cfg.head_dim * attn_layers * T.mean_keys_per_query(cfg.block_size,
                                                                                                  cfg.train_seq_len)
-    assert T.flops_per_token(model, T.StepSchedule(1.0, 0.9, 1, 0, True)) == pytest.approx(one)
+    assert T.flops_per_token(model, T.StepSchedule(1.0, 0.9, 1, 0, True, cfg.train_seq_len, 0)) == pytest.approx(one)
     # A change to the model is counted without a second edit: a wider MLP adds its weights' 6 FLOPs each.
     wider = T.GPT(T.parse_config(["--preset=tiny", "--mlp_ratio=8"]), use_flex=False, fp8_head=False)
     extra = 2 * cfg.num_layers * cfg.model_dim * 4 * cfg.model_dim

@@ -54,7 +54,10 @@ def test_recipe_model_has_record_28_shapes():
     assert (cfg.attn_pattern.count("L"), cfg.attn_pattern.count("S")) == (3, 8)
     with torch.device("meta"):
         model = T.GPT(cfg, use_flex=True, fp8_head=True)
-    groups = {(g.kind, g.lr): g for g in T.build_param_groups(model, cfg)}
+    groups: dict[tuple, T.ParamGroup] = {}
+    for g in T.build_param_groups(model, cfg):  # the token and value embeddings: two groups at one lr
+        groups.setdefault((g.kind, g.lr), T.ParamGroup(g.kind, g.lr, [])).params.extend(g.params)
+        groups[(g.kind, g.lr)].names.extend(g.names)
     muon = groups[("muon", 0.05)].params
     shapes = sorted({tuple(p.shape) for p in muon})
     assert shapes == [(4, 768, 768), (6, 12), (768, 3072)]

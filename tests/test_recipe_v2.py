@@ -1,19 +1,23 @@
-"""Recipe v2, part 1 (optimizer and schedule): each item's math against a plain reference written from
-the spec's formula here (not from the implementation), its default off (record #28 unchanged), and the
-trainer's invariants with every item on: W = 1 and 2 agree, the warmup leaves no trace, resume is exact."""
+"""Recipe v2, part 1 (optimizer, data and schedule): each item's math against a plain reference written
+from the spec's formula here (not from the implementation), its default off (record #28 unchanged), and
+the trainer's invariants with every item on: W = 1 and 2 agree, the warmup leaves no trace, resume is exact."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import train_gpt as T
 from conftest import SMALL, run_world, tiny_args
+from test_data import synthetic_shards
 
-# Every optimizer and schedule item of part 1 at once, at the tiny run's scale.
+# Every item of part 1 at once, at the tiny run's scale: 8 steps, 3 stages of 2 and an extension of 2.
 V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
                 muon_wd=1.2, adam_wd=0.005, adam_every=2, scalar_beta1=0.9, scalar_beta2=0.99, extension_steps=2,
-                muon_momentum_cooldown_steps=3, window_stages="0/1,1/1,1/2,1/1", final_lr_frac=0.15)
+                muon_momentum_cooldown_steps=3, window_stages="0/1,1/1,1/2,1/1", final_lr_frac=0.15,
+                train_seq_len=384, seq_len_stages="128,256,384", lr_stages="1,1.52,1.73",
+                doc_len_stages="100,200,0")
 
 # Polar Express (Amsel et al. 2025; record #38): per-iteration (a, b, c), safety factor 1.02.
 PE_COEFFS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -105,14 +109,16 @@ def test_the_v2_groups_take_the_spec_multipliers_and_the_scalars_never_decay():
     assert lr_mul["blocks.0.attn.qkvo_w"] == lr_mul["blocks.0.attn.gate_w"] == 1.0
     assert groups["blocks.0.mlp.c_fc"].wd == 1.2 and groups["blocks.0.mlp.c_fc"].lr == 0.023
     assert groups["lm_head.weight"].wd == pytest.approx(0.005 * 150)
-    assert groups["embed.weight"].wd == groups["value_embeds.0.weight"].wd == pytest.approx(0.005 * 5)
+    assert groups["embed.weight"].wd == pytest.approx(0.005 * 150)  # spec §2.18: embed and head 150, VE 5
+    assert groups["value_embeds.0.weight"].wd == pytest.approx(0.005 * 5)
+    assert groups["embed.weight"].lr == groups["value_embeds.0.weight"].lr == 0.6
     assert groups["scalars"].wd == 0 and groups["scalars"].betas == (0.9, 0.99)
     assert groups["embed.weight"].betas == (0.65, 0.95)
 
 
 def test_v2_schedule_stages_extension_floor_momentum_cooldown_and_adam_steps():
     cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10",  # 90 scheduled steps
-                          "--muon_momentum_warmup_steps=10"])
+                          "--muon_momentum_warmup_steps=10", "--lr_stages=", "--final_val_windows="])
     s = [T.schedule(step, cfg) for step in range(101)]
     assert [(x.short_window, x.long_window) for x in (s[0], s[29], s[30], s[59], s[60], s[89], s[90], s[100])] == [
         (1, 3), (1, 3), (3, 7), (3, 7), (5, 11), (5, 11), (6, 13), (6, 13)]
@@ -134,11 +140,131 @@ def test_record_28_defaults_step_adam_every_step_with_the_linear_windows():
     assert s[-1].long_window == math.ceil(1728 * 1000 / 1695 / 128) and s[-1].short_window == s[-1].long_window // 2
 
 
+def test_batch_stages_lift_the_lr_and_the_cooldown_falls_from_the_stage_multiplier():
+    cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10"])  # 90 scheduled: thirds of 30
+    s = [T.schedule(step, cfg) for step in range(101)]
+    assert [(x.seq_len, x.max_doc_len) for x in (s[0], s[29], s[30], s[60], s[90], s[100])] == [
+        (16384, 896), (16384, 896), (32768, 2048), (49152, 2048), (49152, 2048), (49152, 2048)]
+    # spec §2.15: lr = m * w + floor * (1 - w), w = (1 - x) / cooldown_frac, x = step / N_sched, m the stage's
+    floor, cd = 0.15, 0.55
+    for step, m in [(10, 1.0), (35, 1.52), (50, 1.52), (59, 1.52), (60, 1.73), (85, 1.73)]:
+        w = min((1 - step / 90) / cd, 1.0)
+        assert s[step].lr_mult == pytest.approx(m * w + floor * (1 - w)), step
+    assert s[60].lr_mult > s[59].lr_mult  # the jump at the third stage, inside the cooldown
+    assert s[95].lr_mult == pytest.approx(floor)
+    assert T.warmup_plan(T.parse_config(["--preset=v2", "--warmup_steps=2"]), [T.schedule(k, cfg) for k in
+                                                                                 range(101)]) == [0, 0, 30, 30, 60, 60]
+
+
+def packed_reference(tokens: np.ndarray, shapes: list[tuple[int, int]], batch_seqs: int = 8) -> list[np.ndarray]:
+    """Spec §2.1 written out on one shard: a sequence walks the documents from a BOS, appending each one's
+    first min(its length, max_doc_len, tokens still needed) tokens until it holds seq_len + 1; the next
+    sequence starts at the first BOS at or after the previous one's last token."""
+    bos = [i for i, t in enumerate(tokens) if t == T.BOS_ID]
+    out, pos = [], 0
+    for seq_len, max_doc_len in shapes:
+        assert pos + 2 * batch_seqs * seq_len + 1 < len(tokens)  # the test stays inside one shard
+        k = next(k for k, b in enumerate(bos) if b >= pos)
+        rows = []
+        for _ in range(batch_seqs):
+            row: list[int] = []
+            while len(row) < seq_len + 1:
+                doc_end = bos[k + 1] if k + 1 < len(bos) else len(tokens)
+                end = min(doc_end, bos[k] + (max_doc_len or doc_end), bos[k] + seq_len + 1 - len(row))
+                row += tokens[bos[k]:end].tolist()
+                k += 1
+            k = next(k for k, b in enumerate(bos) if b >= end - 1)
+            rows.append(row)
+        pos = bos[k]
+        out.append(np.array(rows, dtype=np.int32))
+    return out
+
+
+def staged_batches(files, shapes, world_size: int, depth: int) -> list[np.ndarray]:
+    """Each step's rows from every rank's loader, in global order (micro-step m of rank r: row m * W + r)."""
+    loaders = [T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 384, 8, 50304, step_shape=shapes.__getitem__),
+                                               r, world_size, steps=len(shapes)), depth, torch.device("cpu"))
+               for r in range(world_size)]
+    try:
+        steps = [[next(loader).numpy() for loader in loaders] for _ in shapes]
+        return [np.stack([ranks[r][m] for m in range(8 // world_size) for r in range(world_size)]) for ranks in steps]
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+def test_clipped_documents_and_staged_lengths_follow_the_packing_rule_at_every_world_size(tmp_path):
+    files = synthetic_shards(tmp_path, n=1, tokens=60000)  # documents of 2..301 tokens
+    shapes = [(128, 100), (128, 100), (256, 200), (256, 50), (384, 0), (384, 100), (128, 0)]
+    want = packed_reference(T.load_shard(files[0], 50304), shapes)
+    got = staged_batches(files, shapes, 1, depth=0)
+    assert [g.shape for g in got] == [(8, n + 1) for n, _ in shapes]
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    for world_size in (2, 4):
+        for a, b in zip(got, staged_batches(files, shapes, world_size, depth=2)):
+            np.testing.assert_array_equal(a, b)
+    # Unclipped, a sequence is the contiguous slice from its BOS: #28's stream, step for step.
+    whole = staged_batches(files, [(128, 0)] * 3, 1, depth=0)
+    plain = [b.numpy() for b in T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304), 0, 1,
+                                                                 steps=3), 0, torch.device("cpu"))]
+    for a, b in zip(whole, plain):
+        np.testing.assert_array_equal(a, b)
+
+
+def yarn_reference(block: int, windows: list[int], base: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Spec §2.3 in float64, one window change at a time: r_j = block * W_old * w_j / 2pi,
+    gamma_j = clamp((r_j - 1) / 31, 0, 1), s = W_old / W_new, w_j *= s + gamma_j (1 - s);
+    the attention scale is multiplied by 0.2 ln(W_new / W_old) + 1."""
+    w, gain = base.double().clone(), 1.0
+    for old, new in zip(windows, windows[1:]):
+        r = block * old * w / (2 * math.pi)
+        gamma = torch.clamp((r - 1) / (32 - 1), 0, 1)
+        s = old / new
+        w = w * (s + gamma * (1 - s))
+        gain *= 0.2 * math.log(new / old) + 1
+    return w, gain
+
+
+def test_yarn_rescales_rope_and_the_attention_scale_as_the_spec_says():
+    cfg = T.parse_config(["--preset=tiny,v2", "--head_dim=128", "--model_dim=256"])  # 32 rotating frequencies
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    rotary = model.blocks[0].attn.rotary
+    base_cos = rotary.cos.clone()
+    model.apply_yarn((3, 7, 11, 13))
+    want, gain = yarn_reference(128, [3, 7, 11, 13], rotary.base)
+    theta = torch.outer(torch.arange(rotary.cos.size(0), dtype=torch.float64), want)
+    torch.testing.assert_close(rotary.cos, theta.cos().float(), atol=2e-3, rtol=0)  # fp32 angles up to ~4e3 rad
+    torch.testing.assert_close(rotary.sin, theta.sin().float(), atol=2e-3, rtol=0)
+    # The spec's scales over the standard schedule: 0.1 -> 0.1169 -> 0.1275 -> 0.1318
+    assert [round(0.1 * yarn_reference(128, [3, 7, 11, 13][:n], rotary.base)[1], 4) for n in (1, 2, 3, 4)] == [
+        0.1, 0.1169, 0.1275, 0.1318]
+    assert all(b.attn.q_gain.item() == pytest.approx(gain) for b in model.blocks if b.attn is not None)
+    ratio = want / rotary.base.double()
+    assert ratio[0] == 1 and ratio[31] == pytest.approx(3 / 13)  # the fastest kept, the slowest interpolated
+    model.apply_yarn((3,))  # back to one window (a resume into stage 1): the base tables again, bit for bit
+    assert torch.equal(rotary.cos, base_cos) and model.blocks[0].attn.q_gain.item() == 1.0
+
+
+def test_yarn_follows_the_training_windows_and_the_last_validation_looks_further():
+    cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10"])
+    s = [T.schedule(step, cfg) for step in range(101)]
+    assert [s[k].yarn_windows for k in (0, 30, 60, 90, 99, 100)] == [
+        (3,), (3, 7), (3, 7, 11), (3, 7, 11, 13), (3, 7, 11, 13), (3, 7, 11, 13)]
+    assert (s[99].short_window, s[99].long_window) == (6, 13) and (s[100].short_window, s[100].long_window) == (6, 20)
+    assert T.schedule(5, T.Config()).yarn_windows == ()  # record #28: off
+
+
 @pytest.mark.parametrize("args, message", [
     (["--window_stages=3/7,x"], "--window_stages expects SHORT/LONG blocks"),
     (["--extension_steps=10", "--num_steps=10"], "--extension_steps=10 must be below --num_steps=10"),
     (["--adam_every=2", "--save_every=3"], "--save_every=3 must be a multiple of --adam_every=2"),
     (["--orthogonalizer=svd"], "--orthogonalizer must be newton_schulz or polar_express"),
+    (["--yarn=true"], "--yarn rescales at each staged window change: it needs --window_stages"),
+    (["--seq_len_stages=16384,100"], "--seq_len_stages: 100 must be a multiple of --block_size=128"),
+    (["--seq_len_stages=16384,32768", "--lr_stages=1,1.5,2"], "the staged fields must list the same number"),
+    (["--doc_len_stages=2048,x"], "--doc_len_stages expects one non-negative int per stage"),
+    (["--final_val_windows=6/20,7/21"], "--final_val_windows expects one SHORT/LONG pair"),
 ])
 def test_bad_v2_settings_are_refused_in_one_line(args, message):
     with pytest.raises(T.UsageError, match=message):
@@ -191,6 +317,10 @@ def test_v2_part1_world_size_one_and_two_take_the_same_steps(tmp_path):
 
 def test_v2_part1_warmup_leaves_no_trace_and_resume_is_exact(tmp_path):
     full = T.run(v2_args(tmp_path, run_id="full", warmup_steps=3))  # odd: ends with Adam gradients pending
+    log = (tmp_path / "logs" / "full.txt").read_text()
+    assert "warmup: snapshot" in log and ", 9 steps " in log  # 3 at each of the 3 sequence lengths
+    assert [line.split(":")[1] for line in log.splitlines() if line.startswith("stage:")] == [
+        " steps 0-1", " steps 2-3", " steps 4-5", " steps 6-7"]
     cold = T.run(v2_args(tmp_path, run_id="cold", save_every=4))
     assert full.val_losses == cold.val_losses
     resumed = T.run(v2_args(tmp_path, run_id="resumed", resume=tmp_path / "logs" / "cold" / "ckpt_4"))

@@ -174,7 +174,8 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
     counter.take()
     events = []
     for step in range(STEPS):
-        opt.set_step(T.StepSchedule(LR_MULT[step], MOMENTUM[step], 1, 0, (step + 1) % cfg.adam_every == 0))
+        opt.set_step(T.StepSchedule(LR_MULT[step], MOMENTUM[step], 1, 0, (step + 1) % cfg.adam_every == 0,
+                                    cfg.train_seq_len, 0))
         opt.wait_for_params()
         for m in range(micro_steps):
             opt.final_micro_step = m == micro_steps - 1

@@ -104,7 +104,7 @@ def test_run_sh_ctrl_c_on_two_processes_is_one_line_and_130(tmp_path):
     (["--device=tpu"], {}, "--device must be auto, cuda or cpu"),
     ([], {"WORLD_SIZE": "3"}, "not divisible by the world size 3"),
     (["--train_files=nowhere/*.bin"], {}, "no files match 'nowhere/*.bin'"),
-    (["--num_steps=100000"], {}, "the run needs 100000 steps of 8 sequences of 128 tokens"),
+    (["--num_steps=100000"], {}, "the run needs 100000 steps of 8 sequences, each starting at a document"),
     (["--val_tokens=1048576", "--val_seq_len=1024"], {}, "validation needs 1048577 tokens"),
     (["--compile=maybe"], {}, "--compile expects true or false or auto, got 'maybe'"),
     (["--fp8_head=true", "--vocab_size=50260"], {}, "the FP8 head needs --model_dim, --train_seq_len, --vocab_size "
