@@ -99,6 +99,7 @@ class Config:
     value_embed_wd_mul: float = 5.0  # ... of the value embeddings (#55)
     head_wd_mul: float = 150.0  # ... of the LM head
     adam_every: int = 1  # Adam steps every N steps, on the gradients summed since its last step (#39: 2)
+    adam_state_fp32: bool = False  # Adam's m and v in fp32 for the bf16 embeddings, the update rounded once (#56)
     scalar_beta1: float = 0.8  # Adam's beta1 for the scalar vector (#52, smoothed scalars: 0.9)
     scalar_beta2: float = 0.95  # ... and its beta2 (#52: 0.99)
     # schedule
@@ -177,6 +178,7 @@ PRESETS: dict[str, dict[str, object]] = {
         adam_wd=0.005,
         adam_every=2,
         adam_beta1=0.65,
+        adam_state_fp32=True,
         scalar_beta1=0.9,
         scalar_beta2=0.99,
         cooldown_frac=0.55,
@@ -687,22 +689,21 @@ class TrainBatches:
         self.shape = (stream.batch_seqs // world_size, stream.seq_len + 1)  # the longest step's
         self.steps_left = steps  # None: until the data runs out; a run asks for exactly what it trains on
 
-    def fill(self, buffer: Tensor) -> Tensor | None:
-        """Write the next step's rows into the front of a flat buffer; the (rows, seq_len + 1) view, or None."""
+    def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
+        """Write the next step's rows into the front of a flat buffer; their shape (rows, seq_len + 1), or None."""
         if self.steps_left is not None:
             if self.steps_left == 0:
                 return None
             self.steps_left -= 1
         step = self.stream.next_step()[self.rank::self.world_size]
         length = sum(end - start for start, end in step[0])  # seq_len + 1 of this step's shape
-        rows = buffer[: len(step) * length].view(len(step), length)
-        out = rows.numpy()
+        out = buffer[: len(step) * length].reshape(len(step), length)
         for m, pieces in enumerate(step):
             at = 0
             for start, end in pieces:
                 out[m, at: at + end - start] = self.stream.tokens[start:end]
                 at += end - start
-        return rows
+        return out.shape
 
     def close(self) -> None:
         self.stream.close()
@@ -731,12 +732,12 @@ class ValBatches:
         self.chunks = iter(range(rank, (len(val.tokens) - 1) // seq_len, world_size))
         self.shape = (1, seq_len + 1)
 
-    def fill(self, buffer: Tensor) -> Tensor | None:
+    def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
         c = next(self.chunks, None)
         if c is None:
             return None
-        buffer.numpy()[:] = self.val.tokens[c * self.seq_len: (c + 1) * self.seq_len + 1]
-        return buffer.view(self.shape)
+        buffer[:] = self.val.tokens[c * self.seq_len: (c + 1) * self.seq_len + 1]
+        return self.shape
 
     def close(self) -> None:
         pass
@@ -778,9 +779,12 @@ class PrefetchLoader:
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         # Flat, sized for the longest batch: a shorter one (a staged sequence length) is a contiguous view in front.
+        # The thread writes them through numpy only: no torch op off the main thread (the profiler records
+        # every thread's ops, and stopping it while another thread dispatches one can crash).
         self.buffers = [torch.empty(math.prod(source.shape), dtype=torch.int32, pin_memory=cuda)
                         for _ in range(max(depth, 1))]
-        self.filled: list[Tensor | None] = [None] * len(self.buffers)  # the batch view of each buffer
+        self.arrays = [b.numpy() for b in self.buffers]
+        self.filled: list[tuple[int, int] | None] = [None] * len(self.buffers)  # the batch shape in each buffer
         self.copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
         self.pending: tuple[Tensor, torch.cuda.Event | None] | None = None
         self.error: Exception | None = None
@@ -797,7 +801,7 @@ class PrefetchLoader:
     def _fill(self, i: int) -> bool:
         if self.copied[i] is not None:
             self.copied[i].synchronize()  # the previous copy out of this buffer has finished
-        self.filled[i] = self.source.fill(self.buffers[i])
+        self.filled[i] = self.source.fill(self.arrays[i])
         return self.filled[i] is not None
 
     def _produce(self) -> None:
@@ -835,7 +839,8 @@ class PrefetchLoader:
         if i is None:
             self.done = True
             return None
-        host = self.filled[i]
+        rows, cols = self.filled[i]  # type: ignore[misc]
+        host = self.buffers[i][: rows * cols].view(rows, cols)
         if self.copy_stream is None:
             batch, event = host.clone(), None
         else:
@@ -1364,6 +1369,7 @@ def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: f
     then m / denom * step_size): about 40% of the elements land one bf16 ulp apart. Matching it
     would cost a device-side step counter for no measurable gain, so the order here is kept.
     """
+    grad = grad.to(m.dtype)  # with fp32 state (--adam_state_fp32) the step is computed in fp32, rounded into p once
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
@@ -1472,7 +1478,7 @@ class Bucket:
     """
 
     def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int,
-                 normuon: bool = False):
+                 normuon: bool = False, adam_state_fp32: bool = False):
         self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
         self.wd, self.betas = group.wd, group.betas
         self.world_size = world_size
@@ -1510,7 +1516,8 @@ class Bucket:
             self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units],
                                        device=self.data.device).view(-1, 1, 1)
         else:
-            self.state = {"m": torch.zeros_like(self.shard), "v": torch.zeros_like(self.shard)}
+            dtype = torch.float32 if adam_state_fp32 else self.shard.dtype
+            self.state = {k: torch.zeros(shape, dtype=dtype, device=self.data.device) for k in ("m", "v")}
         self.pending = len(params)  # gradients not yet final in this step's last micro-step
         self.reduce_work: dist.Work | None = None
         self.gather_work: dist.Work | None = None
@@ -1579,7 +1586,8 @@ class ShardedMuonAdam:
         self.step_count, self.adam_steps = 0, 0
         named = dict(model.named_parameters())
         plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
-        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size, cfg.normuon_beta2 > 0)
+        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size, cfg.normuon_beta2 > 0,
+                               cfg.adam_state_fp32)
                         for g, names in plan]
         self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
         self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
@@ -2168,7 +2176,10 @@ class StepProfiler:
             prof.__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def step(self, step: int):
+    def step(self, step: int, settle: Callable[[], None] = lambda: None):
+        """Around training step `step`; settle() runs before the trace stops, so that no async collective
+        launched inside the trace ends after it (gloo records a work's end into the profiler: once the
+        profiler is gone, that crashes the process)."""
         if self.traced is None:
             yield
             return
@@ -2187,6 +2198,8 @@ class StepProfiler:
         if self.timed is not None and step == self.traced.stop - 1:
             self._mark(step + 1)
         if self.prof is not None:
+            if step == self.traced.stop - 1:
+                settle()
             self.prof.step()
             if step == self.traced.stop - 1:
                 self.close()
@@ -2898,7 +2911,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
                 break
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
-            with profiler.step(step):
+            with profiler.step(step, settle=optimizer.wait_for_params):
                 train_step(model, optimizer, next(loader), windows[step], loss_scale, metrics)
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()

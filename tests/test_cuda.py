@@ -207,7 +207,7 @@ def test_recipe_v2_on_cuda_compiles_each_sequence_length_in_the_warmup_and_resum
     warmup = T.warmup
     monkeypatch.setattr(T, "warmup", lambda *a, **k: (warmup(*a, **k), graphs.append(model_graphs())))
     torch._dynamo.reset()
-    v2 = {**RUN, **V2_PART1, "window_stages": "1/1,1/2,1/3,1/3", "num_steps": 8, "val_every": 4, "warmup_steps": 1}
+    v2 = {**RUN, **V2_PART1, "num_steps": 8, "val_every": 4, "warmup_steps": 1}
     full = T.run(tiny_args(tmp_path, run_id="v2", save_every=4, **v2))
     record_property("graphs_after_warmup_and_at_the_end", f"{graphs} {model_graphs()}")
     assert graphs == [3] and model_graphs() == 4  # + the eval graph: nothing compiled while the clock ran

@@ -14,10 +14,10 @@ from test_data import synthetic_shards
 
 # Every item of part 1 at once, at the tiny run's scale: 8 steps, 3 stages of 2 and an extension of 2.
 V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
-                muon_wd=1.2, adam_wd=0.005, adam_every=2, scalar_beta1=0.9, scalar_beta2=0.99, extension_steps=2,
-                muon_momentum_cooldown_steps=3, window_stages="0/1,1/1,1/2,1/1", final_lr_frac=0.15,
+                muon_wd=1.2, adam_wd=0.005, adam_every=2, adam_state_fp32=True, scalar_beta1=0.9, scalar_beta2=0.99,
+                extension_steps=2, muon_momentum_cooldown_steps=3, window_stages="0/1,1/2,1/2,1/3", final_lr_frac=0.15,
                 train_seq_len=384, seq_len_stages="128,256,384", lr_stages="1,1.52,1.73",
-                doc_len_stages="100,200,0")
+                doc_len_stages="100,200,0", yarn=True, attn_scale=0.1, final_val_windows="1/3")
 
 # Polar Express (Amsel et al. 2025; record #38): per-iteration (a, b, c), safety factor 1.02.
 PE_COEFFS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -99,6 +99,33 @@ def test_cautious_weight_decay_on_adam_shrinks_only_where_the_step_agrees_in_sig
         u = lr * math.sqrt(1 - b2**t) / (1 - b1**t) * ref_m / (ref_v.sqrt() + eps)
         ref_p = ref_p - u - lr**2 * wd * (u * ref_p > 0) * ref_p
     torch.testing.assert_close(p, ref_p)
+
+
+def test_fp32_adam_state_steps_a_bf16_embedding_as_exact_adam_does():
+    # #56: Adam's m and v in fp32 for the bf16 embeddings. Against Adam in float64 with the parameter rounded
+    # to bf16 after each step, fp32 state matches all but a rounding tie here and there; bf16 state (#28) not.
+    torch.manual_seed(0)
+    p0 = (0.02 * torch.randn(512, 64)).bfloat16()
+    grads = [(torch.randn(512, 64) * 1e-3 * (1 + k % 3)).bfloat16() for k in range(12)]
+    b1, b2, eps, lr = 0.65, 0.95, 1e-10, 0.6
+    want = p0.clone()
+    m = v = torch.zeros(p0.shape, dtype=torch.float64)
+    for k, g in enumerate(grads, 1):
+        m, v = b1 * m + (1 - b1) * g.double(), b2 * v + (1 - b2) * g.double() ** 2
+        want = (want.double() - lr * math.sqrt(1 - b2**k) / (1 - b1**k) * m / (v.sqrt() + eps)).bfloat16()
+    mismatch = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        p, m_, v_ = p0.clone(), torch.zeros(p0.shape, dtype=dtype), torch.zeros(p0.shape, dtype=dtype)
+        for k, g in enumerate(grads, 1):
+            T.adam_update_(p, g, m_, v_, k, lr, b1, b2, eps)
+        mismatch[dtype] = (p != want).float().mean().item()
+    assert mismatch[torch.float32] < 1e-3 and mismatch[torch.bfloat16] > 0.1
+    # The optimizer keeps fp32 state for the bf16 tables only with the flag (#28: the parameter's dtype).
+    for flag, dtype in [("false", torch.bfloat16), ("true", torch.float32)]:
+        cfg = T.parse_config(["--preset=tiny", f"--adam_state_fp32={flag}"])
+        opt = T.ShardedMuonAdam(T.GPT(cfg, use_flex=False, fp8_head=False), cfg, 0, 1, compile_ns=False)
+        embed = next(b for b in opt.buckets if "embed.weight" in b.names)
+        assert embed.data.dtype == torch.bfloat16 and embed.state["m"].dtype == embed.state["v"].dtype == dtype
 
 
 def test_the_v2_groups_take_the_spec_multipliers_and_the_scalars_never_decay():

@@ -11,7 +11,8 @@ and W = 2, where one addition has one rounding). "fp32" (fp32 embeddings, a floa
 the orthogonalization, a larger Adam eps) is compared against the plain single-process sum at fp32
 tolerance, W = 2 and 4. "v2" is "fp32" with recipe v2's optimizer items on (Polar Express, NorMuon, per-matrix
 lr multipliers that differ inside a bucket, cautious weight decay, Adam every other step, smoothed scalars),
-bit for bit at W = 1; "v2-exact" is "v2" with the float64 polar factor, at fp32 tolerance at W = 2 and 4.
+bit for bit at W = 1 (bf16 embeddings with fp32 Adam state); "v2-exact" is "v2" with fp32 embeddings and the
+float64 polar factor, at fp32 tolerance at W = 2 and 4.
 """
 
 import os
@@ -51,7 +52,7 @@ _one_thread = pytest.fixture(autouse=True)(_single_thread)
 
 
 V2_OPTIMIZER = dict(orthogonalizer="polar_express", normuon_beta2=0.9, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
-                    muon_wd=1.2, adam_wd=0.005, adam_every=2, scalar_beta1=0.9, scalar_beta2=0.99)
+                    muon_wd=1.2, adam_wd=0.005, adam_every=2, adam_state_fp32=True, scalar_beta1=0.9, scalar_beta2=0.99)
 
 
 def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
@@ -78,7 +79,7 @@ def make_model(cfg: T.Config, variant: str) -> T.GPT:
     with torch.no_grad():  # break the zero inits so every parameter gets a gradient from step 1
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    if variant != "recipe":
+    if variant in ("fp32", "v2-exact"):
         model.embed.float()
         model.value_embeds.float()
     return model
@@ -130,7 +131,8 @@ def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dic
                         T.muon_update_(p, total[name], s, lr, MOMENTUM[step], orthogonalize, lr_mul,
                                        cfg.normuon_beta2, g.wd)
                     elif adam_step:
-                        s = state.setdefault(name, {"m": torch.zeros_like(p), "v": torch.zeros_like(p)})
+                        dtype = torch.float32 if cfg.adam_state_fp32 else p.dtype
+                        s = state.setdefault(name, {k: torch.zeros(p.shape, dtype=dtype) for k in ("m", "v")})
                         T.adam_update_(p, total[name], s["m"], s["v"], (step + 1) // cfg.adam_every, lr, *g.betas,
                                        cfg.adam_eps, g.wd)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, state
