@@ -75,8 +75,9 @@ class Config:
     attn_pattern: str = "LSSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
     attn_scale: float = 0.12  # attention logit scale (in place of 1/sqrt(head_dim))
     gate_channels: int = 12  # leading channels of the attention input that drive the head gates
-    logit_cap: float = 30.0  # logits are logit_cap * sigmoid(z / logit_temp)
+    logit_cap: float = 30.0  # logits are logit_cap * sigmoid((z + logit_shift) / logit_temp) (#54: 23)
     logit_temp: float = 7.5  # see logit_cap
+    logit_shift: float = 0.0  # see logit_cap (#54, the asymmetric rescale: 5)
     block_size: int = 128  # attention block granularity (FlexAttention tile; a multiple of 128 on CUDA)
     # optimizer
     muon_lr: float = 0.05  # Muon (block matrices)
@@ -190,6 +191,8 @@ PRESETS: dict[str, dict[str, object]] = {
         yarn=True,
         attn_scale=0.1,
         final_val_windows="6/20",
+        logit_cap=23.0,
+        logit_shift=5.0,
         extension_steps=40,
         muon_momentum_cooldown_steps=50,
     ),
@@ -1209,7 +1212,7 @@ class GPT(nn.Module):
                                                FP8_W_SCALE, FP8_GRAD_SCALE * train_loss_scale(cfg))
         else:
             logits = F.linear(x, self.lm_head.weight.type_as(x))
-        return cfg.logit_cap * torch.sigmoid(logits.float() / cfg.logit_temp)
+        return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor) -> Tensor:
         """Summed cross-entropy in training, mean in eval."""

@@ -282,6 +282,29 @@ def test_yarn_follows_the_training_windows_and_the_last_validation_looks_further
     assert T.schedule(5, T.Config()).yarn_windows == ()  # record #28: off
 
 
+def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
+    # Spec §2.22 (#54): z' = 23 sigmoid((z + 5) / 7.5) in place of #28's 30 sigmoid(z / 7.5), train and eval.
+    small = ["--model_dim=64", "--head_dim=32", "--train_seq_len=256"]
+    v2 = T.parse_config(["--preset=tiny,v2", *small])
+    r28 = T.parse_config(["--preset=tiny,v2", *small, "--logit_cap=30", "--logit_shift=0"])  # #28's rescale
+    assert (v2.logit_cap, v2.logit_shift, v2.logit_temp) == (23.0, 5.0, 7.5) and T.Config().logit_shift == 0.0
+    torch.manual_seed(0)
+    a, b = T.GPT(v2, use_flex=False, fp8_head=False), T.GPT(r28, use_flex=False, fp8_head=False)
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    b.load_state_dict(a.state_dict())
+    tokens, windows = torch.randint(0, 50000, (256,)), torch.tensor([2, 1])
+    for training in (True, False):
+        a.train(training)
+        b.train(training)
+        with torch.no_grad():
+            z = 7.5 * torch.logit(b.logits(tokens, windows).double() / 30)  # #28's cap inverted: the raw logits
+            got = a.logits(tokens, windows).double()
+        assert z.abs().max() > 5  # the asymmetry shows
+        torch.testing.assert_close(got, 23 * torch.sigmoid((z + 5) / 7.5), atol=2e-4, rtol=0)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--window_stages=3/7,x"], "--window_stages expects SHORT/LONG blocks"),
     (["--extension_steps=10", "--num_steps=10"], "--extension_steps=10 must be below --num_steps=10"),
