@@ -1252,10 +1252,14 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     x = min(step / scheduled, 1.0)
     stage = int(num_stages(cfg) * step / scheduled)  # of the equal stages; the extension's is num_stages
 
-    def staged(values: list) -> Any:  # the stage's value; the extension keeps the last (or has its own)
-        return values[min(stage, len(values) - 1)]
+    def staged(name: str, default: Any = None) -> Any:  # a staged field's value now, or default when unset
+        spec = getattr(cfg, name)
+        if not spec:
+            return default
+        values = window_stages(spec) if name == "window_stages" else stage_values(name, spec, STAGED[name])
+        return values[min(stage, len(values) - 1)]  # the extension keeps the last value (or has its own pair)
 
-    peak = staged(stage_values("lr_stages", cfg.lr_stages, float)) if cfg.lr_stages else 1.0
+    peak = staged("lr_stages", 1.0)
     cool = min((1 - x) / cfg.cooldown_frac, 1.0) if cfg.cooldown_frac else 1.0
     lr_mult = peak if x < 1 - cfg.cooldown_frac else peak * cool + (1 - cool) * cfg.final_lr_frac
     warm = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
@@ -1265,13 +1269,11 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     if cfg.final_val_windows and step == cfg.num_steps:  # no training step: the last validation's
         short, long = window_stages(cfg.final_val_windows)[0]
     elif cfg.window_stages:  # with an extension, the last pair is its own
-        short, long = staged(window_stages(cfg.window_stages))
+        short, long = staged("window_stages")
     else:  # the smallest block multiple >= final_window * step / num_steps, at least one block
         long = max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
         short = short_window(long)
-    seq_len = (staged(stage_values("seq_len_stages", cfg.seq_len_stages, int)) if cfg.seq_len_stages
-               else cfg.train_seq_len)
-    max_doc_len = staged(stage_values("doc_len_stages", cfg.doc_len_stages, int)) if cfg.doc_len_stages else 0
+    seq_len, max_doc_len = staged("seq_len_stages", cfg.train_seq_len), staged("doc_len_stages", 0)
     yarn_windows = ()
     if cfg.yarn:  # YaRN follows the training windows (not the last validation's), one change per stage
         yarn_windows = tuple(dict.fromkeys(long for _, long in window_stages(cfg.window_stages)[: stage + 1]))
@@ -1279,10 +1281,14 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
                         yarn_windows)
 
 
-def window_table(cfg: Config, device: torch.device) -> Tensor:
-    """(num_steps + 1, 2) int32 on the device: row s is step s's (long, short) window for the model."""
-    steps = [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
-    return torch.tensor([(s.long_window, s.short_window) for s in steps], dtype=torch.int32, device=device)
+def schedule_table(cfg: Config) -> list[StepSchedule]:
+    """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
+    return [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
+
+
+def window_table(schedules: list[StepSchedule], device: torch.device) -> Tensor:
+    """(steps, 2) int32 on the device: row s is step s's (long, short) window for the model."""
+    return torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
 
 
 # -----------------------------------------------------------------------------
@@ -2071,7 +2077,7 @@ def git_commit(directory: Path) -> str | None:
 def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
                 gpu_names: list[str]) -> dict[str, object]:
     """The end-of-run summary, logs/<run_id>.json (records/compare.py reads these keys)."""
-    tokens = sum(cfg.global_batch_seqs * schedule(step, cfg).seq_len for step in range(cfg.num_steps))
+    tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedule_table(cfg)[:-1])
     return {
         "run_id": cfg.run_id,
         "final_val_loss": val_points[-1][1] if val_points else None,
@@ -2702,20 +2708,17 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     return raw, model, optimizer
 
 
-def step_shape(cfg: Config) -> Callable[[int], tuple[int, int]]:
+def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]]:
     """Training step -> (seq_len, max_doc_len): the data stream's view of the schedule."""
-    def shape(step: int) -> tuple[int, int]:
-        s = schedule(step, cfg)
-        return s.seq_len, s.max_doc_len
-    return shape
+    return lambda step: (schedules[step].seq_len, schedules[step].max_doc_len)
 
 
-def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, skip_steps: int = 0,
-                 shape: Callable[[int], tuple[int, int]] | None = None) -> PrefetchLoader:
-    """This rank's batches for `steps` steps, after the sequences of the first skip_steps (a resumed run's);
-    shape: the steps' shapes, the schedule's by default."""
+def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
+                 skip_steps: int = 0) -> PrefetchLoader:
+    """This rank's batches for `steps` steps of the given shapes (step_shape), after the sequences of the first
+    skip_steps (a resumed run's)."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, cfg.train_epochs,
-                              preload=cfg.prefetch_depth > 0, step_shape=shape or step_shape(cfg))
+                              preload=cfg.prefetch_depth > 0, step_shape=shape)
     stream.skip(skip_steps)
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
@@ -2866,7 +2869,7 @@ def load_data(cfg: Config) -> tuple[list[Path], ValTokens]:
     """The training shards, checked to hold what the run trains on, and the validation tokens: read before
     anything is written, so a run without its data leaves nothing behind."""
     train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
-    check_train_data(cfg, train_files, run_length(cfg), step_shape(cfg))
+    check_train_data(cfg, train_files, run_length(cfg), step_shape(schedule_table(cfg)))
     return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
 
 
@@ -2876,15 +2879,14 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     raw_model, model, optimizer = build_model(cfg, rt, log)
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
     start_step = resumed.step if resumed else 0
-    schedules = [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
-    windows = window_table(cfg, rt.device)
+    schedules = schedule_table(cfg)
+    windows = window_table(schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
     # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
-    plan, shape = warmup_plan(cfg, schedules), step_shape(cfg)
-    warmup(cfg, rt, log, raw_model, optimizer,
-           train_loader(cfg, rt, train_files, len(plan), shape=lambda k: shape(plan[k])), plan,
-           lambda batch, step: train_step(model, optimizer, batch, windows[step], loss_scale))
+    plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
+    warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k])),
+           plan, lambda batch, step: train_step(model, optimizer, batch, windows[step], loss_scale))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
@@ -2893,7 +2895,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         for line in stage_plan(cfg, schedules):
             log(line)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
-    loader = train_loader(cfg, rt, train_files, last_step - start_step, skip_steps=start_step)
+    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, skip_steps=start_step)
     val_points: list[tuple[int, float, float]] = []
     if resumed:
         set_rng_state(resumed.rng, rt.device)

@@ -145,7 +145,7 @@ def test_window_schedule_matches_recipe():
     got = {s: T.schedule(s, cfg).long_window for s in [0, 125, 250, 500, 750, 1000, 1250, 1500, 1695]}
     assert got == {0: 1, 125: 1, 250: 2, 500: 4, 750: 6, 1000: 8, 1250: 10, 1500: 12, 1695: 14}
     assert [T.schedule(s, cfg).short_window for s in [0, 250, 1000, 1695]] == [0, 1, 4, 7]  # half, rounded down
-    table = T.window_table(cfg, torch.device("cpu"))
+    table = T.window_table(T.schedule_table(cfg), torch.device("cpu"))
     assert table.shape == (1696, 2) and table[1695].tolist() == [14, 7] and table[0].tolist() == [1, 0]
 
 
