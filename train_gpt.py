@@ -66,19 +66,36 @@ class Config:
     val_tokens: int = 10_485_760  # validation tokens: the first ones of the val shards
     # model
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
-    num_layers: int = 12  # transformer blocks (even: U-net skips pair layer i with num_layers-1-i)
+    num_layers: int = 12  # transformer blocks
     model_dim: int = 768  # residual width; num_heads x head_dim
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # width of a head
     mlp_ratio: int = 4  # MLP hidden width / model_dim
-    num_value_embeds: int = 3  # value-embedding tables, used by the first and again by the last layers
     attn_pattern: str = "LSSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
+    value_embeds: str = ""  # per layer: the value-embedding table (0-9) its values add, - none; "": #28's 012---012
     attn_scale: float = 0.12  # attention logit scale (in place of 1/sqrt(head_dim))
     gate_channels: int = 12  # leading channels of the attention input that drive the head gates
     logit_cap: float = 30.0  # logits are logit_cap * sigmoid((z + logit_shift) / logit_temp) (#54: 23)
     logit_temp: float = 7.5  # see logit_cap
     logit_shift: float = 0.0  # see logit_cap (#54, the asymmetric rescale: 5)
     block_size: int = 128  # attention block granularity (FlexAttention tile; a multiple of 128 on CUDA)
+    # model, recipe v2 (each off by default: record #28)
+    skip: str = "unet"  # unet: layer i's output into layer L-1-i (#28; even layers) | A:B one gated skip (#45/#55: 3:6)
+    mix_init: float = 1.0  # initial a of each layer's x <- a x + b x0 (#45: 1.1)
+    ve_gates: bool = False  # value embeddings added under per-head gates 2 sigmoid(W [x, ve]: leading dims) (#55/#70)
+    fold_lambdas: bool = False  # lambda_qkv scales W_qkv, lambda_o W_o (init 0.5, 1); no lambda on the VE (#47/#48)
+    uniform_attn_out: bool = False  # W_o initialized like W_q, W_k, W_v instead of zero (#64, as HEAD)
+    value_embed_std: float = 1.0  # initial std of the value-embedding tables (#70: 0.01)
+    smear: bool = False  # each token's embedding adds a gated share of the previous token's (#34)
+    backout_layer: int = -1  # before the head, subtract lambda (init 0.5) x this layer's output (#40: 7); -1 off
+    key_offset: bool = False  # long-window layers' keys take their un-rotated dims from the previous position (#49)
+    tie_embed: bool = False  # the embedding is a lookup into the head's weight, init N(0, 0.005), lr head_lr (#51)
+    untie_frac: float = 0.0  # tie_embed ends after the first Adam step at this fraction of the schedule (#53: 2/3)
+    paired_layers: str = ""  # "I,J,..": short-window layers whose heads attend in interleaved pairs (#58: 0,2,5,9)
+    bigram_rows: int = 0  # rows of the bigram hash embedding added at every block (#62: 251520, #83: 754560); 0 off
+    bigram_dim: int = 0  # its width, added to the leading residual dims (#83: 192); 0: model_dim
+    bigram_signs: int = 0  # rows of its fixed random +-1 table, the sign trick (#83: 8192); 0: none
+    bigram_lambda_init: float = 0.1  # initial weight of the bigram vector at each block (#62: 0.1, #83: 0.05)
     # optimizer
     muon_lr: float = 0.05  # Muon (block matrices)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
@@ -103,6 +120,8 @@ class Config:
     adam_state_fp32: bool = False  # Adam's m and v in fp32 for the bf16 embeddings, the update rounded once (#56)
     scalar_beta1: float = 0.8  # Adam's beta1 for the scalar vector (#52, smoothed scalars: 0.9)
     scalar_beta2: float = 0.95  # ... and its beta2 (#52: 0.99)
+    skip_gate_lr: float = 4e-4  # Adam: the gated skip's input gate (#55: 0.008 x 0.05), with the scalars' betas
+    smear_gate_lr: float = 8e-5  # Adam: the smear's gate (#52: 0.008 x 0.01), with the scalars' betas
     # schedule
     num_steps: int = 1695  # optimizer steps
     cooldown_frac: float = 0.45  # the last fraction of the scheduled steps (before any extension): lr falls linearly
@@ -113,6 +132,7 @@ class Config:
     seq_len_stages: str = ""  # "T,...": tokens per sequence per equal stage (#46); the extension keeps the last
     lr_stages: str = ""  # "M,...": lr multiplier per equal stage (#46: 1,1.52,1.73); the cooldown falls from it
     doc_len_stages: str = ""  # "D,...": documents cut to D tokens per equal stage (#29, #72: 896,2048,2048); 0 = whole
+    mtp_stages: str = ""  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0 (#53)
     yarn: bool = False  # at each staged long-window change, YaRN-rescale RoPE and grow the attention scale (#31)
     final_val_windows: str = ""  # "S/L": the last validation's windows in blocks (#35, #62: 6/20); default: as trained
     extension_steps: int = 0  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46: 40)
@@ -121,6 +141,9 @@ class Config:
     device: str = "auto"  # auto | cuda | cpu
     compile: bool | None = None  # torch.compile the model and Newton-Schulz; auto: on for CUDA, off for CPU
     fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
+    fp8_x_scale: float = 0.0  # the FP8 head's input scale (value = fp8 x scale); 0: sqrt(model_dim)/448 (#51: 100/448)
+    fp8_w_scale: float = 2**-9  # ... of its weight (#55: 1.6/448)
+    fp8_grad_scale: float = 1 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51: 0.75/448)
     prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, main thread
     bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
     comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
@@ -156,8 +179,8 @@ PRESETS: dict[str, dict[str, object]] = {
         model_dim=128,
         num_heads=2,
         head_dim=64,
-        num_value_embeds=1,
         attn_pattern="LS-L",
+        value_embeds="0--0",
         gate_channels=8,
         block_size=128,  # FlexAttention's smallest tile on H100: the same preset runs on CPU and GPU
         final_window_tokens=384,
@@ -166,9 +189,9 @@ PRESETS: dict[str, dict[str, object]] = {
         val_every=20,
         warmup_steps=2,
     ),
-    # Recipe v2 so far: the optimizer, data and schedule of records #29-#72 (spec recipe_v2 §4.4) at #28's model
-    # and step count until a GPU run re-tunes them. On tiny (--preset=tiny,v2) give the token- and step-counted
-    # fields tiny values too: README "Recipes".
+    # Recipe v2 so far: the optimizer, data, schedule and model of records #29-#72 (spec recipe_v2 §4.4) at #28's
+    # step count until a GPU run re-tunes it. On tiny (--preset=tiny,v2) give the token- and step-counted fields
+    # and the shape tiny values too: README "Recipes".
     "v2": dict(
         orthogonalizer="polar_express",
         muon_lr=0.023,
@@ -193,8 +216,31 @@ PRESETS: dict[str, dict[str, object]] = {
         final_val_windows="6/20",
         logit_cap=23.0,
         logit_shift=5.0,
+        fp8_x_scale=100 / 448,
+        fp8_w_scale=1.6 / 448,
+        fp8_grad_scale=0.75 / 448,
+        num_layers=11,  # #28's layer 0 dropped (#30, #35): the spec's 11-layer indexing from here on
+        attn_pattern="SSSLSS-SSSL",
+        value_embeds="-01-----234",  # five untied tables on layers 1, 2 and 8, 9, 10 (#63, #70)
+        skip="3:6",
+        mix_init=1.1,
+        ve_gates=True,
+        fold_lambdas=True,
+        uniform_attn_out=True,
+        value_embed_std=0.01,
+        smear=True,
+        backout_layer=7,
+        key_offset=True,
+        paired_layers="0,2,5,9",
+        tie_embed=True,
+        untie_frac=2 / 3,
+        bigram_rows=15 * 50304,
+        bigram_dim=192,
+        bigram_signs=8192,
+        bigram_lambda_init=0.05,
         extension_steps=40,
         muon_momentum_cooldown_steps=50,
+        mtp_stages="1/0.5/0.25,1/0.5,1",
     ),
 }
 
@@ -305,9 +351,6 @@ def window_stages(spec: str) -> list[tuple[int, int]]:
     return stages  # type: ignore[return-value]
 
 
-STAGED = {"seq_len_stages": int, "lr_stages": float, "doc_len_stages": int}  # the comma lists besides windows
-
-
 def stage_values(name: str, spec: str, kind: type) -> list:
     """--seq_len_stages / --lr_stages / --doc_len_stages: one value per equal stage; UsageError when malformed."""
     try:
@@ -317,6 +360,27 @@ def stage_values(name: str, spec: str, kind: type) -> list:
     if not values or any(not (math.isfinite(v) and v >= 0) for v in values):
         raise UsageError(f"--{name} expects one non-negative {kind.__name__} per stage, comma-separated, got {spec!r}")
     return values
+
+
+def mtp_stages(spec: str) -> list[tuple[float, ...]]:
+    """--mtp_stages=W/W/...,...: per stage the loss weights of the next 1, 2, ... tokens; UsageError when malformed."""
+    try:
+        stages = [tuple(float(w) for w in weights.split("/")) for weights in spec.split(",")]
+    except ValueError:
+        stages = []
+    if not stages or any(not all(math.isfinite(w) and w >= 0 for w in st) for st in stages):
+        raise UsageError(f"--mtp_stages expects non-negative weights W/W/... per stage, comma-separated (e.g. "
+                         f"1/0.5/0.25,1/0.5,1), got {spec!r}")
+    return stages
+
+
+# The staged fields besides --window_stages (whose count may include the extension's pair): one entry per stage.
+STAGED: dict[str, Callable[[str], list]] = {
+    "seq_len_stages": lambda spec: stage_values("seq_len_stages", spec, int),
+    "lr_stages": lambda spec: stage_values("lr_stages", spec, float),
+    "doc_len_stages": lambda spec: stage_values("doc_len_stages", spec, int),
+    "mtp_stages": mtp_stages,
+}
 
 
 def num_stages(cfg: Config) -> int:
@@ -331,6 +395,41 @@ def num_stages(cfg: Config) -> int:
                          f"extension's windows when --extension_steps > 0)")
     return max([1, *counts.values()])
 
+
+
+def value_embed_layout(cfg: Config) -> str:
+    """--value_embeds, or by default #28's placement: tables 0, 1, 2 on the first three layers and again on the
+    last three (fewer when there are fewer than six layers)."""
+    if cfg.value_embeds:
+        return cfg.value_embeds
+    n = min(3, cfg.num_layers // 2)
+    return "".join(map(str, range(n))) + "-" * (cfg.num_layers - 2 * n) + "".join(map(str, range(n)))
+
+
+def paired_layers(cfg: Config) -> set[int]:
+    """--paired_layers=I,J,... as a set of layers; UsageError unless each is a short-window layer (and heads pair)."""
+    try:
+        layers = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
+    except ValueError:
+        layers = {-1}
+    if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] != "S" for i in layers) or layers and cfg.num_heads % 2:
+        raise UsageError(f"--paired_layers={cfg.paired_layers!r} must list short-window (S) layers of --attn_pattern="
+                         f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
+    return layers
+
+
+def skip_layers(cfg: Config) -> tuple[int, int] | None:
+    """--skip=A:B as (A, B): block A's output joins block B's input; None for the U-net. UsageError when malformed."""
+    if cfg.skip == "unet":
+        return None
+    try:
+        a, b = (int(x) for x in cfg.skip.split(":"))
+    except ValueError:
+        a = b = -1
+    if not 0 <= a < b < cfg.num_layers:
+        raise UsageError(f"--skip expects unet or A:B with 0 <= A < B < num_layers={cfg.num_layers} (block A's "
+                         f"output into block B's input, e.g. 3:6), got {cfg.skip!r}")
+    return a, b
 
 
 ORTHOGONALIZERS = ("newton_schulz", "polar_express")
@@ -356,14 +455,16 @@ FIELD_RULES: dict[str, str] = {
                      "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_scale", "logit_cap",
                      "logit_temp", "block_size", "final_window_tokens", "num_steps", "muon_lr", "embed_lr", "head_lr",
                      "scalar_lr", "adam_eps", "bucket_mb", "log_every", "bench_steps", "mlp_up_lr_mul",
-                     "mlp_down_lr_mul", "adam_every"], "> 0"),
-    **dict.fromkeys(["prefetch_depth", "num_value_embeds", "gate_channels", "muon_momentum_warmup_steps", "val_every",
-                     "warmup_steps", "peak_tflops", "save_every", "muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul",
-                     "value_embed_wd_mul", "extension_steps", "muon_momentum_cooldown_steps"], ">= 0"),
-    **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
+                     "mlp_down_lr_mul", "adam_every", "value_embed_std", "skip_gate_lr", "smear_gate_lr", "fp8_w_scale",
+                     "fp8_grad_scale"], "> 0"),
+    **dict.fromkeys(["prefetch_depth", "mix_init", "fp8_x_scale", "gate_channels", "muon_momentum_warmup_steps",
+                     "val_every", "warmup_steps", "peak_tflops", "save_every", "muon_wd", "adam_wd", "embed_wd_mul",
+                     "head_wd_mul", "value_embed_wd_mul", "extension_steps", "muon_momentum_cooldown_steps",
+                     "bigram_rows", "bigram_dim", "bigram_signs", "bigram_lambda_init"], ">= 0"),
+    **dict.fromkeys(["cooldown_frac", "final_lr_frac", "untie_frac"], "in [0, 1]"),
     **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "normuon_beta2",
                      "scalar_beta1", "scalar_beta2"], "in [0, 1)"),
-    "seed": ">= -1",
+    **dict.fromkeys(["seed", "backout_layer"], ">= -1"),
 }
 
 
@@ -379,10 +480,24 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
         raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
                          f"({cfg.num_layers} layers)")
-    if cfg.num_layers % 2:
-        raise UsageError(f"--num_layers={cfg.num_layers} must be even (U-net skips pair layer i with num_layers-1-i)")
-    if 2 * cfg.num_value_embeds > cfg.num_layers:
-        raise UsageError(f"--num_value_embeds={cfg.num_value_embeds} needs at least {2 * cfg.num_value_embeds} layers")
+    layout = value_embed_layout(cfg)
+    tables = sorted(set(layout) - {"-"})
+    if len(layout) != cfg.num_layers or not all(c.isdigit() for c in tables) or tables != [
+            str(i) for i in range(len(tables))]:
+        raise UsageError(f"--value_embeds={cfg.value_embeds!r} needs one character per layer ({cfg.num_layers}): the "
+                         f"table it adds (tables 0, 1, ... each used) or - for none, e.g. 012------012")
+    if skip_layers(cfg) is None and cfg.num_layers % 2:
+        raise UsageError(f"--num_layers={cfg.num_layers} must be even for --skip=unet (layer i feeds layer "
+                         f"num_layers-1-i); or use one skip, --skip=A:B")
+    if cfg.backout_layer >= cfg.num_layers:
+        raise UsageError(f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}")
+    paired_layers(cfg)
+    if cfg.bigram_dim > cfg.model_dim or cfg.bigram_rows == 1:
+        raise UsageError(f"--bigram_rows={cfg.bigram_rows} --bigram_dim={cfg.bigram_dim}: the table needs at least 2 "
+                         f"rows (one is reserved for position 0) and at most --model_dim={cfg.model_dim} columns")
+    if cfg.ve_gates and cfg.gate_channels % 2:
+        raise UsageError(f"--ve_gates reads half of --gate_channels={cfg.gate_channels} from x, half from the VE: "
+                         f"make it even")
     if cfg.head_dim % 4:
         raise UsageError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)")
     if cfg.gate_channels > cfg.model_dim:
@@ -399,9 +514,9 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
     if cfg.orthogonalizer not in ORTHOGONALIZERS:
         raise UsageError(f"--orthogonalizer must be {' or '.join(ORTHOGONALIZERS)}, got {cfg.orthogonalizer!r}")
-    for name, kind in STAGED.items():
+    for name, parse in STAGED.items():
         if getattr(cfg, name):
-            stage_values(name, getattr(cfg, name), kind)
+            parse(getattr(cfg, name))
     if cfg.yarn and not cfg.window_stages:
         raise UsageError("--yarn rescales at each staged window change: it needs --window_stages")
     if cfg.final_val_windows and len(window_stages(cfg.final_val_windows)) != 1:
@@ -905,8 +1020,11 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor) -> Tensor:
-    """Token rule: causal and within one document."""
+def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor, paired: bool = False) -> Tensor:
+    """Token rule: causal and within one document. paired: positions of the interleaved 2T sequence of
+    paired-head attention (#58), position i being token i // 2's."""
+    if paired:
+        return (q_idx >= kv_idx) & (docs[q_idx // 2] == docs[kv_idx // 2])
     return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
 
 
@@ -939,29 +1057,32 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
     return partial_n, partial_idx, full_n, full_idx
 
 
-def block_mask(input_seq: Tensor, block_size: int, window: Tensor) -> BlockMask:
+def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
     docs = (input_seq == BOS_ID).cumsum(0)
-    partial_n, partial_idx, full_n, full_idx = block_window_selection(docs, block_size, window)
+    # paired: blocks of the 2T positions; the mask_mod reads the tokens' ids (a buffer of its own inputs)
+    positions = docs.repeat_interleave(2) if paired else docs
+    partial_n, partial_idx, full_n, full_idx = block_window_selection(positions, block_size, window)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return may_attend(q_idx, kv_idx, docs)
+        return may_attend(q_idx, kv_idx, docs, paired)
 
     return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
                                     full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
 
-def dense_mask(input_seq: Tensor, block_size: int, window: Tensor) -> Tensor:
-    """The same mask as block_mask, as a (T, T) boolean for scaled_dot_product_attention."""
+def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
+    """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
     docs = (input_seq == BOS_ID).cumsum(0)
-    partial_n, partial_idx, full_n, full_idx = block_window_selection(docs, block_size, window)
+    positions = docs.repeat_interleave(2) if paired else docs
+    partial_n, partial_idx, full_n, full_idx = block_window_selection(positions, block_size, window)
     nb = partial_n.numel()
     rank = torch.arange(nb, device=docs.device)[None, :]
     chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
     chosen.scatter_(1, partial_idx.long(), rank < partial_n[:, None])
     chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
-    pos = torch.arange(docs.numel(), device=docs.device)
+    pos = torch.arange(positions.numel(), device=docs.device)
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
-    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs)
+    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, paired)
 
 
 class Rotary(nn.Module):
@@ -974,6 +1095,7 @@ class Rotary(nn.Module):
         self.base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n_rot), torch.zeros(head_dim // 2 - n_rot)])
         self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("stationary", torch.cat([self.base == 0] * 2), persistent=False)  # the dims never turned
         self.set_frequencies(self.base)
 
     @torch.no_grad()
@@ -989,14 +1111,13 @@ class Rotary(nn.Module):
 
 
 # FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
-# bf16; backward casts the output gradient to float8_e5m2. The scales are the recipe's: x is RMS-normed, so
-# |x| <= sqrt(d) maps onto e4m3's largest value, 448; |W| <= 448 * 2^-9 = 0.875; gradients up to 57344 / 448.
+# bf16; backward casts the output gradient to float8_e5m2. The scales are Config fields, #28's by default: x is
+# RMS-normed, so |x| <= sqrt(d) maps onto e4m3's largest value, 448; |W| <= 448 * 2^-9 = 0.875; gradients up to
+# 57344 / 448 (v2 takes #51/#55's retune).
 # Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
 # backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
 # dtype torch.library.opcheck can compare).
 FP8_MAX_E4M3 = 448.0
-FP8_W_SCALE = 2.0**-9
-FP8_GRAD_SCALE = 1 / 448
 
 
 def _scale(value: float, like: Tensor) -> Tensor:
@@ -1064,11 +1185,17 @@ fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: Config, max_len: int, window: str, flex: Callable = flex_attention):
+    def __init__(self, cfg: Config, layer: int, max_len: int, flex: Callable = flex_attention):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
-        self.window = window  # "long" or "short": which of the step's two windows this layer attends within
+        # "long" or "short": which of the step's two windows this layer attends within
+        self.window = {"L": "long", "S": "short"}[cfg.attn_pattern[layer]]
         self.flex = flex  # flex_attention, or a compiled copy when the model itself is not compiled
+        self.fold_lambdas = cfg.fold_lambdas
+        # Paired heads (#58): heads 2j and 2j+1 attend as one over 2T interleaved positions (t: 2t and 2t+1).
+        self.paired = layer in paired_layers(cfg)
+        self.key_offset = cfg.key_offset and self.window == "long"
+        has_ve = value_embed_layout(cfg)[layer] != "-"
         hdim = cfg.num_heads * cfg.head_dim
         # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
         # transposed (applied as y @ W_o) so the four share one shape; Muon treats W and W^T alike.
@@ -1076,26 +1203,50 @@ class CausalSelfAttention(nn.Module):
         bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
         with torch.no_grad():
             self.qkvo_w[:3].uniform_(-bound, bound)
-            self.qkvo_w[3].zero_()
+            if cfg.uniform_attn_out:
+                self.qkvo_w[3].uniform_(-bound, bound)
+            else:
+                self.qkvo_w[3].zero_()
         self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
-        self.rotary = Rotary(cfg.head_dim, max_len)
+        # Per head, 2 sigmoid(W [x, ve]) on the value embedding: 1 at init (#55, #70's input).
+        self.ve_gate_w = (nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if cfg.ve_gates and has_ve
+                          else None)
+        self.rotary = Rotary(cfg.head_dim, 2 * max_len if self.paired else max_len)
         # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
         self.register_buffer("q_gain", torch.ones(()), persistent=False)
 
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask: BlockMask | Tensor) -> Tensor:
         T = x.size(1)
-        qkv = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x))
-        q, k, v = qkv.view(1, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
-        q, k = self.rotary(norm(q)) * self.q_gain, self.rotary(norm(k))
-        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        w_qkv = self.qkvo_w[:3].flatten(0, 1)
+        qkv = F.linear(x, (lambdas[0] * w_qkv if self.fold_lambdas else w_qkv).type_as(x))
+        H, D = self.num_heads, self.head_dim
+        q, k, v = qkv.view(1, T, 3 * H, D).chunk(3, dim=-2)
+        q, k = norm(q), norm(k)
+        if not self.fold_lambdas:
+            v = lambdas[0] * v
+        if ve is not None:
+            if self.ve_gate_w is not None:
+                half = self.ve_gate_w.size(1) // 2
+                gate_in = torch.cat([x[..., :half], ve[None, :, :half].type_as(x)], dim=-1)
+                ve = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve.view_as(v)
+            v = v + (ve.view_as(v) if self.fold_lambdas else lambdas[1] * ve.view_as(v))
+        if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D); RoPE then turns head 2j by 2t, head 2j+1 by 2t+1
+            q, k, v = (t.view(1, T, H // 2, 2, D).transpose(2, 3).reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
+        q, k = self.rotary(q) * self.q_gain, self.rotary(k)
+        if self.key_offset:  # the un-rotated dims of each key from the previous position (#49; across documents)
+            k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
             y = self.flex(q, k, v, block_mask=mask, scale=self.scale)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        y = y.transpose(1, 2)
+        if self.paired:  # back to (1, T, H, D)
+            y = y.reshape(1, T, 2, H // 2, D).transpose(2, 3).reshape(1, T, H, D)
         gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w.type_as(x)))
-        y = y.transpose(1, 2) * gate.unsqueeze(-1)
-        return F.linear(y.flatten(-2), self.qkvo_w[3].T.type_as(y))
+        y = y * gate.unsqueeze(-1)
+        w_o = lambdas[1] * self.qkvo_w[3] if self.fold_lambdas else self.qkvo_w[3]
+        return F.linear(y.flatten(-2), w_o.T.type_as(y))
 
 
 class MLP(nn.Module):
@@ -1115,16 +1266,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, window: str | None, max_len: int, flex: Callable):
+    def __init__(self, cfg: Config, layer: int, max_len: int, flex: Callable):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, max_len, window, flex) if window else None
+        self.attn = CausalSelfAttention(cfg, layer, max_len, flex) if cfg.attn_pattern[layer] != "-" else None
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: Tensor, sa_lambdas: Tensor,
-                masks: dict[str, BlockMask | Tensor]) -> Tensor:
+                masks: dict[str, BlockMask | Tensor], bigram: Tensor | None = None) -> Tensor:
         x = mix[0] * x + mix[1] * x0
+        if bigram is not None:
+            x = x + bigram
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, sa_lambdas, masks[self.attn.window])
+            x = x + self.attn(norm(x), ve, sa_lambdas, masks["paired" if self.attn.paired else self.attn.window])
         return x + self.mlp(norm(x))
 
 
@@ -1134,6 +1287,7 @@ def train_loss_scale(cfg: Config) -> float:
     return 1.0 / cfg.global_batch_seqs
 
 
+BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
 YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
 
@@ -1150,16 +1304,45 @@ class GPT(nn.Module):
         max_len = max(cfg.train_seq_len, cfg.val_seq_len)
         flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
         self.embed = nn.Embedding(cfg.vocab_size, d).bfloat16()
-        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d).bfloat16()
-                                          for _ in range(cfg.num_value_embeds))
-        windows = {"L": "long", "S": "short", "-": None}
-        self.blocks = nn.ModuleList(Block(cfg, windows[c], max_len, flex) for c in cfg.attn_pattern)
+        layout = value_embed_layout(cfg)
+        self.ve_tables = [None if c == "-" else int(c) for c in layout]  # per layer
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d) for _ in set(layout) - {"-"})
+        with torch.no_grad():
+            for table in self.value_embeds:
+                table.weight.mul_(cfg.value_embed_std)  # N(0, std^2) from nn.Embedding's N(0, 1), no other draw
+        self.value_embeds.bfloat16()
+        # The bigram hash table (#62, zero-initialized) and its fixed +-1 sign rows (#83), the same on every rank.
+        table = torch.zeros(cfg.bigram_rows, cfg.bigram_dim or d, dtype=torch.bfloat16)
+        self.bigram = nn.Embedding.from_pretrained(table, freeze=False) if cfg.bigram_rows else None
+        signs = torch.randn(cfg.bigram_signs, cfg.bigram_dim or d, generator=torch.Generator().manual_seed(0))
+        self.register_buffer("bigram_sign", torch.where(signs >= 0, 1.0, -1.0) if cfg.bigram_signs else None,
+                             persistent=False)
+        self.blocks = nn.ModuleList(Block(cfg, layer, max_len, flex) for layer in range(L))
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        nn.init.zeros_(self.lm_head.weight)
+        if cfg.tie_embed:  # #51: the head is also the embedding, so it starts away from zero
+            nn.init.normal_(self.lm_head.weight, std=0.005)
+        else:
+            nn.init.zeros_(self.lm_head.weight)
+        # 1 while the embedding is a lookup into the head (tie_embed, until the schedule unties it): a buffer the
+        # loop writes in place (tie_embedding), so untying never recompiles.
+        self.register_buffer("embed_tied", torch.ones(()) if cfg.tie_embed else None, persistent=False)
+        self.skip_layers = skip_layers(cfg)
+        # Input gates of the one skip (2 sigmoid(w x0[:gate_channels]), #55) and of the smear (#34): zero, open.
+        self.skip_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if self.skip_layers else None
+        self.smear_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if cfg.smear else None
         self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
-        # One vector: U-net skip weights, per-block (a, b) mixing with x0, per-layer value lambdas.
-        self.scalars = nn.Parameter(torch.cat([torch.ones(L // 2), torch.tensor([1.0, 0.0]).repeat(L),
-                                               torch.tensor([0.5, 0.5]).repeat(L)]))
+        self.embed_tied_now = cfg.tie_embed  # what tie_embedding last wrote into embed_tied
+        # One vector of every learned scalar, by name: the skip weights (U-net: L/2 raw; one skip: s of
+        # sigmoid(s), init -1.5, #32), per-block (a, b) mixing with x0, per-layer lambdas ((lambda_v, lambda_ve),
+        # or folded (lambda_qkv, lambda_o)), the smear's lambda, backout's, and the bigram vector's per block.
+        lambdas = (0.5, 1.0) if cfg.fold_lambdas else (0.5, 0.5)
+        parts = {"skip": torch.ones(L // 2) if self.skip_layers is None else torch.tensor([-1.5]),
+                 "mix": torch.tensor([cfg.mix_init, 0.0]).repeat(L), "lambdas": torch.tensor(lambdas).repeat(L),
+                 "smear": torch.zeros(int(cfg.smear)), "backout": torch.full((int(cfg.backout_layer >= 0),), 0.5),
+                 "bigram": torch.full((L if cfg.bigram_rows else 0,), cfg.bigram_lambda_init)}
+        ends = np.cumsum([len(t) for t in parts.values()]).tolist()
+        self.scalar_slices = {k: slice(e - len(t), e) for (k, t), e in zip(parts.items(), ends)}
+        self.scalars = nn.Parameter(torch.cat(list(parts.values())))
 
     @torch.no_grad()
     def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
@@ -1183,48 +1366,92 @@ class GPT(nn.Module):
                 block.attn.q_gain.fill_(scale)
         self.yarn_windows = long_windows
 
-    def value_embeds_per_layer(self, input_seq: Tensor) -> list[Tensor | None]:
-        ve = [table(input_seq) for table in self.value_embeds]
-        return ve + [None] * (self.cfg.num_layers - 2 * len(ve)) + ve
+    @torch.no_grad()
+    def tie_embedding(self, tied: bool) -> None:
+        """Whether the embedding reads the head's weight (tie_embed) from now on; written only on a change."""
+        if self.embed_tied is not None and bool(self.embed_tied_now) != tied:
+            self.embed_tied.fill_(float(tied))
+            self.embed_tied_now = tied
+
+    def bigram_vectors(self, input_seq: Tensor) -> Tensor:
+        """(1, T, model_dim): per position the bigram table's row for (previous token, token), zero-padded (#62):
+        row ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), the last row at position 0; across documents, as
+        upstream. With the sign trick (#83) the row is multiplied by sign row (x_(t-1) xor x_t) mod signs (0 first)."""
+        x, rows = input_seq.long(), self.cfg.bigram_rows
+        prev, cur = x[:-1], x[1:]
+        vectors = self.bigram(torch.cat([x.new_full((1,), rows - 1), ((BIGRAM_MUL[0] * cur) ^ (BIGRAM_MUL[1] * prev))
+                                         % (rows - 1)]))
+        if self.bigram_sign is not None:
+            signs = torch.cat([x.new_zeros(1), (prev ^ cur) % self.bigram_sign.size(0)])
+            vectors = vectors * self.bigram_sign[signs].type_as(vectors)
+        return F.pad(vectors, (0, self.cfg.model_dim - vectors.size(-1)))[None]
 
     def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
         """Soft-capped fp32 logits, (T, vocab), for one packed (T,) sequence; windows is (long, short) in blocks,
         an int tensor (a new value never recompiles). The FP8 head serves training only."""
         cfg, L = self.cfg, self.cfg.num_layers
-        skip_w, mix, sa = self.scalars[: L // 2], self.scalars[L // 2: 5 * L // 2], self.scalars[5 * L // 2:]
-        ves = self.value_embeds_per_layer(input_seq)
+        sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
+        ves = [table(input_seq) for table in self.value_embeds]
         build = block_mask if self.use_flex else dense_mask
         masks = {"long": build(input_seq, cfg.block_size, windows[0]),
                  "short": build(input_seq, cfg.block_size, windows[1])}
-        x = x0 = norm(self.embed(input_seq)[None])
-        skips = []
+        if cfg.paired_layers:  # the short window, in blocks of the interleaved sequence
+            masks["paired"] = build(input_seq, cfg.block_size, windows[1], paired=True)
+        e = self.embed(input_seq)
+        if self.embed_tied is not None:  # both lookups, weighted by the flag: the same graph tied and untied
+            e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight).type_as(e) + (1 - self.embed_tied) * e
+        if self.smear_gate is not None:  # e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents
+            gate = sc["smear"] * torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate.type_as(e)))
+            e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
+        x = x0 = norm(e[None])
+        bigram = self.bigram_vectors(input_seq) if self.bigram is not None else None
+        skips, backout = [], None
         for i, block in enumerate(self.blocks):
-            if i >= L // 2:
-                x = x + skip_w[i - L // 2] * skips.pop()
-            x = block(x, x0, ves[i], mix[2 * i: 2 * i + 2], sa[2 * i: 2 * i + 2], masks)
-            if i < L // 2:
+            if self.skip_layers is None and i >= L // 2:  # U-net
+                x = x + sc["skip"][i - L // 2] * skips.pop()
+            elif self.skip_layers is not None and i == self.skip_layers[1]:
+                gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate.type_as(x0)))
+                x = x + torch.sigmoid(sc["skip"]) * gate * skips.pop()
+            t = self.ve_tables[i]
+            x = block(x, x0, None if t is None else ves[t], sc["mix"][2 * i: 2 * i + 2],
+                      sc["lambdas"][2 * i: 2 * i + 2], masks, None if bigram is None else sc["bigram"][i] * bigram)
+            if (i < L // 2) if self.skip_layers is None else i == self.skip_layers[0]:
                 skips.append(x)
+            if i == cfg.backout_layer:
+                backout = x
+        if backout is not None:  # #40: the middle layers' output, useful downstream but not for the prediction
+            x = x - sc["backout"] * backout
         x = norm(x).flatten(0, 1)
         if self.training and self.fp8_head:
             # The gradient reaching the head carries train_loss_scale; folded into the gradient scale, the
             # e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed).
-            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, math.sqrt(cfg.model_dim) / FP8_MAX_E4M3,
-                                               FP8_W_SCALE, FP8_GRAD_SCALE * train_loss_scale(cfg))
+            x_s = cfg.fp8_x_scale or math.sqrt(cfg.model_dim) / FP8_MAX_E4M3
+            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, x_s, cfg.fp8_w_scale,
+                                               cfg.fp8_grad_scale * train_loss_scale(cfg))
         else:
             logits = F.linear(x, self.lm_head.weight.type_as(x))
         return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor) -> Tensor:
-        """Summed cross-entropy in training, mean in eval."""
-        return F.cross_entropy(self.logits(input_seq, windows), target_seq,
-                               reduction="sum" if self.training else "mean")
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
+        """Summed cross-entropy in training, mean in eval. mtp, a (K,) tensor of weights, makes the training loss
+        multi-token (#53): sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the terms past the sequence's end left out
+        (and no document boundary respected, as upstream), one logsumexp per position for every k."""
+        logits = self.logits(input_seq, windows)
+        if not self.training or mtp is None:
+            return F.cross_entropy(logits, target_seq, reduction="sum" if self.training else "mean")
+        lse, T = torch.logsumexp(logits, dim=-1), target_seq.size(0)
+        loss = logits.new_zeros(())
+        for k in range(mtp.size(0)):
+            picked = logits[: T - k].gather(1, target_seq[k:, None]).squeeze(1)
+            loss = loss + mtp[k] * (lse[: T - k] - picked).sum()
+        return loss
 
 
 # -----------------------------------------------------------------------------
 # Schedule
 # Everything that varies with the step, in one place: the training loop sets the optimizer from it and
-# hands the windows to the model (as a device table, so a new window never recompiles), and the FLOP
-# model and the metrics read the same values. A new staged quantity is a new field here.
+# hands the windows and multi-token weights to the model (rows of device tables, so a new value never
+# recompiles), and the FLOP model and the metrics read the same values. A new staged quantity is a new field here.
 
 
 @dataclass(frozen=True)
@@ -1239,6 +1466,8 @@ class StepSchedule:
     seq_len: int  # tokens per training sequence (global_batch_seqs of them per step): train_seq_len, or staged
     max_doc_len: int  # documents are cut to this many tokens in training; 0: whole
     yarn_windows: tuple[int, ...] = ()  # --yarn: the long windows trained at so far, in order (GPT.apply_yarn)
+    mtp_weights: tuple[float, ...] = (1.0,)  # loss weights of the next 1, 2, ... tokens (as many every step)
+    tied: bool = False  # tie_embed: the embedding still reads the head (untied after the last tied step's update)
 
 
 def short_window(long_window: int) -> int:
@@ -1256,7 +1485,7 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
         spec = getattr(cfg, name)
         if not spec:
             return default
-        values = window_stages(spec) if name == "window_stages" else stage_values(name, spec, STAGED[name])
+        values = window_stages(spec) if name == "window_stages" else STAGED[name](spec)
         return values[min(stage, len(values) - 1)]  # the extension keeps the last value (or has its own pair)
 
     peak = staged("lr_stages", 1.0)
@@ -1277,8 +1506,18 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     yarn_windows = ()
     if cfg.yarn:  # YaRN follows the training windows (not the last validation's), one change per stage
         yarn_windows = tuple(dict.fromkeys(long for _, long in window_stages(cfg.window_stages)[: stage + 1]))
+    mtp = (1.0,)
+    if cfg.mtp_stages:  # a stage's last weight of several falls to 0 across it; padded with zeros to the most
+        mtp = list(staged("mtp_stages"))
+        if len(mtp) > 1:
+            mtp[-1] *= 1 - (1.0 if stage >= num_stages(cfg) else num_stages(cfg) * x - stage)
+        mtp = tuple(mtp) + (0.0,) * (max(map(len, mtp_stages(cfg.mtp_stages))) - len(mtp))
+    tied = cfg.tie_embed
+    if tied and cfg.untie_frac:  # the last tied step is the first Adam step at or after untie_frac of the schedule
+        split = math.ceil(cfg.untie_frac * scheduled)
+        tied = step <= split + (-(split + 1) % cfg.adam_every)
     return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, seq_len, max_doc_len,
-                        yarn_windows)
+                        yarn_windows, mtp, tied)
 
 
 def schedule_table(cfg: Config) -> list[StepSchedule]:
@@ -1289,6 +1528,15 @@ def schedule_table(cfg: Config) -> list[StepSchedule]:
 def window_table(schedules: list[StepSchedule], device: torch.device) -> Tensor:
     """(steps, 2) int32 on the device: row s is step s's (long, short) window for the model."""
     return torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
+
+
+def step_knobs(cfg: Config, schedules: list[StepSchedule], device: torch.device
+               ) -> Callable[[int], tuple[Tensor, Tensor | None]]:
+    """Step -> what the model reads of its schedule, as rows of device tables made once (a new value never
+    recompiles): the (long, short) windows, and the multi-token loss weights (None: next token only)."""
+    windows = window_table(schedules, device)
+    mtp = torch.tensor([s.mtp_weights for s in schedules], device=device) if cfg.mtp_stages else None
+    return lambda step: (windows[step], None if mtp is None else mtp[step])
 
 
 # -----------------------------------------------------------------------------
@@ -1401,23 +1649,27 @@ class ParamGroup:
 
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
-    """Muon takes every block matrix; Adam the embeddings (one lr), the head and the scalars."""
+    """Muon takes every block matrix (gates included); Adam the embeddings (one lr), the head, the scalars and
+    the model-level gates (skip, smear)."""
     named = dict(model.named_parameters())
-    value_embeds = [n for n in named if n.startswith("value_embeds.")]
+    value_embeds = [n for n in named if n.startswith("value_embeds.") or n == "bigram.weight"]  # lr, wd alike
     muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2]
     mul = {"c_fc": cfg.mlp_up_lr_mul, "c_proj": cfg.mlp_down_lr_mul}
-    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.scalar_beta2)
 
     def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
         return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
 
     groups = [group("muon", cfg.muon_lr, muon, lr_muls=[mul.get(n.split(".")[-1], 1.0) for n in muon],
                     wd=cfg.muon_wd),
-              group("adam", cfg.embed_lr, ["embed.weight"], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=betas),
+              group("adam", cfg.head_lr if cfg.tie_embed else cfg.embed_lr, ["embed.weight"],  # tied: the head's
+                    wd=cfg.adam_wd * cfg.embed_wd_mul, betas=betas),
               group("adam", cfg.embed_lr, value_embeds, wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
               group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=betas),
-              group("adam", cfg.scalar_lr, ["scalars"], betas=(cfg.scalar_beta1, cfg.scalar_beta2))]
-    groups = [g for g in groups if g.params]  # no value embeddings: no group
+              group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
+              group("adam", cfg.skip_gate_lr, [n for n in named if n == "skip_gate"], betas=scalar_betas),
+              group("adam", cfg.smear_gate_lr, [n for n in named if n == "smear_gate"], betas=scalar_betas)]
+    groups = [g for g in groups if g.params]  # no value embeddings (or gates): no group
     assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
     return groups
 
@@ -1662,6 +1914,20 @@ class ShardedMuonAdam:
             for p, view in zip(b.params, b.grad_views):
                 p.grad = view
 
+    @torch.no_grad()
+    def copy_param(self, src: str, dst: str) -> None:
+        """Make parameter dst a copy of src, its optimizer state too, on every rank (the untie, #53). Each is alone
+        in its buckets (its own group) with as many elements, so each rank owns the same units of both."""
+        self.wait_for_params()
+        params = {n: p for b in self.buckets for n, p in zip(b.names, b.params)}
+        params[dst].copy_(params[src])
+        owned = {name: (lo, hi, state) for b in self.buckets for name, lo, hi, state in b.owned()}
+        if (src in owned) != (dst in owned) or src in owned and owned[src][:2] != owned[dst][:2]:
+            raise ValueError(f"{src} and {dst} are sharded differently: cannot copy the optimizer state")
+        if src in owned:
+            for k, t in owned[dst][2].items():
+                t.copy_(owned[src][2][k].view_as(t))
+
     def state_tensors(self) -> list[Tensor]:
         return [t for b in self.buckets for t in b.state.values()]
 
@@ -1881,13 +2147,15 @@ def flops_per_token(model: GPT, s: StepSchedule) -> float:
     N = matmul_weights(model); 6 = 2 FLOPs per multiply-add x 3 (forward, and twice that backward).
     Attention: QK^T and AV cost 2 * 2 * heads * head_dim FLOPs per query-key pair forward, x3 with
     backward. T_eff = mean_keys_per_query(W, the step's seq_len), W the layer's window in tokens (at least one
-    block). This is the standard 6N + 12 * L * H * Dh * T with the causal, windowed key count in place of
-    T; document masking is ignored (an upper bound of the attention work actually done).
+    block); a paired-head layer has half the heads over twice the positions: the same with 2 x seq_len. This
+    is the standard 6N + 12 * L * H * Dh * T with the causal, windowed key count in place of T; document
+    masking is ignored (an upper bound of the attention work actually done).
     """
     cfg = model.cfg
     windows = {"long": s.long_window, "short": s.short_window}
-    attention = sum(12 * b.attn.num_heads * b.attn.head_dim *
-                    mean_keys_per_query(max(windows[b.attn.window], 1) * cfg.block_size, s.seq_len)
+    attention = sum(12 * b.attn.num_heads * b.attn.head_dim *  # paired heads: half the heads, twice the queries
+                    mean_keys_per_query(max(windows[b.attn.window], 1) * cfg.block_size,
+                                        (2 if b.attn.paired else 1) * s.seq_len)
                     for b in model.blocks if b.attn is not None)
     return 6 * matmul_weights(model) + attention
 
@@ -2260,11 +2528,13 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 4  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps
-# The fields that fix the parameters' shapes, the optimizer's units and the token stream.
-CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "num_value_embeds",
-                     "attn_pattern", "gate_channels", "block_size", "train_seq_len", "global_batch_seqs",
-                     "train_epochs")
+CKPT_FORMAT = 5  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
+#                  5: value_embeds (was num_value_embeds) and v2's model fields
+# The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
+CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
+                     "attn_pattern", "gate_channels", "block_size", "skip", "ve_gates", "fold_lambdas", "smear",
+                     "backout_layer", "key_offset", "paired_layers", "tie_embed", "bigram_rows", "bigram_dim",
+                     "bigram_signs", "train_seq_len", "global_batch_seqs", "train_epochs")
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
 CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
 
@@ -2693,6 +2963,17 @@ class TrainClock:
         return self.ms + 1000 * (time.perf_counter() - self.t0)
 
 
+def group_summary(names: list[str]) -> str:
+    """Parameter names with the layer index folded: blocks.{0-3,5}.attn.qkvo_w x5, embed.weight."""
+    layers: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        key = ".".join("{}" if p.isdigit() and i == 1 else p for i, p in enumerate(parts))
+        layers.setdefault(key, []).append(parts[1] if "{}" in key else "")
+    return ", ".join(k.format(f"{{{','.join(v)}}}" if len(v) > 1 else v[0]) + (f" x{len(v)}" if len(v) > 1 else "")
+                     for k, v in layers.items())
+
+
 def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
     whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
@@ -2703,6 +2984,8 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, "
         f"compile {cfg.compile}, world size {rt.world_size}, "
         f"grad accumulation {cfg.global_batch_seqs // rt.world_size}")
+    for g in build_param_groups(raw, cfg):
+        log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
     return raw, model, optimizer
@@ -2723,14 +3006,15 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
 
-def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, windows: Tensor, loss_scale: float,
-               metrics: Metrics | None = None) -> None:
+def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knobs: tuple[Tensor, Tensor | None],
+               loss_scale: float, metrics: Metrics | None = None) -> None:
     """One optimizer step on a (micro-steps, seq_len + 1) batch: forward and backward per micro-step (the
-    last one arms the optimizer's reduce-scatter hooks), then the sharded update."""
+    last one arms the optimizer's reduce-scatter hooks), then the sharded update. knobs: the step's windows and
+    multi-token weights for the model (step_knobs)."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
     for m in range(batch.size(0)):
         optimizer.final_micro_step = m == batch.size(0) - 1
-        loss = model(batch[m, :-1], batch[m, 1:].long(), windows)
+        loss = model(batch[m, :-1], batch[m, 1:].long(), *knobs)
         (loss * loss_scale).backward()
         if metrics is not None:
             metrics.add_loss(loss.detach(), batch.size(1) - 1)
@@ -2880,13 +3164,13 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
     start_step = resumed.step if resumed else 0
     schedules = schedule_table(cfg)
-    windows = window_table(schedules, rt.device)
+    knobs = step_knobs(cfg, schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
     # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
     warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k])),
-           plan, lambda batch, step: train_step(model, optimizer, batch, windows[step], loss_scale))
+           plan, lambda batch, step: train_step(model, optimizer, batch, knobs(step), loss_scale))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
@@ -2903,12 +3187,15 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     try:
         for step in range(start_step, last_step + 1):
             last = step == last_step
+            if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
+                optimizer.copy_param("lm_head.weight", "embed.weight")
+            raw_model.tie_embedding(schedules[step].tied)
             raw_model.apply_yarn(schedules[step].yarn_windows)
             if not cfg.bench and (last or step == 0 or (cfg.val_every and step % cfg.val_every == 0)):
                 optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
                 train_time_ms = clock.stop()
                 metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
-                val_points.append(validate(model, val, cfg, rt, log, windows[step], step, train_time_ms))
+                val_points.append(validate(model, val, cfg, rt, log, knobs(step)[0], step, train_time_ms))
                 clock.start()
             if checkpointer.due(step):
                 checkpointer.save(step, clock.now())
@@ -2917,7 +3204,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
             with profiler.step(step, settle=optimizer.wait_for_params):
-                train_step(model, optimizer, next(loader), windows[step], loss_scale, metrics)
+                train_step(model, optimizer, next(loader), knobs(step), loss_scale, metrics)
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
         metrics.flush()

@@ -46,7 +46,7 @@ def test_fp8_ops_pass_opcheck_on_cuda():
     x = T.norm(torch.randn(256, 768, device=CUDA)).bfloat16()
     w = 0.02 * torch.randn(1024, 768, device=CUDA)
     g = torch.randn(256, 1024, device=CUDA).bfloat16()
-    scales = (math.sqrt(768) / T.FP8_MAX_E4M3, T.FP8_W_SCALE, T.FP8_GRAD_SCALE)
+    scales = (math.sqrt(768) / T.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
     torch.library.opcheck(torch.ops.speedrun.fp8_mm.default, (x, w, *scales))
     torch.library.opcheck(torch.ops.speedrun.fp8_mm_backward.default, (g, x, w, *scales))
 
@@ -59,7 +59,7 @@ def test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled(rec
     x = T.norm(torch.randn(tokens, dim, device=CUDA)).bfloat16().requires_grad_()
     w = (0.02 * torch.randn(vocab, dim, device=CUDA)).requires_grad_()
     g = (1e-3 * torch.randn(tokens, vocab, device=CUDA)).bfloat16()
-    scales = (math.sqrt(dim) / T.FP8_MAX_E4M3, T.FP8_W_SCALE, T.FP8_GRAD_SCALE)
+    scales = (math.sqrt(dim) / T.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
     out = torch.ops.speedrun.fp8_mm(x, w, *scales)
     out.backward(g)
     with torch.no_grad():
@@ -199,15 +199,16 @@ def test_tiny_preset_trains_on_cuda_and_checkpoints_report_the_gpu_stall(tmp_pat
 
 def test_recipe_v2_on_cuda_compiles_each_sequence_length_in_the_warmup_and_resumes_exactly(tmp_path, monkeypatch,
                                                                                            record_property):
-    # The whole of v2 part 1 on the GPU path: Polar Express compiled, three sequence lengths (three graphs, all
-    # compiled before the clock), clipped documents, YaRN rewriting RoPE in place, Adam every other step.
+    # The whole of v2 parts 1 and 2 on the GPU path: Polar Express compiled, three sequence lengths (three graphs,
+    # all compiled before the clock), clipped documents, YaRN rewriting RoPE in place, Adam every other step, the
+    # v2 model (smear, gates, one skip, backout, key offset) under FlexAttention and the FP8 head.
     from test_compiled import model_graphs
-    from test_recipe_v2 import V2_PART1
+    from test_recipe_v2 import V2_PART1, V2_PART2
     graphs = []
     warmup = T.warmup
     monkeypatch.setattr(T, "warmup", lambda *a, **k: (warmup(*a, **k), graphs.append(model_graphs())))
     torch._dynamo.reset()
-    v2 = {**RUN, **V2_PART1, "num_steps": 8, "val_every": 4, "warmup_steps": 1}
+    v2 = {**RUN, **V2_PART1, **V2_PART2, "num_steps": 8, "val_every": 4, "warmup_steps": 1}
     full = T.run(tiny_args(tmp_path, run_id="v2", save_every=4, **v2))
     record_property("graphs_after_warmup_and_at_the_end", f"{graphs} {model_graphs()}")
     assert graphs == [3] and model_graphs() == 4  # + the eval graph: nothing compiled while the clock ran

@@ -66,12 +66,15 @@ def test_recipe_model_has_record_28_shapes():
     assert len(groups[("adam", 0.6)].params) == 4 and groups[("adam", 0.008)].names == ["lm_head.weight"]
 
 
-def reference_mask(tokens: torch.Tensor, block_size: int, window: int) -> torch.Tensor:
-    """The recipe's rule written out with loops: causal + document, then the block window, nearest first."""
-    T_ = len(tokens)
-    doc = [0] * T_
-    for i in range(T_):
+def reference_mask(tokens: torch.Tensor, block_size: int, window: int, paired: bool = False) -> torch.Tensor:
+    """The recipe's rule written out with loops: causal + document, then the block window, nearest first.
+    paired: over the 2T interleaved positions of paired-head attention, position i in token i // 2's document."""
+    doc = [0] * len(tokens)
+    for i in range(len(tokens)):
         doc[i] = (doc[i - 1] if i else 0) + int(tokens[i] == T.BOS_ID)
+    if paired:
+        doc = [d for d in doc for _ in range(2)]
+    T_ = len(doc)
     nb = T_ // block_size
     allowed = torch.zeros(T_, T_, dtype=torch.bool)
     for qb in range(nb):
@@ -183,7 +186,7 @@ def fp8_args(tokens: int = 64, dim: int = 128, vocab: int = 256) -> tuple[torch.
     torch.manual_seed(0)
     x = T.norm(torch.randn(tokens, dim)).bfloat16()
     w = 0.05 * torch.randn(vocab, dim)
-    return x, w, (math.sqrt(dim) / T.FP8_MAX_E4M3, T.FP8_W_SCALE, T.FP8_GRAD_SCALE)
+    return x, w, (math.sqrt(dim) / T.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
 
 
 def test_fp8_ops_pass_opcheck():

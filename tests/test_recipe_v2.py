@@ -1,6 +1,7 @@
 """Recipe v2, part 1 (optimizer, data and schedule): each item's math against a plain reference written
 from the spec's formula here (not from the implementation), its default off (record #28 unchanged), and
-the trainer's invariants with every item on: W = 1 and 2 agree, the warmup leaves no trace, resume is exact."""
+the trainer's invariants with every item of parts 1 and 2 on: W = 1 and 2 agree, the warmup leaves no trace,
+resume is exact."""
 
 import math
 
@@ -18,6 +19,12 @@ V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mu
                 extension_steps=2, muon_momentum_cooldown_steps=3, window_stages="0/1,1/2,1/2,1/3", final_lr_frac=0.15,
                 train_seq_len=384, seq_len_stages="128,256,384", lr_stages="1,1.52,1.73",
                 doc_len_stages="100,200,0", yarn=True, attn_scale=0.1, final_val_windows="1/3")
+# Part 2 (the model) at the same scale: five layers shaped like the spec's eleven (tests/test_recipe_v2_model.py).
+V2_PART2 = dict(num_layers=5, attn_pattern="SL-SL", value_embeds="-0-12", skip="1:2", mix_init=1.1, ve_gates=True,
+                fold_lambdas=True, uniform_attn_out=True, value_embed_std=0.01, smear=True, backout_layer=3,
+                key_offset=True, logit_cap=23.0, logit_shift=5.0, mtp_stages="1/0.5/0.25,1/0.5,1", bigram_rows=4099,
+                bigram_dim=32, bigram_signs=256, bigram_lambda_init=0.05, paired_layers="0,3",
+                tie_embed=True, untie_frac=2 / 3)  # untied after step 5: after the resume test's checkpoint
 
 # Polar Express (Amsel et al. 2025; record #38): per-iteration (a, b, c), safety factor 1.02.
 PE_COEFFS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -129,7 +136,7 @@ def test_fp32_adam_state_steps_a_bf16_embedding_as_exact_adam_does():
 
 
 def test_the_v2_groups_take_the_spec_multipliers_and_the_scalars_never_decay():
-    cfg = T.parse_config(["--preset=tiny,v2"])
+    cfg = T.parse_config(["--preset=tiny,v2", "--bigram_rows=1000", "--bigram_dim=32"])
     groups = {n: g for g in T.build_param_groups(T.GPT(cfg, use_flex=False, fp8_head=False), cfg) for n in g.names}
     lr_mul = {n: g.lr_muls[g.names.index(n)] for n, g in groups.items() if g.kind == "muon"}
     assert lr_mul["blocks.0.mlp.c_fc"] == 2.0 and lr_mul["blocks.0.mlp.c_proj"] == 4.0
@@ -138,7 +145,9 @@ def test_the_v2_groups_take_the_spec_multipliers_and_the_scalars_never_decay():
     assert groups["lm_head.weight"].wd == pytest.approx(0.005 * 150)
     assert groups["embed.weight"].wd == pytest.approx(0.005 * 150)  # spec §2.18: embed and head 150, VE 5
     assert groups["value_embeds.0.weight"].wd == pytest.approx(0.005 * 5)
-    assert groups["embed.weight"].lr == groups["value_embeds.0.weight"].lr == 0.6
+    assert groups["embed.weight"].lr == groups["lm_head.weight"].lr == 0.008  # §2.19: tied, then alike
+    assert groups["value_embeds.0.weight"].lr == groups["bigram.weight"].lr == 0.6  # lr_mul 75 (§2.28)
+    assert groups["bigram.weight"].wd == pytest.approx(0.005 * 5)
     assert groups["scalars"].wd == 0 and groups["scalars"].betas == (0.9, 0.99)
     assert groups["embed.weight"].betas == (0.65, 0.95)
 
@@ -353,11 +362,11 @@ def test_adam_every_other_step_applies_the_summed_gradients_of_two_steps():
 
 
 def v2_args(tmp_path, **overrides):
-    return tiny_args(tmp_path, **{**SMALL, **V2_PART1, "num_steps": 8, "val_every": 4, **overrides})
+    return tiny_args(tmp_path, **{**SMALL, **V2_PART1, **V2_PART2, "num_steps": 8, "val_every": 4, **overrides})
 
 
 @pytest.mark.slow
-def test_v2_part1_world_size_one_and_two_take_the_same_steps(tmp_path):
+def test_v2_world_size_one_and_two_take_the_same_steps(tmp_path):
     one = T.run(v2_args(tmp_path)).val_losses
     two = run_world(2, v2_args(tmp_path), tmp_path)
     assert [s for s, _ in one] == [s for s, _ in two] == [0, 4, 8]
@@ -365,7 +374,7 @@ def test_v2_part1_world_size_one_and_two_take_the_same_steps(tmp_path):
         assert a == pytest.approx(b, abs=2e-3)
 
 
-def test_v2_part1_warmup_leaves_no_trace_and_resume_is_exact(tmp_path):
+def test_v2_warmup_leaves_no_trace_and_resume_is_exact(tmp_path):
     full = T.run(v2_args(tmp_path, run_id="full", warmup_steps=3))  # odd: ends with Adam gradients pending
     log = (tmp_path / "logs" / "full.txt").read_text()
     assert "warmup: snapshot" in log and ", 9 steps " in log  # 3 at each of the 3 sequence lengths

@@ -10,7 +10,9 @@ differences up, so it is compared bit for bit against a reference summing in the
 and W = 2, where one addition has one rounding). "fp32" (fp32 embeddings, a float64 polar factor for
 the orthogonalization, a larger Adam eps) is compared against the plain single-process sum at fp32
 tolerance, W = 2 and 4. "v2" is "fp32" with recipe v2's optimizer items on (Polar Express, NorMuon, per-matrix
-lr multipliers that differ inside a bucket, cautious weight decay, Adam every other step, smoothed scalars),
+lr multipliers that differ inside a bucket, cautious weight decay, Adam every other step, smoothed scalars) and
+part 2's model (five layers, VE gates in Muon, the skip's and smear's gates in Adam groups of their own, the bigram
+table with the value embeddings),
 bit for bit at W = 1 (bf16 embeddings with fp32 Adam state); "v2-exact" is "v2" with fp32 embeddings and the
 float64 polar factor, at fp32 tolerance at W = 2 and 4.
 """
@@ -52,7 +54,11 @@ _one_thread = pytest.fixture(autouse=True)(_single_thread)
 
 
 V2_OPTIMIZER = dict(orthogonalizer="polar_express", normuon_beta2=0.9, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
-                    muon_wd=1.2, adam_wd=0.005, adam_every=2, adam_state_fp32=True, scalar_beta1=0.9, scalar_beta2=0.99)
+                    muon_wd=1.2, adam_wd=0.005, adam_every=2, adam_state_fp32=True, scalar_beta1=0.9, scalar_beta2=0.99,
+                    # and part 2's parameters: VE gates (Muon), the skip's and smear's gates (their own Adam groups)
+                    num_layers=5, attn_pattern="SL-SL", value_embeds="-0-12", skip="1:2", ve_gates=True,
+                    fold_lambdas=True, smear=True, backout_layer=3, key_offset=True, bigram_rows=1031, bigram_dim=32,
+                    bigram_signs=64, paired_layers="0,3")
 
 
 def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
@@ -82,6 +88,8 @@ def make_model(cfg: T.Config, variant: str) -> T.GPT:
     if variant in ("fp32", "v2-exact"):
         model.embed.float()
         model.value_embeds.float()
+        if model.bigram is not None:
+            model.bigram.float()
     return model
 
 

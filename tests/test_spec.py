@@ -35,8 +35,7 @@ def spec_loss(p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     inp, tgt = tokens[:-1], tokens[1:]
     skip, mix, lam = p["scalars"][: L // 2], p["scalars"][L // 2: 5 * L // 2], p["scalars"][5 * L // 2:]
     masks = {w: reference_mask(tokens[:-1], cfg.block_size, w) for w in WINDOWS}
-    ve_layers = {i: 0 for i in range(cfg.num_value_embeds)} | {L - cfg.num_value_embeds + i: i
-                                                                for i in range(cfg.num_value_embeds)}
+    ve_layers = {i: int(t) for i, t in enumerate(cfg.value_embeds) if t != "-"}  # layer -> its table
     x = x0 = rms(p["embed.weight"][inp])
     stack = []
     for i, kind in enumerate(cfg.attn_pattern):

@@ -1,0 +1,371 @@
+"""Recipe v2, part 2 (the model): the 11-layer shape's fields, the single gated skip, the value-embedding gates,
+the lambdas folded into the weights, smear, backout and the partial key offset, each against a plain float64
+forward written here from the spec (recipe_v2.md §2.6, §2.7, §2.11, §2.14, §2.16, §2.17, §2.23, §2.29), not
+from the file's code; their initial values; multi-token prediction's loss and weights (§2.21); the FP8 head's
+scales (§2.19); the FLOP count of the new shape; one-line refusals."""
+
+import math
+
+import pytest
+import torch
+
+import train_gpt as T
+from test_model import mask_tokens, reference_mask
+
+# The v2 model at a test's size: five layers shaped like the spec's eleven (a long layer feeding the
+# attention-less one through the skip, untied value embeddings on the first and last layers but not layer 0).
+SHAPE = ["--preset=tiny", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--train_seq_len=256",
+         "--block_size=32", "--gate_channels=8", "--num_layers=5", "--attn_pattern=SL-SL", "--value_embeds=-0-12",
+         "--skip=1:2", "--logit_cap=23", "--logit_shift=5"]
+ITEMS = {"ve_gates": ["--ve_gates=true"], "fold_lambdas": ["--fold_lambdas=true"], "smear": ["--smear=true"],
+         "backout": ["--backout_layer=3"], "key_offset": ["--key_offset=true"],
+         "bigram": ["--bigram_rows=4099", "--bigram_dim=32", "--bigram_signs=256"],
+         "paired_heads": ["--paired_layers=0,3"], "tied_embed": ["--tie_embed=true"]}
+WINDOWS = (3, 1)  # long, short in blocks
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True))
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """(T, H, D): pairs (x[j], x[j + D/2]) turn by pos * w_j, w_j = (1/1024)^(j / (D/4 - 1)) for j < D/4, else 0."""
+    n, d = x.size(0), x.size(-1)
+    w = torch.zeros(d // 2, dtype=torch.float64)
+    w[: d // 4] = (1 / 1024) ** (torch.arange(d // 4, dtype=torch.float64) / (d // 4 - 1))
+    theta = torch.arange(n, dtype=torch.float64)[:, None, None] * w
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * theta.cos() + x2 * theta.sin(), -x1 * theta.sin() + x2 * theta.cos()], -1)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1 / (1 + torch.exp(-x))
+
+
+def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of the spec's v2 forward. The scalar vector holds, in order: the skip's s, (a_i, b_i)
+    per layer, two lambdas per layer ((lambda_v, lambda_ve), or folded (lambda_qkv, lambda_o)), then smear's
+    lambda and backout's when they are on."""
+    L, H, D, g = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.gate_channels
+    inp, tgt = tokens[:-1], tokens[1:]
+    sc = p["scalars"]
+    s_skip, mix, lam, rest = sc[0], sc[1: 1 + 2 * L], sc[1 + 2 * L: 1 + 4 * L], list(sc[1 + 4 * L:])
+    lam_smear = rest.pop(0) if cfg.smear else None
+    lam_back = rest.pop(0) if cfg.backout_layer >= 0 else None
+    lam_bigram = rest[:L]  # one per block
+    src, dst = (int(v) for v in cfg.skip.split(":"))
+    masks = {w: reference_mask(inp, cfg.block_size, w) for w in WINDOWS}
+    paired = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
+
+    def interleave(t: torch.Tensor) -> torch.Tensor:  # §2.25: (T, H, D) -> (2T, H/2, D), row 2t+m of pair j: head 2j+m
+        return torch.stack([torch.stack([t[:, 2 * j], t[:, 2 * j + 1]], 1).reshape(-1, D) for j in range(H // 2)], 1)
+
+    e = p["lm_head.weight" if cfg.tie_embed else "embed.weight"][inp]  # §2.19: tied, the embedding is the head
+    if cfg.smear:  # §2.6: for t >= 1, e_t += lambda * sigmoid(w . e_t[:12]) * e_(t-1), from the unsmeared rows
+        gate = sigmoid(e[1:, :g] @ p["smear_gate"][0])
+        e = torch.cat([e[:1], e[1:] + lam_smear * gate[:, None] * e[:-1]])
+    x = x0 = rms(e)
+    bigram = 0
+    if cfg.bigram_rows:  # §2.28: row h_t of the table (times sign row s_t), in the leading dims, c_i of it per block
+        ids, rows = [int(t) for t in inp], cfg.bigram_rows
+        h = [rows - 1] + [((36313 * ids[t]) ^ (27191 * ids[t - 1])) % (rows - 1) for t in range(1, len(ids))]
+        bigram = p["bigram.weight"][h]
+        if cfg.bigram_signs:
+            signs = [0] + [(ids[t - 1] ^ ids[t]) % cfg.bigram_signs for t in range(1, len(ids))]
+            bigram = bigram * p["bigram_sign"][signs]
+        bigram = torch.cat([bigram, torch.zeros(len(ids), cfg.model_dim - bigram.size(1), dtype=bigram.dtype)], 1)
+    saved = backout = None
+    for i, kind in enumerate(cfg.attn_pattern):
+        if i == dst:  # §2.14, §2.23: block src's output times sigmoid(s) * 2 sigmoid(w_skip . x0[:12])
+            x = x + sigmoid(s_skip) * 2 * sigmoid(x0[:, :g] @ p["skip_gate"][0])[:, None] * saved
+        x = mix[2 * i] * x + mix[2 * i + 1] * x0
+        if cfg.bigram_rows:
+            x = x + lam_bigram[i] * bigram
+        if kind != "-":
+            h = rms(x)
+            w = p[f"blocks.{i}.attn.qkvo_w"]
+            w_qkv, w_o = w[:3], w[3].T  # the spec's W_o (the model keeps it transposed)
+            if cfg.fold_lambdas:  # §2.16: lambda_qkv on the whole W_qkv, lambda_o on W_o
+                w_qkv, w_o = lam[2 * i] * w_qkv, lam[2 * i + 1] * w_o
+            q, k, v = ((h @ w_qkv[j].T).view(-1, H, D) for j in range(3))
+            q, k = rms(q), rms(k)
+            if i in paired:  # and RoPE at 2t for head 2j, 2t+1 for head 2j+1
+                q, k = interleave(q), interleave(k)
+            q, k = rope(q), rope(k)
+            if cfg.key_offset and kind == "L":  # §2.17: the un-rotated dims (w_j = 0) of key t from key t-1
+                still = torch.zeros(D, dtype=torch.bool)
+                still[D // 4: D // 2] = still[D // 4 + D // 2:] = True
+                shifted = torch.cat([k[:1], k[:-1]])
+                k = torch.where(still, shifted, k)
+            if not cfg.fold_lambdas:
+                v = lam[2 * i] * v
+            table = cfg.value_embeds[i]
+            if table != "-":
+                ve = p[f"value_embeds.{table}.weight"][inp]
+                if cfg.ve_gates:  # §2.23 with #70's input: 2 sigmoid(W_ve,h . [x[:6], ve[:6]]) per head
+                    gate_in = torch.cat([h[:, : g // 2], ve[:, : g // 2]], -1)
+                    gate = 2 * sigmoid(gate_in @ p[f"blocks.{i}.attn.ve_gate_w"].T)
+                    ve_term = gate[..., None] * ve.view(-1, H, D)
+                else:
+                    ve_term = ve.view(-1, H, D)
+                v = v + (ve_term if cfg.fold_lambdas else lam[2 * i + 1] * ve_term)
+            if i in paired:
+                v = interleave(v)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.attn_scale
+            if i in paired:  # the short window in blocks of the 2T sequence, documents doubled
+                allowed = reference_mask(inp, cfg.block_size, WINDOWS[1], paired=True)
+            else:
+                allowed = masks[WINDOWS[0] if kind == "L" else WINDOWS[1]]
+            att = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
+            y = torch.einsum("hqk,khd->qhd", att, v)
+            if i in paired:  # head 2j+m at token t is row 2t+m of pair j
+                y = torch.stack([y[m::2, j] for j in range(H // 2) for m in (0, 1)], 1)
+            head_gate = sigmoid(h[:, :g] @ p[f"blocks.{i}.attn.gate_w"].T)
+            x = x + (y * head_gate[..., None]).flatten(1) @ w_o.T
+        h = rms(x)
+        x = x + torch.relu(h @ p[f"blocks.{i}.mlp.c_fc"]) ** 2 @ p[f"blocks.{i}.mlp.c_proj"].T
+        if i == src:
+            saved = x
+        if i == cfg.backout_layer:
+            backout = x
+    if backout is not None:  # §2.11: x - lambda_back * h_b before the final norm
+        x = x - lam_back * backout
+    z = rms(x) @ p["lm_head.weight"].T
+    z = cfg.logit_cap * sigmoid((z + cfg.logit_shift) / cfg.logit_temp)
+    return torch.nn.functional.cross_entropy(z, tgt, reduction="sum")
+
+
+def perturbed_model(cfg: T.Config) -> T.GPT:
+    torch.manual_seed(0)
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    with torch.no_grad():  # every parameter away from its init, so every term counts
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        model.scalars.add_(0.5 * torch.randn_like(model.scalars))  # gates and lambdas well off their start
+    return model
+
+
+def signs(model: T.GPT) -> dict[str, torch.Tensor]:
+    """The model's fixed sign table (a buffer, not a parameter) for the reference."""
+    return {} if model.bigram_sign is None else {"bigram_sign": model.bigram_sign.double()}
+
+
+def config(*items: str) -> T.Config:
+    cfg = T.parse_config(SHAPE + [flag for i in items for flag in ITEMS[i]])
+    T.validate_config(cfg, 1)
+    return cfg
+
+
+@pytest.mark.parametrize("items", [(), *[(i,) for i in ITEMS], tuple(ITEMS)],
+                         ids=["skip", *ITEMS, "all"])
+def test_v2_forward_and_gradients_equal_the_spec(items):
+    cfg = config(*items)
+    model, tokens = perturbed_model(cfg), mask_tokens(4, length=cfg.train_seq_len + 1)
+    loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS))
+    loss.backward()
+    params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
+    spec = spec_loss(cfg, params | signs(model), tokens)
+    spec.backward()
+    assert abs(loss.item() - spec.item()) < 1e-4 * spec.item()
+    for name, p in model.named_parameters():
+        ref = params[name].grad
+        if ref is None:  # tied: the embedding table is read with weight 0
+            assert name == "embed.weight" and not p.grad.any()
+            continue
+        assert (p.grad.double() - ref).norm() < 0.05 * ref.norm(), name
+
+
+def test_each_item_moves_the_gradients_beyond_the_tolerance():
+    """The spec test above can fail: with one item left out of the reference, some gradient is off by more
+    than its 5% tolerance."""
+    tokens = mask_tokens(4, length=257)
+    for item in ITEMS:
+        on, off = config(item), config()
+        model = perturbed_model(on)
+        model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)).backward()
+        params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
+        spec_loss(off, params | signs(model), tokens).backward()
+        worst = max((p.grad.double() - params[n].grad).norm() / params[n].grad.norm()
+                    for n, p in model.named_parameters() if params[n].grad is not None and params[n].grad.norm() > 0)
+        assert worst > 0.1, item
+
+
+def test_v2_initial_values_follow_the_spec():
+    every = [flag for flags in ITEMS.values() for flag in flags]
+    cfg = T.parse_config(SHAPE + every + ["--mix_init=1.1", "--uniform_attn_out=true", "--value_embed_std=0.01",
+                                          "--model_dim=256", "--num_heads=2", "--head_dim=128"])
+    torch.manual_seed(0)
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    L = cfg.num_layers
+    sc = model.scalars.detach()
+    assert sc[0] == -1.5  # the skip's s: sigmoid(-1.5) = 0.18 (#32, #45)
+    assert torch.equal(sc[1: 1 + 2 * L], torch.tensor([1.1, 0.0]).repeat(L))  # a = 1.1, b = 0 (#45)
+    assert torch.equal(sc[1 + 2 * L: 1 + 4 * L], torch.tensor([0.5, 1.0]).repeat(L))  # lambda_qkv, lambda_o (#47/48)
+    assert torch.equal(sc[1 + 4 * L: 3 + 4 * L], torch.tensor([0.0, 0.5]))  # smear's lambda 0 (#34), backout's (#40)
+    assert torch.equal(sc[3 + 4 * L:], torch.full((L,), 0.1))  # the bigram's c_i (#62)
+    assert not model.bigram.weight.any() and model.bigram.weight.shape == (4099, 32)  # zero-init
+    assert set(model.bigram_sign.unique().tolist()) == {-1.0, 1.0}  # fixed +-1 rows, the same whatever the seed:
+    torch.manual_seed(1)
+    assert torch.equal(T.GPT(cfg, use_flex=False, fp8_head=False).bigram_sign, model.bigram_sign)  # every rank's
+    assert not model.skip_gate.any() and not model.smear_gate.any()
+    assert all(not b.attn.ve_gate_w.any() for i, b in enumerate(model.blocks) if cfg.value_embeds[i] != "-")
+    assert all(b.attn.ve_gate_w is None for i, b in enumerate(model.blocks) if b.attn and cfg.value_embeds[i] == "-")
+    std = 0.5 / math.sqrt(cfg.model_dim)  # #64 as HEAD: Q, K, V and O uniform with this std
+    for b in model.blocks:
+        if b.attn is not None:
+            assert b.attn.qkvo_w.std(dim=(1, 2)).sub(std).abs().max() < 0.03 * std
+    assert len(model.value_embeds) == 3 and all(abs(t.weight.float().std() - 0.01) < 1e-3 for t in model.value_embeds)
+    assert model.blocks[2].attn is None and len(model.blocks) == 5
+
+
+def test_record_28_layout_and_v2_layout_place_the_value_embeddings():
+    r28 = T.GPT(T.parse_config(["--preset=tiny", "--model_dim=64", "--head_dim=32", "--vocab_size=256"]),
+                use_flex=False, fp8_head=False)
+    assert r28.ve_tables == [0, None, None, 0] and r28.skip_layers is None and len(r28.scalars) == 2 + 8 + 8
+    assert T.value_embed_layout(T.Config()) == "012------012"  # the default: record #28's three tables, twice
+    v2 = T.parse_config(["--preset=v2", "--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32"])
+    model = T.GPT(v2, use_flex=False, fp8_head=False)
+    # Spec §2.7 and §2.29: 11 layers, short 0-2, 4, 5, 7-9, long 3 and 10, none at 6; VEs 0-4 on 1, 2, 8, 9, 10.
+    assert [b.attn.window if b.attn else None for b in model.blocks] == (
+        ["short"] * 3 + ["long"] + ["short"] * 2 + [None] + ["short"] * 3 + ["long"])
+    assert model.ve_tables == [None, 0, 1, None, None, None, None, None, 2, 3, 4]
+    assert model.skip_layers == (3, 6) and v2.backout_layer == 7
+    assert [i for i, b in enumerate(model.blocks) if b.attn and b.attn.paired] == [0, 2, 5, 9]  # §2.25
+
+
+def test_flops_per_token_counts_the_v2_shape():
+    """Dropping #28's layer 0 removes its attention (4 d^2 + the head gate) and MLP (8 d^2) from 6N; the v2
+    gates add theirs (the bigram table is a lookup); the attention term counts the 10 attention layers."""
+    dims = ["--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32"]
+    r28 = T.GPT(T.parse_config(dims), use_flex=False, fp8_head=False)
+    v2cfg = T.parse_config(["--preset=v2", *dims])
+    v2 = T.GPT(v2cfg, use_flex=False, fp8_head=False)
+    d, H, g, V = 64, 2, v2cfg.gate_channels, 256
+    gates = 5 * H * g + 2 * g  # five VE gates, the skip's and the smear's
+    assert T.matmul_weights(r28) - T.matmul_weights(v2) == 4 * d * d + H * g + 8 * d * d - gates
+    assert T.matmul_weights(v2) == 10 * (4 * d * d + H * g) + 11 * 8 * d * d + gates + d * V
+    s = T.schedule(0, v2cfg)
+    attention = T.flops_per_token(v2, s) - 6 * T.matmul_weights(v2)
+    def keys(w: int, n: int) -> float:
+        return T.mean_keys_per_query(max(w, 1) * v2cfg.block_size, n)
+    # 2 long layers, 4 short ones, and 4 paired ones (0, 2, 5, 9): H/2 heads over 2T positions, the short window
+    long, short, paired = keys(s.long_window, s.seq_len), keys(s.short_window, s.seq_len), keys(s.short_window,
+                                                                                                  2 * s.seq_len)
+    assert attention == pytest.approx(12 * H * 32 * (2 * long + 4 * short + 4 * paired))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--skip=6:3"], "--skip expects unet or A:B with 0 <= A < B"),
+    (["--skip=3>6"], "--skip expects unet or A:B"),
+    (["--num_layers=11", "--attn_pattern=SSSLSS-SSSL", "--value_embeds=-01-----234"], "must be even for --skip=unet"),
+    (["--value_embeds=012-----012"], "--value_embeds='012-----012' needs one character per layer"),
+    (["--value_embeds=02--------02"], "needs one character per layer"),  # 12 chars, table 1 unused
+    (["--backout_layer=12"], "--backout_layer=12 must be a layer below --num_layers=12"),
+    (["--ve_gates=true", "--gate_channels=7"], "--ve_gates reads half of --gate_channels=7"),
+    (["--mix_init=nan"], "--mix_init must be >= 0"),
+    (["--mtp_stages=1/x"], "--mtp_stages expects non-negative weights"),
+    (["--mtp_stages=1/0.5,1", "--lr_stages=1,1.5,2"], "the staged fields must list the same number of stages"),
+    (["--fp8_w_scale=0"], "--fp8_w_scale must be > 0"),
+])
+def test_bad_v2_model_settings_are_refused_in_one_line(args, message):
+    with pytest.raises(T.UsageError, match=message):
+        T.validate_config(T.parse_config(args), 1)
+
+
+@pytest.mark.slow  # compiles the FP8 op bodies
+def test_fp8_head_takes_the_configured_scales(monkeypatch):
+    """v2's FP8 head scales (#51, #55: x 100/448, W 1.6/448) reach the matmul: its logits are the product of x and
+    W rounded to float8_e4m3 at those scales, not at #28's (sqrt(d)/448, 2^-9: |W| saturates at 0.875)."""
+    scales = ("fp8_x_scale", "fp8_w_scale", "fp8_grad_scale")
+    v2 = T.parse_config(SHAPE + [f"--{k}={T.PRESETS['v2'][k]}" for k in scales])
+    assert [getattr(v2, k) * 448 for k in scales] == pytest.approx([100, 1.6, 0.75])
+    torch.manual_seed(0)
+    model = T.GPT(v2, use_flex=False, fp8_head=True)
+    x = T.norm(torch.randn(256, v2.model_dim)).bfloat16()
+    with torch.no_grad():
+        model.lm_head.weight.uniform_(-1.5, 1.5)
+    w = model.lm_head.weight
+
+    def emulated(x_s: float, w_s: float) -> torch.Tensor:
+        def q(t: torch.Tensor, s: float) -> torch.Tensor:
+            return (t.float() / s).to(torch.float8_e4m3fn).float() * s
+        return q(x, x_s) @ q(w, w_s).T
+
+    got = torch.ops.speedrun.fp8_mm(x, w, v2.fp8_x_scale, v2.fp8_w_scale, v2.fp8_grad_scale).float()
+    ours, r28 = emulated(v2.fp8_x_scale, v2.fp8_w_scale), emulated(math.sqrt(64) / 448, 2**-9)
+    assert (got - ours).norm() < 0.01 * ours.norm() < (got - r28).norm()
+    # The model passes them: its training logits rescale that product of the final norm's output and W.
+    normed = []
+    monkeypatch.setattr(T, "norm", lambda t: normed.append(T.F.rms_norm(t, (t.size(-1),))) or normed[-1])
+    logits = model.logits(torch.randint(0, 1000, (256,)), torch.tensor([2, 1]))
+    z = torch.ops.speedrun.fp8_mm(normed[-1].flatten(0, 1), w, *(getattr(v2, k) for k in scales)).float()
+    torch.testing.assert_close(logits, v2.logit_cap * torch.sigmoid((z + v2.logit_shift) / v2.logit_temp))
+
+
+def test_multi_token_loss_is_the_weighted_sum_of_shifted_cross_entropies():
+    # Spec §2.21: L = sum_t sum_k w_k CE(z_t, y_(t+k)), the terms past the end dropped, not normalized by sum(w).
+    cfg = config(*ITEMS)
+    model, tokens = perturbed_model(cfg), mask_tokens(5, length=cfg.train_seq_len + 1)
+    inp, tgt, windows = tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)
+    w = torch.tensor([1.0, 0.5, 0.125])
+    loss = model(inp, tgt, windows, w)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    z, T_ = model.logits(inp, windows), len(tgt)
+    ref = sum(w[k] * torch.nn.functional.cross_entropy(z[: T_ - k], tgt[k:], reduction="sum") for k in range(3))
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for n, p in model.named_parameters():  # the same math summed in another order: bf16 gradients round apart
+        assert (got[n].double() - p.grad.double()).norm() <= 1e-3 * p.grad.double().norm(), n  # tied embed: 0
+    assert model(inp, tgt, windows, torch.tensor([1.0, 0.0, 0.0])).item() == pytest.approx(
+        model(inp, tgt, windows).item(), rel=1e-5)  # weights (1, 0, 0): the next-token loss
+    model.eval()
+    assert model(inp, tgt, windows, w).item() == pytest.approx(model(inp, tgt, windows).item())  # eval: next token
+
+
+def test_multi_token_weights_follow_the_spec_schedule():
+    # Spec §2.21 over the three stages (x = step / N_sched): [1, .5, .25 (1 - 3x)], [1, .5 (1 - (3x - 1))], [1].
+    cfg = T.parse_config(["--preset=v2"])
+    n = cfg.num_steps - cfg.extension_steps
+    for step in (0, 100, 300, 551, 552, 700, 1103, 1104, 1500, n, cfg.num_steps - 1):
+        x = step / n
+        want = ([1, 0.5, 0.25 * (1 - 3 * x)] if 3 * x < 1 else [1, 0.5 * (1 - (3 * x - 1)), 0] if 3 * x < 2
+                else [1, 0, 0])
+        assert T.schedule(step, cfg).mtp_weights == pytest.approx(want, abs=1e-12), step
+    assert T.schedule(7, T.Config()).mtp_weights == (1.0,)  # record #28: next token only
+
+
+def test_tied_until_the_first_adam_step_at_two_thirds_then_the_embedding_is_the_heads_copy():
+    # Spec §2.19: untied at ceil(2/3 N_sched), rounded to an Adam step (odd with Adam every other step): #62's 1041.
+    cfg = T.parse_config(["--preset=v2", "--num_steps=1600", "--extension_steps=40"])
+    assert [s for s in range(cfg.num_steps + 1) if T.schedule(s, cfg).tied][-1] == 1041
+    assert T.schedule(1042, cfg).tied is False and T.schedule(3, T.Config()).tied is False
+    cfg = config("tied_embed")
+    assert T.build_param_groups(T.GPT(cfg, False, False), cfg)[1].lr == cfg.head_lr  # the embedding's lr: the head's
+    torch.manual_seed(0)
+    model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    assert 0.004 < model.lm_head.weight.std() < 0.006  # N(0, 0.005), not zero
+    opt = T.ShardedMuonAdam(model, cfg, 0, 1, compile_ns=False)
+    tokens = mask_tokens(6, length=cfg.train_seq_len + 1)
+    for step in range(2):
+        opt.set_step(T.schedule(step, cfg))
+        model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)).backward()
+        opt.step()
+        opt.zero_grad()
+    embed = model.embed.weight.detach().clone()
+    opt.copy_param("lm_head.weight", "embed.weight")
+    model.tie_embedding(False)
+    state = {n: st for b in opt.buckets for n, _, _, st in b.owned()}
+    assert not torch.equal(model.embed.weight, embed)
+    assert torch.equal(model.embed.weight, model.lm_head.weight.bfloat16())
+    for k in ("m", "v"):
+        assert state["lm_head.weight"][k].abs().sum() > 0
+        assert torch.equal(state["embed.weight"][k], state["lm_head.weight"][k].to(state["embed.weight"][k].dtype))
+    # Untied, the model is the untied model with these weights: the head no longer takes the lookup's gradient.
+    model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)).backward()
+    twin = T.GPT(config(), use_flex=False, fp8_head=False)
+    twin.load_state_dict(model.state_dict())
+    twin(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)).backward()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad), name
