@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import datetime
 import difflib
+import functools
 import glob
 import errno
 import hashlib
@@ -141,6 +142,7 @@ class Config:
     device: str = "auto"  # auto | cuda | cpu
     compile: bool | None = None  # torch.compile the model and Newton-Schulz; auto: on for CUDA, off for CPU
     fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
+    relu2_kernel: bool = False  # the MLP up-projection and ReLU^2 as one Triton kernel (#59, #87); CUDA or interpreter
     fp8_x_scale: float = 0.0  # the FP8 head's input scale (value = fp8 x scale); 0: sqrt(model_dim)/448 (#51: 100/448)
     fp8_w_scale: float = 2**-9  # ... of its weight (#55: 1.6/448)
     fp8_grad_scale: float = 1 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51: 0.75/448)
@@ -574,6 +576,10 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
     if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
         raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
                          f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
+    if cfg.relu2_kernel and (importlib.util.find_spec("triton") is None or
+                             not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        raise UsageError("--relu2_kernel runs a Triton kernel: it needs triton installed and a CUDA device (or "
+                         "TRITON_INTERPRET=1 on the CPU, slow); or use --relu2_kernel=false")
     dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
     bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
     if cfg.fp8_head and bad:
@@ -1249,9 +1255,72 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y.flatten(-2), w_o.T.type_as(y))
 
 
+# Fused linear + ReLU^2 (#59, #87), behind --relu2_kernel: one Triton GEMM whose epilogue squares the ReLU, so
+# the pre-activation never reaches memory; backward recovers relu(pre) = sqrt(post) (#87: nothing else saved)
+# and runs the two GEMMs in torch. Built on first use (triton is imported only then; with TRITON_INTERPRET=1
+# the kernel runs on CPU tensors, which is how the tests check it). K is a compile-time constant (model_dim).
+@functools.cache
+def relu2_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, sxm, sxk, swk, swn, som, son,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(0, tl.cdiv(K, BLOCK_K)):  # fp32 accumulation over K, masked tails
+            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+            b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N),
+                        other=0.0)
+            acc += tl.dot(a, b)
+        acc = tl.maximum(acc, 0.0)
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, (acc * acc).to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    def launch(x: Tensor, w: Tensor, out: Tensor, block_m: int = 64, block_n: int = 128, block_k: int = 32) -> None:
+        (M, K), N = x.shape, w.size(1)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        kernel[grid](x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(),
+                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+    return launch
+
+
+@torch.library.custom_op("speedrun::relu2_mm", mutates_args=())
+def relu2_mm(x: Tensor, w: Tensor) -> Tensor:
+    """relu(x @ w)^2 for x (M, K) and w (K, N), in x's dtype, by the fused Triton kernel."""
+    out = x.new_empty(x.size(0), w.size(1))
+    relu2_launcher()(x, w.to(x.dtype), out)
+    return out
+
+
+@relu2_mm.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.size(0), w.size(1))
+
+
+def _relu2_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1], output)
+
+
+def _relu2_mm_grad(ctx, grad_out: Tensor) -> tuple:
+    x, w, post = ctx.saved_tensors
+    grad_pre = 2 * post.sqrt() * grad_out  # d relu(pre)^2 = 2 relu(pre); relu(pre) = sqrt(post)
+    return grad_pre @ w.to(grad_pre.dtype).T, (x.T @ grad_pre).to(w.dtype)
+
+
+relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
+        self.fused = cfg.relu2_kernel
         hidden = cfg.mlp_ratio * cfg.model_dim
         # Both stored (dim, hidden) so they share a Muon shape group.
         self.c_fc = nn.Parameter(torch.empty(cfg.model_dim, hidden))
@@ -1261,7 +1330,10 @@ class MLP(nn.Module):
             self.c_fc.uniform_(-bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.relu(x @ self.c_fc.type_as(x)).square()
+        if self.fused:
+            h = torch.ops.speedrun.relu2_mm(x.flatten(0, -2), self.c_fc).view(*x.shape[:-1], -1)
+        else:
+            h = F.relu(x @ self.c_fc.type_as(x)).square()
         return F.linear(h, self.c_proj.type_as(h))
 
 

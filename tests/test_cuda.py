@@ -225,3 +225,19 @@ def test_worker_threads_select_the_runs_device(tmp_path, monkeypatch):
                         lambda d: (seen.append(threading.current_thread().name.split("_")[0]), set_device(d)))
     T.run(tiny_args(tmp_path, num_steps=2, val_every=0, save_every=2, warmup_steps=0, **RUN))
     assert {"prefetch", "ckpt-writer"} <= set(seen)
+
+
+def test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path(record_property):
+    # The fused up-projection + ReLU^2 (--relu2_kernel) on the GPU, bf16, one micro-step's 49,152 x 768 @ 768 x 3072.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = T.norm(torch.randn(49152, 768, device="cuda", generator=g)).bfloat16().requires_grad_()
+    w = (torch.rand(768, 3072, device="cuda", generator=g) - 0.5).mul(0.0625).requires_grad_()
+    grad = torch.randn(49152, 3072, device="cuda", generator=g).bfloat16()
+    got = torch.ops.speedrun.relu2_mm(x, w)
+    (got * grad).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    want = F.relu(x @ w.bfloat16()).square()
+    (want * grad).sum().backward()
+    record_property("relu2_rel_err", rel(got, want))
+    assert rel(got, want) < 0.01 and rel(gx, x.grad) < 0.02 and rel(gw, w.grad) < 0.02
