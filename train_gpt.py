@@ -398,7 +398,6 @@ def num_stages(cfg: Config) -> int:
     return max([1, *counts.values()])
 
 
-
 def value_embed_layout(cfg: Config) -> str:
     """--value_embeds, or by default #28's placement: tables 0, 1, 2 on the first three layers and again on the
     last three (fewer when there are fewer than six layers)."""
@@ -1063,11 +1062,17 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
     return partial_n, partial_idx, full_n, full_idx
 
 
-def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
+def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool
+                    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The tokens' document ids (a BOS count) and block_window_selection over the attended positions: the
+    tokens, or (paired) the 2T interleaved positions, where position i is token i // 2's. The token rule reads
+    the tokens' ids in both cases (the compiled flex kernel needs them as a buffer of its own inputs)."""
     docs = (input_seq == BOS_ID).cumsum(0)
-    # paired: blocks of the 2T positions; the mask_mod reads the tokens' ids (a buffer of its own inputs)
-    positions = docs.repeat_interleave(2) if paired else docs
-    partial_n, partial_idx, full_n, full_idx = block_window_selection(positions, block_size, window)
+    return docs, block_window_selection(docs.repeat_interleave(2) if paired else docs, block_size, window)
+
+
+def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
+    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return may_attend(q_idx, kv_idx, docs, paired)
@@ -1078,15 +1083,13 @@ def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
 
 def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
     """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
-    docs = (input_seq == BOS_ID).cumsum(0)
-    positions = docs.repeat_interleave(2) if paired else docs
-    partial_n, partial_idx, full_n, full_idx = block_window_selection(positions, block_size, window)
+    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
     nb = partial_n.numel()
     rank = torch.arange(nb, device=docs.device)[None, :]
     chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
     chosen.scatter_(1, partial_idx.long(), rank < partial_n[:, None])
     chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
-    pos = torch.arange(positions.numel(), device=docs.device)
+    pos = torch.arange(nb * block_size, device=docs.device)
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, paired)
 
@@ -1231,11 +1234,12 @@ class CausalSelfAttention(nn.Module):
         if not self.fold_lambdas:
             v = lambdas[0] * v
         if ve is not None:
+            ve_heads = ve.view_as(v)
             if self.ve_gate_w is not None:
                 half = self.ve_gate_w.size(1) // 2
                 gate_in = torch.cat([x[..., :half], ve[None, :, :half].type_as(x)], dim=-1)
-                ve = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve.view_as(v)
-            v = v + (ve.view_as(v) if self.fold_lambdas else lambdas[1] * ve.view_as(v))
+                ve_heads = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve_heads
+            v = v + (ve_heads if self.fold_lambdas else lambdas[1] * ve_heads)
         if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D); RoPE then turns head 2j by 2t, head 2j+1 by 2t+1
             q, k, v = (t.view(1, T, H // 2, 2, D).transpose(2, 3).reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
         q, k = self.rotary(q) * self.q_gain, self.rotary(k)
@@ -1441,7 +1445,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def tie_embedding(self, tied: bool) -> None:
         """Whether the embedding reads the head's weight (tie_embed) from now on; written only on a change."""
-        if self.embed_tied is not None and bool(self.embed_tied_now) != tied:
+        if self.embed_tied is not None and self.embed_tied_now != tied:
             self.embed_tied.fill_(float(tied))
             self.embed_tied_now = tied
 
@@ -1551,7 +1555,8 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
     scheduled = cfg.num_steps - cfg.extension_steps
     x = min(step / scheduled, 1.0)
-    stage = int(num_stages(cfg) * step / scheduled)  # of the equal stages; the extension's is num_stages
+    stages = num_stages(cfg)
+    stage = int(stages * step / scheduled)  # of the equal stages; the extension's is `stages`
 
     def staged(name: str, default: Any = None) -> Any:  # a staged field's value now, or default when unset
         spec = getattr(cfg, name)
@@ -1580,10 +1585,11 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
         yarn_windows = tuple(dict.fromkeys(long for _, long in window_stages(cfg.window_stages)[: stage + 1]))
     mtp = (1.0,)
     if cfg.mtp_stages:  # a stage's last weight of several falls to 0 across it; padded with zeros to the most
-        mtp = list(staged("mtp_stages"))
+        weights = mtp_stages(cfg.mtp_stages)
+        mtp = list(weights[min(stage, len(weights) - 1)])
         if len(mtp) > 1:
-            mtp[-1] *= 1 - (1.0 if stage >= num_stages(cfg) else num_stages(cfg) * x - stage)
-        mtp = tuple(mtp) + (0.0,) * (max(map(len, mtp_stages(cfg.mtp_stages))) - len(mtp))
+            mtp[-1] *= 1 - (1.0 if stage >= stages else stages * x - stage)
+        mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
     tied = cfg.tie_embed
     if tied and cfg.untie_frac:  # the last tied step is the first Adam step at or after untie_frac of the schedule
         split = math.ceil(cfg.untie_frac * scheduled)
@@ -2415,9 +2421,9 @@ def git_commit(directory: Path) -> str | None:
 
 
 def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
-                gpu_names: list[str]) -> dict[str, object]:
+                gpu_names: list[str], schedules: list[StepSchedule]) -> dict[str, object]:
     """The end-of-run summary, logs/<run_id>.json (records/compare.py reads these keys)."""
-    tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedule_table(cfg)[:-1])
+    tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedules[:cfg.num_steps])
     return {
         "run_id": cfg.run_id,
         "final_val_loss": val_points[-1][1] if val_points else None,
@@ -3199,7 +3205,8 @@ def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: Ru
 
 
 def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProfiler,
-           val_points: list[tuple[int, float, float]], train_time_ms: float) -> TrainResult:
+           val_points: list[tuple[int, float, float]], train_time_ms: float, schedules: list[StepSchedule]
+           ) -> TrainResult:
     """After the last step: peak memory, the --bench report, the run summary (rank 0)."""
     memory = peak_memory_mib(rt.device)
     if rt.device.type == "cuda":
@@ -3215,7 +3222,7 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
         gpu_names = [str(n) for n in every]
     summary = None
     if rt.rank == 0:
-        summary = run_summary(cfg, rt, val_points, train_time_ms, gpu_names)
+        summary = run_summary(cfg, rt, val_points, train_time_ms, gpu_names, schedules)
         write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
@@ -3287,7 +3294,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
     checkpointer.close()
     optimizer.wait_for_params()
-    result = finish(cfg, rt, log, raw_model, profiler, val_points, clock.ms)
+    result = finish(cfg, rt, log, raw_model, profiler, val_points, clock.ms, schedules)
     failures = checkpointer.failures
     if rt.world_size > 1:  # every rank exits alike, whichever rank's write failed
         every: list[list[str]] = [[]] * rt.world_size

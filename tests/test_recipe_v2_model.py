@@ -11,6 +11,7 @@ import torch
 
 import train_gpt as T
 from test_model import mask_tokens, reference_mask
+from test_spec import rms, rope  # the anchor spec's RMSNorm and half-truncated RoPE, written out in float64
 
 # The v2 model at a test's size: five layers shaped like the spec's eleven (a long layer feeding the
 # attention-less one through the skip, untied value embeddings on the first and last layers but not layer 0).
@@ -22,20 +23,6 @@ ITEMS = {"ve_gates": ["--ve_gates=true"], "fold_lambdas": ["--fold_lambdas=true"
          "bigram": ["--bigram_rows=4099", "--bigram_dim=32", "--bigram_signs=256"],
          "paired_heads": ["--paired_layers=0,3"], "tied_embed": ["--tie_embed=true"]}
 WINDOWS = (3, 1)  # long, short in blocks
-
-
-def rms(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True))
-
-
-def rope(x: torch.Tensor) -> torch.Tensor:
-    """(T, H, D): pairs (x[j], x[j + D/2]) turn by pos * w_j, w_j = (1/1024)^(j / (D/4 - 1)) for j < D/4, else 0."""
-    n, d = x.size(0), x.size(-1)
-    w = torch.zeros(d // 2, dtype=torch.float64)
-    w[: d // 4] = (1 / 1024) ** (torch.arange(d // 4, dtype=torch.float64) / (d // 4 - 1))
-    theta = torch.arange(n, dtype=torch.float64)[:, None, None] * w
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * theta.cos() + x2 * theta.sin(), -x1 * theta.sin() + x2 * theta.cos()], -1)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
