@@ -143,6 +143,7 @@ class Config:
     compile: bool | None = None  # torch.compile the model and Newton-Schulz; auto: on for CUDA, off for CPU
     fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
     relu2_kernel: bool = False  # the MLP up-projection and ReLU^2 as one Triton kernel (#59, #87); CUDA or interpreter
+    fused_head: bool = False  # head + (MTP) cross-entropy by row chunks, loss and gradient in one Triton kernel (#60)
     fp8_x_scale: float = 0.0  # the FP8 head's input scale (value = fp8 x scale); 0: sqrt(model_dim)/448 (#51: 100/448)
     fp8_w_scale: float = 2**-9  # ... of its weight (#55: 1.6/448)
     fp8_grad_scale: float = 1 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51: 0.75/448)
@@ -575,10 +576,11 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
     if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
         raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
                          f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
-    if cfg.relu2_kernel and (importlib.util.find_spec("triton") is None or
-                             not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-        raise UsageError("--relu2_kernel runs a Triton kernel: it needs triton installed and a CUDA device (or "
-                         "TRITON_INTERPRET=1 on the CPU, slow); or use --relu2_kernel=false")
+    for name in ("relu2_kernel", "fused_head"):
+        if getattr(cfg, name) and (importlib.util.find_spec("triton") is None or
+                                   not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            raise UsageError(f"--{name} runs a Triton kernel: it needs triton installed and a CUDA device (or "
+                             f"TRITON_INTERPRET=1 on the CPU, slow); or use --{name}=false")
     dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
     bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
     if cfg.fp8_head and bad:
@@ -1193,6 +1195,13 @@ def _fp8_mm_grad(ctx, grad_out: Tensor) -> tuple:
 fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 
 
+def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
+    """The FP8 head's (x, W, gradient) scales, the gradient's for a loss multiplied by loss_scale: folded in,
+    the e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed)."""
+    return [cfg.fp8_x_scale or math.sqrt(cfg.model_dim) / FP8_MAX_E4M3, cfg.fp8_w_scale,
+            cfg.fp8_grad_scale * loss_scale]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, layer: int, max_len: int, flex: Callable = flex_attention):
         super().__init__()
@@ -1363,6 +1372,99 @@ def train_loss_scale(cfg: Config) -> float:
     return 1.0 / cfg.global_batch_seqs
 
 
+# Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75), behind --fused_head: the logits are made
+# HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and, in place, its
+# gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
+# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does. u = cap sigmoid((z +
+# shift) / temp) lies in [0, cap], so lse = cap + log sum exp(u - cap) needs no running max.
+HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step
+
+
+@functools.cache
+def softcap_ce_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(z_ptr, stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
+               V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # One program per row t = row0 + r: the loss sum_k w_k (lse - u[y_(t+k)]) over the k with t + k < T, then
+        # dL/dz = (sum_k w_k softmax(u) - sum_k w_k onehot(y_(t+k))) * (cap / temp) s (1 - s), s = u / cap, over z.
+        r = tl.program_id(0)
+        row = z_ptr + r.to(tl.int64) * stride
+        sums = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for i in range(0, tl.cdiv(V, BLOCK_V)):
+            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
+            z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            sums += tl.where(cols < V, tl.exp(cap * tl.sigmoid((z + shift) / temp) - cap), 0.0)
+        lse = cap + tl.log(tl.sum(sums, axis=0))
+        ks = tl.arange(0, K)
+        valid = row0 + r + ks < T
+        ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
+        ws = tl.load(weights_ptr + ks, mask=valid, other=0.0)
+        u_y = cap * tl.sigmoid((tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) + shift) / temp)
+        tl.store(loss_ptr + r, tl.sum(ws * (lse - u_y), axis=0))
+        coef = tl.sum(ws, axis=0)
+        for i in range(0, tl.cdiv(V, BLOCK_V)):
+            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
+            a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
+            s = tl.sigmoid(a)
+            picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
+            # 1 - s as sigmoid(-a): no cancellation where the sigmoid saturates at cap
+            grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s * tl.sigmoid(-a)
+            tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
+
+    def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
+               temp: float, block_v: int = 1024) -> None:
+        # The weights are padded to a power of two (tl.arange's rule); the padding's zero weights count nothing.
+        k = max(2, triton.next_power_of_2(weights.numel()))
+        padded = F.pad(weights.float(), (0, k - weights.numel()))
+        kernel[(z.size(0),)](z, z.stride(0), targets, padded, losses, row0, targets.numel(), cap, shift, temp,
+                             V=z.size(1), K=k, BLOCK_V=block_v)
+
+    return launch
+
+
+@torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
+def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
+               scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u = cap sigmoid((x w^T +
+    shift) / temp), the terms past the end left out. scales: fp8_scales(), the head's GEMMs in FP8 as fp8_mm runs
+    them; [] runs them in x's dtype."""
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
+    losses = torch.empty(min(x.size(0), HEAD_CHUNK_ROWS), dtype=torch.float32, device=x.device)
+    w_x = w.type_as(x)
+    for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
+        xc = x[row0: row0 + HEAD_CHUNK_ROWS]
+        z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
+        softcap_ce_launcher()(z, targets, weights, losses, row0, cap, shift, temp)  # z is now dloss/dz
+        loss += losses[: xc.size(0)].sum()
+        gx, gw = _fp8_matmul_grads(z, xc, w, *scales) if scales else (z @ w_x, z.T @ xc)
+        grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
+        grad_w += gw
+    return loss, grad_x, grad_w.to(w.dtype)
+
+
+@softcap_ce.register_fake
+def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
+      scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(w)
+
+
+def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
+    grad_x, grad_w = ctx.saved_tensors
+    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None
+
+
+softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
+
+
 BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
 YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
@@ -1462,9 +1564,9 @@ class GPT(nn.Module):
             vectors = vectors * self.bigram_sign[signs].type_as(vectors)
         return F.pad(vectors, (0, self.cfg.model_dim - vectors.size(-1)))[None]
 
-    def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
-        """Soft-capped fp32 logits, (T, vocab), for one packed (T,) sequence; windows is (long, short) in blocks,
-        an int tensor (a new value never recompiles). The FP8 head serves training only."""
+    def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
+        """The head's input, (T, model_dim), for one packed (T,) sequence; windows is (long, short) in blocks, an int
+        tensor (a new value never recompiles)."""
         cfg, L = self.cfg, self.cfg.num_layers
         sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
         ves = [table(input_seq) for table in self.value_embeds]
@@ -1497,13 +1599,13 @@ class GPT(nn.Module):
                 backout = x
         if backout is not None:  # #40: the middle layers' output, useful downstream but not for the prediction
             x = x - sc["backout"] * backout
-        x = norm(x).flatten(0, 1)
-        if self.training and self.fp8_head:
-            # The gradient reaching the head carries train_loss_scale; folded into the gradient scale, the
-            # e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed).
-            x_s = cfg.fp8_x_scale or math.sqrt(cfg.model_dim) / FP8_MAX_E4M3
-            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, x_s, cfg.fp8_w_scale,
-                                               cfg.fp8_grad_scale * train_loss_scale(cfg))
+        return norm(x).flatten(0, 1)
+
+    def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
+        """Soft-capped fp32 logits, (T, vocab). The FP8 head serves training only."""
+        cfg, x = self.cfg, self.hidden(input_seq, windows)
+        if self.training and self.fp8_head:  # the gradient reaching the head carries train_loss_scale
+            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(cfg, train_loss_scale(cfg)))
         else:
             logits = F.linear(x, self.lm_head.weight.type_as(x))
         return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
@@ -1511,7 +1613,14 @@ class GPT(nn.Module):
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
         """Summed cross-entropy in training, mean in eval. mtp, a (K,) tensor of weights, makes the training loss
         multi-token (#53): sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the terms past the sequence's end left out
-        (and no document boundary respected, as upstream), one logsumexp per position for every k."""
+        (and no document boundary respected, as upstream), one logsumexp per position for every k. With
+        --fused_head the training loss comes from softcap_ce (no logits tensor), with the same terms."""
+        cfg = self.cfg
+        if self.training and cfg.fused_head:
+            weights = mtp if mtp is not None else target_seq.new_ones(1, dtype=torch.float32)
+            return torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
+                                                 weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
+                                                 fp8_scales(cfg, 1.0) if self.fp8_head else [])[0]
         logits = self.logits(input_seq, windows)
         if not self.training or mtp is None:
             return F.cross_entropy(logits, target_seq, reduction="sum" if self.training else "mean")

@@ -241,3 +241,33 @@ def test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path(record
     (want * grad).sum().backward()
     record_property("relu2_rel_err", rel(got, want))
     assert rel(got, want) < 0.01 and rel(gx, x.grad) < 0.02 and rel(gw, w.grad) < 0.02
+
+
+@fp8
+def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logits_memory(record_property):
+    # --fused_head against the FP8 head + compiled softcapped MTP cross-entropy at one micro-step's shapes (v2's
+    # rescale, three next tokens), from records/kernel_bench.py: the loss, the gradients, and peak memory above the
+    # inputs, which must fall by at least the bf16 logits the fused head never holds whole (times: the benchmark).
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernel_bench", T.HERE / "records" / "kernel_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = T.parse_config(["--preset=v2"])
+    compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
+    (x, w), cases = bench.head_cases(cfg, cfg.train_seq_len, torch.bfloat16, CUDA, compile_, fp8=True)
+    results = {}
+    for path in ("torch", "kernel"):  # timed() calls each 3 times: both gradients are 3x one call's
+        x.grad = w.grad = None
+        results[path] = bench.timed(cases[path], 1, CUDA)["peak_mib_above_inputs"], x.grad.clone(), w.grad.clone()
+        record_property(f"{path}_peak_mib_above_inputs", round(results[path][0]))
+    (mem_t, gx_t, gw_t), (mem_k, gx_k, gw_k) = results["torch"], results["kernel"]
+    record_property("grad_rel_err", f"{rel(gx_k, gx_t):.4f} {rel(gw_k, gw_t):.4f}")
+    assert rel(gx_k, gx_t) < 0.05 and rel(gw_k, gw_t) < 0.05
+    assert mem_t - mem_k >= cfg.train_seq_len * cfg.vocab_size * 2 / 2**20, (mem_t, mem_k)
+
+
+def test_a_compiled_run_with_both_triton_kernels_learns(tmp_path):
+    # --relu2_kernel and --fused_head inside the compiled model (one graph with the custom ops), with v2's loss.
+    result = T.run(tiny_args(tmp_path, run_id="kernels", relu2_kernel=True, fused_head=True, mtp_stages="1/0.5",
+                             logit_cap=23, logit_shift=5, num_steps=8, val_every=4, warmup_steps=1, **RUN))
+    assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.3

@@ -13,6 +13,7 @@ from conftest import REPO
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # a process of its own, and a few interpreted training steps
 def test_triton_kernels_under_the_interpreter_equal_the_torch_path():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "kernel_checks.py"],

@@ -1,0 +1,128 @@
+"""The Triton kernels against the torch path they replace, at one micro-step's shapes: forward + backward time
+(median over --repeats, after two untimed calls that compile and autotune) and peak memory above the inputs.
+
+    python records/kernel_bench.py [--out FILE.json] [--repeats N] [--small]
+
+On a GPU, bf16 at the recipe's shapes: --relu2_kernel (49,152 x 768 @ 768 x 3,072, then ReLU^2) and --fused_head
+(49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5) and three next tokens, FP8 where the GPU
+has it), each torch path compiled as the trainer compiles it. --small runs shapes that Triton's interpreter
+manages on a CPU (TRITON_INTERPRET=1): that checks the script, its times say nothing. The whole step before
+and after: train_gpt.py --bench with and without the flags, then records/compare.py on the two logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as T  # noqa: E402
+
+MTP = [1.0, 0.5, 0.25]  # v2's first stage: three next tokens
+
+
+def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> dict[str, float | None]:
+    """Median milliseconds of fn() and its peak memory above what was allocated before it (None on a CPU)."""
+    cuda = device.type == "cuda"
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+    return {"ms": statistics.median(times), "peak_mib_above_inputs": peak}
+
+
+Cases = tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Callable[[], None]]]  # (x, w), {path: fwd + bwd}
+
+
+def relu2_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = cfg.mlp_ratio * cfg.model_dim
+    x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=g)).to(dtype).requires_grad_()
+    w = (0.05 * torch.randn(cfg.model_dim, hidden, device=device, generator=g)).requires_grad_()
+    grad = torch.randn(rows, hidden, device=device, generator=g).to(dtype)
+    torch_path = compile_(lambda: F.relu(x @ w.type_as(x)).square())
+    return (x, w), {"torch": lambda: torch_path().backward(grad),
+                    "kernel": lambda: torch.ops.speedrun.relu2_mm(x, w).backward(grad)}
+
+
+def head_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable, fp8: bool
+               ) -> Cases:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=g)).to(dtype).requires_grad_()
+    w = (0.05 * torch.randn(cfg.vocab_size, cfg.model_dim, device=device, generator=g)).requires_grad_()
+    targets = torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=g)
+    mtp, scales = torch.tensor(MTP, device=device), T.fp8_scales(cfg, 1.0) if fp8 else []
+    caps = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temp)
+
+    def torch_loss() -> torch.Tensor:  # the model's training loss on the logits path (GPT.forward)
+        z = torch.ops.speedrun.fp8_mm(x, w, *scales) if fp8 else x @ w.type_as(x).T
+        u = cfg.logit_cap * torch.sigmoid((z.float() + cfg.logit_shift) / cfg.logit_temp)
+        lse = torch.logsumexp(u, dim=-1)
+        return sum(m * (lse[: rows - k] - u[: rows - k].gather(1, targets[k:, None]).squeeze(1)).sum()
+                   for k, m in enumerate(MTP))
+
+    torch_path = compile_(torch_loss)
+    return (x, w), {"torch": lambda: torch_path().backward(),
+                    "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, mtp, *caps, scales)[0].backward()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--small", action="store_true", help="interpreter-sized shapes (a CPU check of the script)")
+    opts = parser.parse_args()
+    cuda = torch.cuda.is_available() and not opts.small
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and not (opts.small and os.environ.get("TRITON_INTERPRET") == "1"):
+        sys.exit("error: the benchmark needs a CUDA GPU; on a CPU, TRITON_INTERPRET=1 with --small checks the script")
+    dims = ["--model_dim=64", "--head_dim=32", "--vocab_size=512"] if opts.small else []
+    cfg = T.parse_config(["--preset=v2", *dims])
+    rows = 64 if opts.small else cfg.train_seq_len
+    dtype = torch.bfloat16 if cuda else torch.float32
+    fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)
+    compile_ = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if cuda else (lambda fn: fn)
+    where = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter: times say nothing)"
+    print(f"kernel_bench: {where}, torch {torch.__version__}, {rows} rows, {dtype}, fp8 head {fp8}")
+    rows_out = []
+    for kernel, cases in [("relu2_mm", relu2_cases(cfg, rows, dtype, device, compile_)),
+                          ("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8))]:
+        for path, fn in cases[1].items():
+            figures = timed(fn, opts.repeats, device)
+            rows_out.append({"kernel": kernel, "path": path, **figures})
+            peak = figures["peak_mib_above_inputs"]
+            print(f"{kernel:<11} {path:<7} {figures['ms']:9.2f} ms  peak above inputs "
+                  f"{'-' if peak is None else f'{peak:,.0f} MiB'}")
+    if opts.out:
+        opts.out.write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": rows, "fp8": fp8,
+                                        "dtype": str(dtype), "results": rows_out}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
