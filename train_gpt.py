@@ -1,6 +1,7 @@
 """Speedrun GPT trainer: the whole recipe in one file, in data-flow order.
 
-config -> data -> model -> schedule -> optimizer -> metrics -> profiler -> checkpoints -> training -> main().
+config -> data -> kernels -> model -> schedule -> optimizer -> metrics -> profiler -> checkpoints -> training ->
+main().
 Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
 (N in 1, 2, 4, 8) or plain `python train_gpt.py --preset=tiny` on a CPU.
 Importing this module has no side effects; the tests import it. Analysis that need not run inside
@@ -1016,6 +1017,248 @@ class PrefetchLoader:
 
 
 # -----------------------------------------------------------------------------
+# Kernels
+# The model's custom ops, each a torch.library op with a fake kernel (what torch.compile traces) and an
+# autograd rule: the FP8 head's matmuls (cuBLAS), and behind flags the Triton kernels of recipe v2 part 3. The
+# torch path each one replaces stays in the model as the reference.
+
+# FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
+# bf16; backward casts the output gradient to float8_e5m2. The scales are Config fields, #28's by default: x is
+# RMS-normed, so |x| <= sqrt(d) maps onto e4m3's largest value, 448; |W| <= 448 * 2^-9 = 0.875; gradients up to
+# 57344 / 448 (v2 takes #51/#55's retune).
+# Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
+# backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
+# dtype torch.library.opcheck can compare).
+FP8_MAX_E4M3 = 448.0
+
+
+def _scale(value: float, like: Tensor) -> Tensor:
+    # A fill kernel, not a host-to-device copy: a copy of a Python scalar would synchronize the host.
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
+@torch.compile(dynamic=False, fullgraph=True)
+def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                            scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
+
+
+@torch.compile(dynamic=False, fullgraph=True)
+def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
+    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g))
+    # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=_scale(x_s, g), scale_b=_scale(grad_s, g)).T
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
+    """x @ w.T in bf16, with both operands scaled into float8_e4m3 (grad_s is the backward's gradient scale)."""
+    return _fp8_matmul(x, w, x_s, w_s)
+
+
+@fp8_mm.register_fake
+def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
+    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """Gradients of fp8_mm: g / grad_s in float8_e5m2; grad_x in bf16, grad_w in fp32 (column-major)."""
+    return _fp8_matmul_grads(g, x, w, x_s, w_s, grad_s)
+
+
+@fp8_mm_backward.register_fake
+def _(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    # The strides the real op returns: compiled callers check them (grad_w is a transposed row-major result).
+    return x.new_empty(x.shape, dtype=torch.bfloat16), w.new_empty(w.shape[::-1], dtype=torch.float32).T
+
+
+def _fp8_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.scales = inputs[2:]
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _fp8_mm_grad(ctx, grad_out: Tensor) -> tuple:
+    x, w = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x, w, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
+
+
+def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
+    """The FP8 head's (x, W, gradient) scales, the gradient's for a loss multiplied by loss_scale: folded in,
+    the e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed)."""
+    return [cfg.fp8_x_scale or math.sqrt(cfg.model_dim) / FP8_MAX_E4M3, cfg.fp8_w_scale,
+            cfg.fp8_grad_scale * loss_scale]
+
+
+# Fused linear + ReLU^2 (#59, #87), behind --relu2_kernel: one Triton GEMM whose epilogue squares the ReLU, so
+# the pre-activation never reaches memory; backward recovers relu(pre) = sqrt(post) (#87: nothing else saved)
+# and runs the two GEMMs in torch. Built on first use (triton is imported only then; with TRITON_INTERPRET=1
+# the kernel runs on CPU tensors, which is how the tests check it). K is a compile-time constant (model_dim).
+@functools.cache
+def relu2_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, sxm, sxk, swk, swn, som, son,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(0, tl.cdiv(K, BLOCK_K)):  # fp32 accumulation over K, masked tails
+            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+            b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N),
+                        other=0.0)
+            acc += tl.dot(a, b)
+        acc = tl.maximum(acc, 0.0)
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, (acc * acc).to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    def launch(x: Tensor, w: Tensor, out: Tensor, block_m: int = 64, block_n: int = 128, block_k: int = 32) -> None:
+        (M, K), N = x.shape, w.size(1)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        kernel[grid](x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(),
+                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+    return launch
+
+
+@torch.library.custom_op("speedrun::relu2_mm", mutates_args=())
+def relu2_mm(x: Tensor, w: Tensor) -> Tensor:
+    """relu(x @ w)^2 for x (M, K) and w (K, N), in x's dtype, by the fused Triton kernel."""
+    out = x.new_empty(x.size(0), w.size(1))
+    relu2_launcher()(x, w.to(x.dtype), out)
+    return out
+
+
+@relu2_mm.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.size(0), w.size(1))
+
+
+def _relu2_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1], output)
+
+
+def _relu2_mm_grad(ctx, grad_out: Tensor) -> tuple:
+    x, w, post = ctx.saved_tensors
+    grad_pre = 2 * post.sqrt() * grad_out  # d relu(pre)^2 = 2 relu(pre); relu(pre) = sqrt(post)
+    return grad_pre @ w.to(grad_pre.dtype).T, (x.T @ grad_pre).to(w.dtype)
+
+
+relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
+
+
+# Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75), behind --fused_head: the logits are made
+# HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and, in place, its
+# gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
+# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does. u = cap sigmoid((z +
+# shift) / temp) lies in [0, cap], so lse = cap + log sum exp(u - cap) needs no running max.
+HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step
+
+
+@functools.cache
+def softcap_ce_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(z_ptr, stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
+               V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # One program per row t = row0 + r: the loss sum_k w_k (lse - u[y_(t+k)]) over the k with t + k < T, then
+        # dL/dz = (sum_k w_k softmax(u) - sum_k w_k onehot(y_(t+k))) * (cap / temp) s (1 - s), s = u / cap, over z.
+        r = tl.program_id(0)
+        row = z_ptr + r.to(tl.int64) * stride
+        sums = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for i in range(0, tl.cdiv(V, BLOCK_V)):
+            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
+            z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            sums += tl.where(cols < V, tl.exp(cap * tl.sigmoid((z + shift) / temp) - cap), 0.0)
+        lse = cap + tl.log(tl.sum(sums, axis=0))
+        ks = tl.arange(0, K)
+        valid = row0 + r + ks < T
+        ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
+        ws = tl.load(weights_ptr + ks, mask=valid, other=0.0)
+        u_y = cap * tl.sigmoid((tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) + shift) / temp)
+        tl.store(loss_ptr + r, tl.sum(ws * (lse - u_y), axis=0))
+        coef = tl.sum(ws, axis=0)
+        for i in range(0, tl.cdiv(V, BLOCK_V)):
+            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
+            a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
+            s = tl.sigmoid(a)
+            picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
+            # 1 - s as sigmoid(-a): no cancellation where the sigmoid saturates at cap
+            grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s * tl.sigmoid(-a)
+            tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
+
+    def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
+               temp: float, block_v: int = 1024) -> None:
+        # The weights are padded to a power of two (tl.arange's rule); the padding's zero weights count nothing.
+        k = max(2, triton.next_power_of_2(weights.numel()))
+        padded = F.pad(weights.float(), (0, k - weights.numel()))
+        kernel[(z.size(0),)](z, z.stride(0), targets, padded, losses, row0, targets.numel(), cap, shift, temp,
+                             V=z.size(1), K=k, BLOCK_V=block_v)
+
+    return launch
+
+
+@torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
+def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
+               scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u = cap sigmoid((x w^T +
+    shift) / temp), the terms past the end left out. scales: fp8_scales(), the head's GEMMs in FP8 as fp8_mm runs
+    them; [] runs them in x's dtype."""
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
+    losses = torch.empty(min(x.size(0), HEAD_CHUNK_ROWS), dtype=torch.float32, device=x.device)
+    w_x = w.type_as(x)
+    for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
+        xc = x[row0: row0 + HEAD_CHUNK_ROWS]
+        z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
+        softcap_ce_launcher()(z, targets, weights, losses, row0, cap, shift, temp)  # z is now dloss/dz
+        loss += losses[: xc.size(0)].sum()
+        gx, gw = _fp8_matmul_grads(z, xc, w, *scales) if scales else (z @ w_x, z.T @ xc)
+        grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
+        grad_w += gw
+    return loss, grad_x, grad_w.to(w.dtype)
+
+
+@softcap_ce.register_fake
+def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
+      scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(w)
+
+
+def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
+    grad_x, grad_w = ctx.saved_tensors
+    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None
+
+
+softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
+
+
+# -----------------------------------------------------------------------------
 # Model
 # The record-#28 GPT: token + value embeddings, U-net skips, per-block mixing with x0, QK-norm,
 # half-truncated RoPE, sparse head gates, ReLU^2 MLP, soft-capped logits. One mask rule for
@@ -1121,87 +1364,6 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
 
 
-# FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
-# bf16; backward casts the output gradient to float8_e5m2. The scales are Config fields, #28's by default: x is
-# RMS-normed, so |x| <= sqrt(d) maps onto e4m3's largest value, 448; |W| <= 448 * 2^-9 = 0.875; gradients up to
-# 57344 / 448 (v2 takes #51/#55's retune).
-# Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
-# backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
-# dtype torch.library.opcheck can compare).
-FP8_MAX_E4M3 = 448.0
-
-
-def _scale(value: float, like: Tensor) -> Tensor:
-    # A fill kernel, not a host-to-device copy: a copy of a Python scalar would synchronize the host.
-    return torch.full((), value, dtype=torch.float32, device=like.device)
-
-
-@torch.compile(dynamic=False, fullgraph=True)
-def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
-                            scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
-
-
-@torch.compile(dynamic=False, fullgraph=True)
-def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
-    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                              scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g))
-    # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=_scale(x_s, g), scale_b=_scale(grad_s, g)).T
-    return grad_x, grad_w
-
-
-@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
-def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
-    """x @ w.T in bf16, with both operands scaled into float8_e4m3 (grad_s is the backward's gradient scale)."""
-    return _fp8_matmul(x, w, x_s, w_s)
-
-
-@fp8_mm.register_fake
-def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
-    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """Gradients of fp8_mm: g / grad_s in float8_e5m2; grad_x in bf16, grad_w in fp32 (column-major)."""
-    return _fp8_matmul_grads(g, x, w, x_s, w_s, grad_s)
-
-
-@fp8_mm_backward.register_fake
-def _(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    # The strides the real op returns: compiled callers check them (grad_w is a transposed row-major result).
-    return x.new_empty(x.shape, dtype=torch.bfloat16), w.new_empty(w.shape[::-1], dtype=torch.float32).T
-
-
-def _fp8_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    ctx.scales = inputs[2:]
-    ctx.save_for_backward(inputs[0], inputs[1])
-
-
-def _fp8_mm_grad(ctx, grad_out: Tensor) -> tuple:
-    x, w = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x, w, *ctx.scales)
-    return grad_x, grad_w, None, None, None
-
-
-fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
-
-
-def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
-    """The FP8 head's (x, W, gradient) scales, the gradient's for a loss multiplied by loss_scale: folded in,
-    the e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed)."""
-    return [cfg.fp8_x_scale or math.sqrt(cfg.model_dim) / FP8_MAX_E4M3, cfg.fp8_w_scale,
-            cfg.fp8_grad_scale * loss_scale]
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, layer: int, max_len: int, flex: Callable = flex_attention):
         super().__init__()
@@ -1268,68 +1430,6 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y.flatten(-2), w_o.T.type_as(y))
 
 
-# Fused linear + ReLU^2 (#59, #87), behind --relu2_kernel: one Triton GEMM whose epilogue squares the ReLU, so
-# the pre-activation never reaches memory; backward recovers relu(pre) = sqrt(post) (#87: nothing else saved)
-# and runs the two GEMMs in torch. Built on first use (triton is imported only then; with TRITON_INTERPRET=1
-# the kernel runs on CPU tensors, which is how the tests check it). K is a compile-time constant (model_dim).
-@functools.cache
-def relu2_launcher() -> Callable:
-    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, sxm, sxk, swk, swn, som, son,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, tl.cdiv(K, BLOCK_K)):  # fp32 accumulation over K, masked tails
-            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N),
-                        other=0.0)
-            acc += tl.dot(a, b)
-        acc = tl.maximum(acc, 0.0)
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, (acc * acc).to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    def launch(x: Tensor, w: Tensor, out: Tensor, block_m: int = 64, block_n: int = 128, block_k: int = 32) -> None:
-        (M, K), N = x.shape, w.size(1)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        kernel[grid](x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(),
-                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-
-    return launch
-
-
-@torch.library.custom_op("speedrun::relu2_mm", mutates_args=())
-def relu2_mm(x: Tensor, w: Tensor) -> Tensor:
-    """relu(x @ w)^2 for x (M, K) and w (K, N), in x's dtype, by the fused Triton kernel."""
-    out = x.new_empty(x.size(0), w.size(1))
-    relu2_launcher()(x, w.to(x.dtype), out)
-    return out
-
-
-@relu2_mm.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
-    return x.new_empty(x.size(0), w.size(1))
-
-
-def _relu2_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    ctx.save_for_backward(inputs[0], inputs[1], output)
-
-
-def _relu2_mm_grad(ctx, grad_out: Tensor) -> tuple:
-    x, w, post = ctx.saved_tensors
-    grad_pre = 2 * post.sqrt() * grad_out  # d relu(pre)^2 = 2 relu(pre); relu(pre) = sqrt(post)
-    return grad_pre @ w.to(grad_pre.dtype).T, (x.T @ grad_pre).to(w.dtype)
-
-
-relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -1370,99 +1470,6 @@ def train_loss_scale(cfg: Config) -> float:
     """train() scales each micro-step's summed loss by this before backward: the gradients summed over
     micro-steps and ranks are then the mean over the step's sequences, the same at every world size."""
     return 1.0 / cfg.global_batch_seqs
-
-
-# Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75), behind --fused_head: the logits are made
-# HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and, in place, its
-# gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
-# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does. u = cap sigmoid((z +
-# shift) / temp) lies in [0, cap], so lse = cap + log sum exp(u - cap) needs no running max.
-HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step
-
-
-@functools.cache
-def softcap_ce_launcher() -> Callable:
-    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(z_ptr, stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
-               V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr):
-        # One program per row t = row0 + r: the loss sum_k w_k (lse - u[y_(t+k)]) over the k with t + k < T, then
-        # dL/dz = (sum_k w_k softmax(u) - sum_k w_k onehot(y_(t+k))) * (cap / temp) s (1 - s), s = u / cap, over z.
-        r = tl.program_id(0)
-        row = z_ptr + r.to(tl.int64) * stride
-        sums = tl.zeros((BLOCK_V,), dtype=tl.float32)
-        for i in range(0, tl.cdiv(V, BLOCK_V)):
-            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
-            z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            sums += tl.where(cols < V, tl.exp(cap * tl.sigmoid((z + shift) / temp) - cap), 0.0)
-        lse = cap + tl.log(tl.sum(sums, axis=0))
-        ks = tl.arange(0, K)
-        valid = row0 + r + ks < T
-        ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
-        ws = tl.load(weights_ptr + ks, mask=valid, other=0.0)
-        u_y = cap * tl.sigmoid((tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) + shift) / temp)
-        tl.store(loss_ptr + r, tl.sum(ws * (lse - u_y), axis=0))
-        coef = tl.sum(ws, axis=0)
-        for i in range(0, tl.cdiv(V, BLOCK_V)):
-            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
-            a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
-            s = tl.sigmoid(a)
-            picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
-            # 1 - s as sigmoid(-a): no cancellation where the sigmoid saturates at cap
-            grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s * tl.sigmoid(-a)
-            tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
-
-    def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
-               temp: float, block_v: int = 1024) -> None:
-        # The weights are padded to a power of two (tl.arange's rule); the padding's zero weights count nothing.
-        k = max(2, triton.next_power_of_2(weights.numel()))
-        padded = F.pad(weights.float(), (0, k - weights.numel()))
-        kernel[(z.size(0),)](z, z.stride(0), targets, padded, losses, row0, targets.numel(), cap, shift, temp,
-                             V=z.size(1), K=k, BLOCK_V=block_v)
-
-    return launch
-
-
-@torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
-def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-               scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u = cap sigmoid((x w^T +
-    shift) / temp), the terms past the end left out. scales: fp8_scales(), the head's GEMMs in FP8 as fp8_mm runs
-    them; [] runs them in x's dtype."""
-    loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
-    losses = torch.empty(min(x.size(0), HEAD_CHUNK_ROWS), dtype=torch.float32, device=x.device)
-    w_x = w.type_as(x)
-    for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
-        xc = x[row0: row0 + HEAD_CHUNK_ROWS]
-        z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
-        softcap_ce_launcher()(z, targets, weights, losses, row0, cap, shift, temp)  # z is now dloss/dz
-        loss += losses[: xc.size(0)].sum()
-        gx, gw = _fp8_matmul_grads(z, xc, w, *scales) if scales else (z @ w_x, z.T @ xc)
-        grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
-        grad_w += gw
-    return loss, grad_x, grad_w.to(w.dtype)
-
-
-@softcap_ce.register_fake
-def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-      scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
-    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(w)
-
-
-def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
-    ctx.save_for_backward(output[1], output[2])
-
-
-def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
-    grad_x, grad_w = ctx.saved_tensors
-    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None
-
-
-softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
 
 
 BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)

@@ -374,6 +374,7 @@ def test_v2_world_size_one_and_two_take_the_same_steps(tmp_path):
         assert a == pytest.approx(b, abs=2e-3)
 
 
+@pytest.mark.slow  # three runs of every v2 item
 def test_v2_warmup_leaves_no_trace_and_resume_is_exact(tmp_path):
     full = T.run(v2_args(tmp_path, run_id="full", warmup_steps=3))  # odd: ends with Adam gradients pending
     log = (tmp_path / "logs" / "full.txt").read_text()
