@@ -1168,9 +1168,10 @@ relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
 # Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75), behind --fused_head: the logits are made
 # HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and, in place, its
 # gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
-# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does. u = cap sigmoid((z +
-# shift) / temp) lies in [0, cap], so lse = cap + log sum exp(u - cap) needs no running max.
-HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step
+# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does (validation, loss
+# only, too). u = cap sigmoid((z + shift) / temp) lies in [0, cap], so lse = cap + log sum exp(u - cap) needs no
+# running max.
+HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step (26 GB validating)
 
 
 @functools.cache
@@ -1181,7 +1182,7 @@ def softcap_ce_launcher() -> Callable:
 
     @triton.jit
     def kernel(z_ptr, stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
-               V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr):
+               V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
         # One program per row t = row0 + r: the loss sum_k w_k (lse - u[y_(t+k)]) over the k with t + k < T, then
         # dL/dz = (sum_k w_k softmax(u) - sum_k w_k onehot(y_(t+k))) * (cap / temp) s (1 - s), s = u / cap, over z.
         r = tl.program_id(0)
@@ -1199,41 +1200,48 @@ def softcap_ce_launcher() -> Callable:
         u_y = cap * tl.sigmoid((tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) + shift) / temp)
         tl.store(loss_ptr + r, tl.sum(ws * (lse - u_y), axis=0))
         coef = tl.sum(ws, axis=0)
-        for i in range(0, tl.cdiv(V, BLOCK_V)):
-            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
-            a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
-            s = tl.sigmoid(a)
-            picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
-            # 1 - s as sigmoid(-a): no cancellation where the sigmoid saturates at cap
-            grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s * tl.sigmoid(-a)
-            tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
+        if GRAD:
+            for i in range(0, tl.cdiv(V, BLOCK_V)):
+                cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
+                a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
+                s = tl.sigmoid(a)
+                picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
+                # 1 - s as sigmoid(-a): no cancellation where the sigmoid saturates at cap
+                grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s * tl.sigmoid(-a)
+                tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
 
     def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
-               temp: float, block_v: int = 1024) -> None:
+               temp: float, grad: bool = True, block_v: int = 1024) -> None:
         # The weights are padded to a power of two (tl.arange's rule); the padding's zero weights count nothing.
         k = max(2, triton.next_power_of_2(weights.numel()))
         padded = F.pad(weights.float(), (0, k - weights.numel()))
         kernel[(z.size(0),)](z, z.stride(0), targets, padded, losses, row0, targets.numel(), cap, shift, temp,
-                             V=z.size(1), K=k, BLOCK_V=block_v)
+                             V=z.size(1), K=k, BLOCK_V=block_v, GRAD=grad)
 
     return launch
 
 
 @torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
 def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-               scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+               scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u = cap sigmoid((x w^T +
     shift) / temp), the terms past the end left out. scales: fp8_scales(), the head's GEMMs in FP8 as fp8_mm runs
-    them; [] runs them in x's dtype."""
+    them; [] runs them in x's dtype. with_grad=False (no autograd: validation) gives the loss alone, the
+    gradients empty."""
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
+    if not with_grad:
+        grad_x, grad_w = x.new_empty(0), w.new_empty(0)
+    else:
+        grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
     losses = torch.empty(min(x.size(0), HEAD_CHUNK_ROWS), dtype=torch.float32, device=x.device)
     w_x = w.type_as(x)
     for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
         xc = x[row0: row0 + HEAD_CHUNK_ROWS]
         z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
-        softcap_ce_launcher()(z, targets, weights, losses, row0, cap, shift, temp)  # z is now dloss/dz
+        softcap_ce_launcher()(z, targets, weights, losses, row0, cap, shift, temp, with_grad)  # z is now dloss/dz
         loss += losses[: xc.size(0)].sum()
+        if not with_grad:
+            continue
         gx, gw = _fp8_matmul_grads(z, xc, w, *scales) if scales else (z @ w_x, z.T @ xc)
         grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
         grad_w += gw
@@ -1242,8 +1250,9 @@ def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: floa
 
 @softcap_ce.register_fake
 def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-      scales: list[float]) -> tuple[Tensor, Tensor, Tensor]:
-    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(w)
+      scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    grads = (torch.empty_like(x), torch.empty_like(w)) if with_grad else (x.new_empty(0), w.new_empty(0))
+    return x.new_empty((), dtype=torch.float32), *grads
 
 
 def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
@@ -1252,7 +1261,7 @@ def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
 
 def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
     grad_x, grad_w = ctx.saved_tensors
-    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None
+    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None, None
 
 
 softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
@@ -1621,13 +1630,15 @@ class GPT(nn.Module):
         """Summed cross-entropy in training, mean in eval. mtp, a (K,) tensor of weights, makes the training loss
         multi-token (#53): sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the terms past the sequence's end left out
         (and no document boundary respected, as upstream), one logsumexp per position for every k. With
-        --fused_head the training loss comes from softcap_ce (no logits tensor), with the same terms."""
+        --fused_head both losses come from softcap_ce (no logits tensor), with the same terms."""
         cfg = self.cfg
-        if self.training and cfg.fused_head:
-            weights = mtp if mtp is not None else target_seq.new_ones(1, dtype=torch.float32)
-            return torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
+        if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
+            weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
+            loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
                                                  weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
-                                                 fp8_scales(cfg, 1.0) if self.fp8_head else [])[0]
+                                                 fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],
+                                                 self.training)[0]
+            return loss if self.training else loss / target_seq.numel()
         logits = self.logits(input_seq, windows)
         if not self.training or mtp is None:
             return F.cross_entropy(logits, target_seq, reduction="sum" if self.training else "mean")

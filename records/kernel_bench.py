@@ -5,7 +5,8 @@
 
 On a GPU, bf16 at the recipe's shapes: --relu2_kernel (49,152 x 768 @ 768 x 3,072, then ReLU^2) and --fused_head
 (49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5) and three next tokens, FP8 where the GPU
-has it), each torch path compiled as the trainer compiles it. --small runs shapes that Triton's interpreter
+has it; and validation's loss alone over one 262,144-token sequence), each torch path compiled as the trainer
+compiles it. --small runs shapes that Triton's interpreter
 manages on a CPU (TRITON_INTERPRET=1): that checks the script, its times say nothing. The whole step before
 and after: train_gpt.py --bench with and without the flags, then records/compare.py on the two logs.
 """
@@ -30,7 +31,7 @@ import train_gpt as T  # noqa: E402
 MTP = [1.0, 0.5, 0.25]  # v2's first stage: three next tokens
 
 
-def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> dict[str, float | None]:
+def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> dict[str, float | None]:
     """Median milliseconds of fn() and its peak memory above what was allocated before it (None on a CPU)."""
     cuda = device.type == "cuda"
     for _ in range(2):
@@ -56,7 +57,7 @@ def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> dict[st
     return {"ms": statistics.median(times), "peak_mib_above_inputs": peak}
 
 
-Cases = tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Callable[[], None]]]  # (x, w), {path: fwd + bwd}
+Cases = tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Callable[[], object]]]  # (x, w), {path: a call}
 
 
 def relu2_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
@@ -91,6 +92,23 @@ def head_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
                     "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, mtp, *caps, scales)[0].backward()}
 
 
+def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
+    """Validation's loss (no gradient, bf16 head, mean next-token loss) over one val_seq_len sequence."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=g)).to(dtype)
+    w = 0.05 * torch.randn(cfg.vocab_size, cfg.model_dim, device=device, generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=g)
+    one, caps = torch.ones(1, device=device), (cfg.logit_cap, cfg.logit_shift, cfg.logit_temp)
+
+    def torch_loss() -> torch.Tensor:  # GPT.forward in eval on the logits path
+        u = cfg.logit_cap * torch.sigmoid(((x @ w.type_as(x).T).float() + cfg.logit_shift) / cfg.logit_temp)
+        return F.cross_entropy(u, targets)
+
+    torch_path = compile_(torch_loss)
+    return (x, w), {"torch": lambda: torch_path(),
+                    "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, one, *caps, [], False)[0] / rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
@@ -110,13 +128,15 @@ def main() -> int:
     where = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter: times say nothing)"
     print(f"kernel_bench: {where}, torch {torch.__version__}, {rows} rows, {dtype}, fp8 head {fp8}")
     rows_out = []
+    val_rows = rows if opts.small else cfg.val_seq_len
     for kernel, cases in [("relu2_mm", relu2_cases(cfg, rows, dtype, device, compile_)),
-                          ("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8))]:
+                          ("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8)),
+                          ("softcap_ce_eval", eval_cases(cfg, val_rows, dtype, device, compile_))]:
         for path, fn in cases[1].items():
             figures = timed(fn, opts.repeats, device)
             rows_out.append({"kernel": kernel, "path": path, **figures})
             peak = figures["peak_mib_above_inputs"]
-            print(f"{kernel:<11} {path:<7} {figures['ms']:9.2f} ms  peak above inputs "
+            print(f"{kernel:<15} {path:<7} {figures['ms']:9.2f} ms  peak above inputs "
                   f"{'-' if peak is None else f'{peak:,.0f} MiB'}")
     if opts.out:
         opts.out.write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": rows, "fp8": fp8,

@@ -145,6 +145,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def test_softcap_ce_without_gradients_gives_the_same_loss():
+    x, w, targets = ce_operands(70)
+    args = (targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5, [])
+    with_grad = torch.ops.speedrun.softcap_ce(x, w, *args)
+    loss, gx, gw = torch.ops.speedrun.softcap_ce(x, w, *args, False)
+    assert torch.equal(loss, with_grad[0]) and gx.numel() == gw.numel() == 0
+
+
 def test_softcap_ce_op_passes_opcheck():
     x, w, targets = ce_operands(40, vocab=200)
     torch.library.opcheck(torch.ops.speedrun.softcap_ce.default,
@@ -171,7 +179,7 @@ def test_softcap_ce_compiled_in_one_graph_equals_eager():
 
 def test_the_model_with_the_fused_head_equals_the_torch_path_loss_and_every_gradient():
     # The v2 loss (the rescale, three next tokens) through the whole model, fp32: --fused_head against the
-    # logits path, in training mode (the path the flag changes); eval keeps the logits path.
+    # logits path, in training (the loss and every gradient) and in validation (the mean loss).
     args = ["--preset=tiny", "--model_dim=64", "--head_dim=32", "--vocab_size=320", "--logit_cap=23",
             "--logit_shift=5"]
     torch.manual_seed(0)
@@ -189,6 +197,10 @@ def test_the_model_with_the_fused_head_equals_the_torch_path_loss_and_every_grad
     for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert plain.embed.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # validation: the mean next-token loss, no gradient made
+        evals = [model.eval()(tokens[:-1], tokens[1:], windows) for model in (plain, fused)]
+    torch.testing.assert_close(evals[1], evals[0], rtol=1e-6, atol=0)
+    assert evals[0] < losses[0] / 256  # the training loss sums three next tokens' terms, validation one's mean
 
 
 def test_a_run_with_the_fused_head_follows_the_torch_path(tmp_path, monkeypatch):
@@ -200,9 +212,10 @@ def test_a_run_with_the_fused_head_follows_the_torch_path(tmp_path, monkeypatch)
     launch = T.softcap_ce_launcher()
     monkeypatch.setattr(T, "softcap_ce_launcher", lambda: functools.partial(launch, block_v=65536))
     runs = [T.run(tiny_args(tmp_path, run_id=f"head_{fused}", fused_head=fused, mtp_stages="1/0.5", logit_cap=23,
-                            logit_shift=5, num_steps=2, val_every=2, **SMALL)).val_losses for fused in (False, True)]
+                            logit_shift=5, num_steps=2, val_every=2, **{**SMALL, "val_tokens": 256, "val_seq_len": 256})
+                  ).val_losses for fused in (False, True)]
     (_, start), (_, plain) = runs[0]
-    assert [s for s, _ in runs[1]] == [0, 2] and runs[1][0][1] == start
+    assert [s for s, _ in runs[1]] == [0, 2] and abs(runs[1][0][1] - start) < 1e-5  # validation: the kernel too
     assert abs(runs[1][1][1] - plain) < 5e-3 < start - plain, runs
 
 
@@ -215,6 +228,6 @@ def test_the_kernel_benchmark_runs_and_reports_both_paths_of_each_kernel(tmp_pat
     monkeypatch.setattr("sys.argv", ["kernel_bench.py", "--small", "--repeats=1", f"--out={out}"])
     assert bench.main() == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["kernel"], r["path"]) for r in results] == [(k, p) for k in ("relu2_mm", "softcap_ce")
+    assert [(r["kernel"], r["path"]) for r in results] == [(k, p) for k in ("relu2_mm", "softcap_ce", "softcap_ce_eval")
                                                             for p in ("torch", "kernel")]
     assert all(r["ms"] > 0 for r in results)

@@ -246,8 +246,9 @@ def test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path(record
 @fp8
 def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logits_memory(record_property):
     # --fused_head against the FP8 head + compiled softcapped MTP cross-entropy at one micro-step's shapes (v2's
-    # rescale, three next tokens), from records/kernel_bench.py: the loss, the gradients, and peak memory above the
-    # inputs, which must fall by at least the bf16 logits the fused head never holds whole (times: the benchmark).
+    # rescale, three next tokens), and validation's loss over one val sequence, from records/kernel_bench.py: the
+    # gradients and the loss, and peak memory above the inputs, which must fall by at least the bf16 logits the
+    # fused head never holds whole (times: the benchmark's).
     import importlib.util
     spec = importlib.util.spec_from_file_location("kernel_bench", T.HERE / "records" / "kernel_bench.py")
     bench = importlib.util.module_from_spec(spec)
@@ -259,11 +260,18 @@ def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logit
     for path in ("torch", "kernel"):  # timed() calls each 3 times: both gradients are 3x one call's
         x.grad = w.grad = None
         results[path] = bench.timed(cases[path], 1, CUDA)["peak_mib_above_inputs"], x.grad.clone(), w.grad.clone()
-        record_property(f"{path}_peak_mib_above_inputs", round(results[path][0]))
+        record_property(f"train_{path}_peak_mib_above_inputs", round(results[path][0]))
     (mem_t, gx_t, gw_t), (mem_k, gx_k, gw_k) = results["torch"], results["kernel"]
     record_property("grad_rel_err", f"{rel(gx_k, gx_t):.4f} {rel(gw_k, gw_t):.4f}")
     assert rel(gx_k, gx_t) < 0.05 and rel(gw_k, gw_t) < 0.05
     assert mem_t - mem_k >= cfg.train_seq_len * cfg.vocab_size * 2 / 2**20, (mem_t, mem_k)
+    _, cases = bench.eval_cases(cfg, cfg.val_seq_len, torch.bfloat16, CUDA, compile_)
+    with torch.no_grad():
+        losses = {path: fn().item() for path, fn in cases.items()}
+        peaks = {path: bench.timed(fn, 1, CUDA)["peak_mib_above_inputs"] for path, fn in cases.items()}
+    record_property("eval_peak_mib_above_inputs", peaks)
+    assert abs(losses["kernel"] - losses["torch"]) < 1e-4 * losses["torch"], losses
+    assert peaks["torch"] - peaks["kernel"] >= cfg.val_seq_len * cfg.vocab_size * 2 / 2**20, peaks
 
 
 def test_a_compiled_run_with_both_triton_kernels_learns(tmp_path):
