@@ -6,10 +6,12 @@ One command, at most ten minutes on one H100, from the repo root's checkout with
 shards in the git-ignored data/proxy/ (proxy_train_*.bin, proxy_val_*.bin) or FineWeb in data/fineweb10B/
 (python data/cached_fineweb10B.py 1). Two stages, each under its own time limit:
 
-1. tests: tests/test_cuda.py (FP8 ops and head through cuBLAS, compiled FlexAttention against dense attention,
-   the prefetch loader against a slowed stream, the compiled GPT's graphs, a tiny run with checkpoints), the
-   no-host-sync test, and the CPU suite's FP8 and FlexAttention tests. Without a GPU the CUDA tests are
-   skipped with their reason and the CPU rehearsal of the compiled path (tests/test_compiled.py) runs instead.
+1. tests: the CPU suite's FP8 and FlexAttention tests, the no-host-sync test, then tests/test_cuda.py (FP8 ops
+   and head through cuBLAS, compiled FlexAttention against dense attention, the prefetch loader against a
+   slowed stream, the compiled GPT's graphs, a tiny run with checkpoints, v2 compiled, the Triton kernels in
+   bf16). Without a GPU the CUDA tests are skipped with their reason and the CPU rehearsal of the compiled path
+   (tests/test_compiled.py) runs instead. A stage killed at its limit keeps the outcome of every test that
+   finished (read from pytest's verbose log).
 2. bench: train_gpt.py --bench at the recipe's per-rank shape (8 micro-steps of 49,152 tokens) on that
    corpus; without a GPU, the tiny preset compiled with the FP8 head, on the CPU.
 
@@ -39,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 # The benchmark's corpus, the first one present: a proxy corpus, or FineWeb (the trainer's default).
 CORPORA = [("data/proxy/proxy_train_*.bin", "data/proxy/proxy_val_*.bin"),
            ("data/fineweb10B/fineweb_train_*.bin", "data/fineweb10B/fineweb_val_*.bin")]
-GPU_TESTS = ["tests/test_cuda.py", "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps"]
+# In this order, the long tests/test_cuda.py last: if the stage runs past its limit, its last tests are what is lost.
+GPU_TESTS = ["tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py"]
 CPU_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
              "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
              "tests/test_model.py::test_compiled_flex_attention_equals_sdpa_with_reference_mask"]
@@ -73,8 +76,9 @@ def run_logged(cmd: list[str], log: Path, limit_s: float) -> tuple[int | None, f
             f.write(line)
         proc.wait()
         watchdog.cancel()
-        if expired.is_set():
-            f.write(f"killed after {limit_s:.0f} s\n")
+        if expired.is_set():  # on a line of its own: the last one may be a test's id still waiting for its outcome
+            print(f"\nkilled after {limit_s:.0f} s", flush=True)
+            f.write(f"\nkilled after {limit_s:.0f} s\n")
             return None, time.monotonic() - t0
     return proc.returncode, time.monotonic() - t0
 
@@ -96,19 +100,43 @@ def test_rows(xml_path: Path) -> list[dict]:
     return rows
 
 
-def tests_stage(out: Path, cuda: bool) -> list[dict]:
-    tests = GPU_TESTS + CPU_TESTS + ([] if cuda else REHEARSAL_TESTS)
-    xml = out / "tests.xml"
+# pytest -v writes a test's id, then its outcome on the same line once it ends: a killed run's log keeps every
+# finished test's outcome, and the id of the one that was running with none.
+VERBOSE_LINE = re.compile(r"^(\S+\.py::\S+)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b)?")
+VERBOSE_RESULT = {"PASSED": "PASS", "XPASS": "PASS", "FAILED": "FAIL", "ERROR": "FAIL", "SKIPPED": "SKIP",
+                  "XFAIL": "SKIP", None: "FAIL"}
+
+
+def log_rows(log_text: str) -> list[dict]:
+    """Rows from pytest -v's log, for a run killed before it wrote its XML: each finished test's outcome, and
+    the test that was running as FAIL (no figures: those are in the XML only)."""
+    rows = []
+    for line in log_text.splitlines():
+        m = VERBOSE_LINE.match(line)
+        if m:
+            rows.append({"check": m.group(1), "result": VERBOSE_RESULT[m.group(2)], "seconds": 0.0, "figures": {},
+                         "note": "" if m.group(2) else "running when the stage was killed"})
+    return rows
+
+
+def run_tests(tests: list[str], out: Path, limit_s: float) -> list[dict]:
+    """pytest on `tests`, one row per test from its junit XML (or, if killed, from its log) and a FAIL row
+    when it was killed or gave no results."""
+    xml, log = out / "tests.xml", out / "tests.log"
     xml.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+    cmd = [sys.executable, "-m", "pytest", *tests, "-v", "-rfEs", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
            f"--junitxml={xml}"]
-    code, seconds = run_logged(cmd, out / "tests.log", TESTS_LIMIT_S)
-    rows = test_rows(xml) if xml.exists() else []
+    code, seconds = run_logged(cmd, log, limit_s)
+    rows = test_rows(xml) if xml.exists() else log_rows(log.read_text())
     if code is None or not rows:
-        why = f"killed after {TESTS_LIMIT_S} s" if code is None else f"pytest exited {code} with no results"
+        why = f"killed after {limit_s:.0f} s" if code is None else f"pytest exited {code} with no results"
         rows.append({"check": "tests", "result": "FAIL", "seconds": seconds, "note": f"{why}; see tests.log",
                      "figures": {}})
     return rows
+
+
+def tests_stage(out: Path, cuda: bool) -> list[dict]:
+    return run_tests(CPU_TESTS + GPU_TESTS + ([] if cuda else REHEARSAL_TESTS), out, TESTS_LIMIT_S)
 
 
 def bench_stage(out: Path, cuda: bool) -> dict:

@@ -52,3 +52,18 @@ def test_a_stage_past_its_limit_is_killed_and_reported(tmp_path):
     assert "started" in log and "killed after 2 s" in log
     code, _ = gpu_check.run_logged([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "fail.log", 30)
     assert code == 3
+
+
+def test_a_killed_test_stage_keeps_each_finished_tests_outcome_from_its_log(tmp_path):
+    # The XML is written at the end only: a stage killed at its limit reads the verbose log instead.
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS + textwrap.dedent('''
+        def test_hangs():
+            import time
+            time.sleep(60)
+    '''))
+    rows = gpu_check.run_tests([str(tmp_path / "test_sample.py")], tmp_path, limit_s=8)
+    results = {r["check"].split("::")[-1]: (r["result"], r["note"]) for r in rows}
+    assert results["test_measures"] == ("PASS", "") and results["test_breaks"][0] == "FAIL"
+    assert results["test_gpu_only"][0] == "SKIP"
+    assert results["test_hangs"] == ("FAIL", "running when the stage was killed")
+    assert results["tests"] == ("FAIL", "killed after 8 s; see tests.log")
