@@ -77,6 +77,10 @@ def softcap_ce_reference(x, w, targets, weights, cap, shift, temp):
     return sum(wk * (lse[: n - k] - u[torch.arange(n - k), targets[k:]]).sum() for k, wk in enumerate(weights))
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def ce_operands(m: int, d: int = 24, vocab: int = 300, spread: float = 1.0):
     g = torch.Generator().manual_seed(2)
     x = T.norm(torch.randn(m, d, generator=g))
@@ -141,10 +145,6 @@ def test_softcap_ce_with_fp8_scales_follows_the_fp8_head_path():
     assert abs(loss.double() - exact) / exact > 1e-5  # the operands were quantized (not the bf16 path)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_softcap_ce_without_gradients_gives_the_same_loss():
     x, w, targets = ce_operands(70)
     args = (targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5, [])
@@ -164,6 +164,7 @@ def test_softcap_ce_compiled_in_one_graph_equals_eager():
     # Inside torch.compile(fullgraph=True) the op traces through its fake kernel and its autograd rule.
     x, w, targets = ce_operands(40, vocab=200)
     mtp = torch.tensor([1.0, 0.5])
+
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return 2 * torch.ops.speedrun.softcap_ce(x, w, targets, mtp, 23.0, 5.0, 7.5, [])[0]
 
