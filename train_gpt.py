@@ -1212,11 +1212,9 @@ def softcap_ce_launcher() -> Callable:
 
     def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
                temp: float, grad: bool = True, block_v: int = 1024) -> None:
-        # The weights are padded to a power of two (tl.arange's rule); the padding's zero weights count nothing.
-        k = max(2, triton.next_power_of_2(weights.numel()))
-        padded = F.pad(weights.float(), (0, k - weights.numel()))
-        kernel[(z.size(0),)](z, z.stride(0), targets, padded, losses, row0, targets.numel(), cap, shift, temp,
-                             V=z.size(1), K=k, BLOCK_V=block_v, GRAD=grad)
+        # weights: fp32, padded with zeros to a power of two (tl.arange's rule; softcap_ce pads them once)
+        kernel[(z.size(0),)](z, z.stride(0), targets, weights, losses, row0, targets.numel(), cap, shift, temp,
+                             V=z.size(1), K=weights.numel(), BLOCK_V=block_v, GRAD=grad)
 
     return launch
 
@@ -1228,24 +1226,23 @@ def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: floa
     shift) / temp), the terms past the end left out. scales: fp8_scales(), the head's GEMMs in FP8 as fp8_mm runs
     them; [] runs them in x's dtype. with_grad=False (no autograd: validation) gives the loss alone, the
     gradients empty."""
-    loss = torch.zeros((), dtype=torch.float32, device=x.device)
     if not with_grad:
         grad_x, grad_w = x.new_empty(0), w.new_empty(0)
     else:
         grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
-    losses = torch.empty(min(x.size(0), HEAD_CHUNK_ROWS), dtype=torch.float32, device=x.device)
-    w_x = w.type_as(x)
+    losses = torch.empty(x.size(0), dtype=torch.float32, device=x.device)  # per row, summed once at the end
+    weights = F.pad(weights.float(), (0, max(2, 1 << (weights.numel() - 1).bit_length()) - weights.numel()))
+    w_x = None if scales else w.type_as(x)  # the FP8 GEMMs cast w themselves
     for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
         xc = x[row0: row0 + HEAD_CHUNK_ROWS]
         z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
-        softcap_ce_launcher()(z, targets, weights, losses, row0, cap, shift, temp, with_grad)  # z is now dloss/dz
-        loss += losses[: xc.size(0)].sum()
+        softcap_ce_launcher()(z, targets, weights, losses[row0:], row0, cap, shift, temp, with_grad)  # z: dloss/dz
         if not with_grad:
             continue
         gx, gw = _fp8_matmul_grads(z, xc, w, *scales) if scales else (z @ w_x, z.T @ xc)
         grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
         grad_w += gw
-    return loss, grad_x, grad_w.to(w.dtype)
+    return losses.sum(), grad_x, grad_w.to(w.dtype)
 
 
 @softcap_ce.register_fake
@@ -1481,6 +1478,25 @@ def train_loss_scale(cfg: Config) -> float:
     return 1.0 / cfg.global_batch_seqs
 
 
+def softcap(logits: Tensor, cfg: Config) -> Tensor:
+    """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
+    return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
+
+
+def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor | None) -> Tensor:
+    """Summed cross-entropy of the next token, or with mtp, a (K,) tensor of weights, multi-token (#53):
+    sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the terms past the sequence's end left out (and no document boundary
+    respected, as upstream), one logsumexp per position for every k."""
+    if mtp is None:
+        return F.cross_entropy(logits, targets, reduction="sum")
+    lse, T = torch.logsumexp(logits, dim=-1), targets.size(0)
+    loss = logits.new_zeros(())
+    for k in range(mtp.size(0)):
+        picked = logits[: T - k].gather(1, targets[k:, None]).squeeze(1)
+        loss = loss + mtp[k] * (lse[: T - k] - picked).sum()
+    return loss
+
+
 BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
 YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
@@ -1624,13 +1640,11 @@ class GPT(nn.Module):
             logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(cfg, train_loss_scale(cfg)))
         else:
             logits = F.linear(x, self.lm_head.weight.type_as(x))
-        return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
+        return softcap(logits, cfg)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
-        """Summed cross-entropy in training, mean in eval. mtp, a (K,) tensor of weights, makes the training loss
-        multi-token (#53): sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the terms past the sequence's end left out
-        (and no document boundary respected, as upstream), one logsumexp per position for every k. With
-        --fused_head both losses come from softcap_ce (no logits tensor), with the same terms."""
+        """Summed (multi_token_loss with mtp, a (K,) tensor of weights) cross-entropy in training, mean in eval.
+        With --fused_head both losses come from softcap_ce (no logits tensor), with the same terms."""
         cfg = self.cfg
         if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
             weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
@@ -1640,14 +1654,7 @@ class GPT(nn.Module):
                                                  self.training)[0]
             return loss if self.training else loss / target_seq.numel()
         logits = self.logits(input_seq, windows)
-        if not self.training or mtp is None:
-            return F.cross_entropy(logits, target_seq, reduction="sum" if self.training else "mean")
-        lse, T = torch.logsumexp(logits, dim=-1), target_seq.size(0)
-        loss = logits.new_zeros(())
-        for k in range(mtp.size(0)):
-            picked = logits[: T - k].gather(1, target_seq[k:, None]).squeeze(1)
-            loss = loss + mtp[k] * (lse[: T - k] - picked).sum()
-        return loss
+        return multi_token_loss(logits, target_seq, mtp) if self.training else F.cross_entropy(logits, target_seq)
 
 
 # -----------------------------------------------------------------------------

@@ -80,12 +80,9 @@ def head_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
     mtp, scales = torch.tensor(MTP, device=device), T.fp8_scales(cfg, 1.0) if fp8 else []
     caps = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temp)
 
-    def torch_loss() -> torch.Tensor:  # the model's training loss on the logits path (GPT.forward)
+    def torch_loss() -> torch.Tensor:  # the model's training loss on the logits path (GPT.logits, GPT.forward)
         z = torch.ops.speedrun.fp8_mm(x, w, *scales) if fp8 else x @ w.type_as(x).T
-        u = cfg.logit_cap * torch.sigmoid((z.float() + cfg.logit_shift) / cfg.logit_temp)
-        lse = torch.logsumexp(u, dim=-1)
-        return sum(m * (lse[: rows - k] - u[: rows - k].gather(1, targets[k:, None]).squeeze(1)).sum()
-                   for k, m in enumerate(MTP))
+        return T.multi_token_loss(T.softcap(z, cfg), targets, mtp)
 
     torch_path = compile_(torch_loss)
     return (x, w), {"torch": lambda: torch_path().backward(),
@@ -101,8 +98,7 @@ def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
     one, caps = torch.ones(1, device=device), (cfg.logit_cap, cfg.logit_shift, cfg.logit_temp)
 
     def torch_loss() -> torch.Tensor:  # GPT.forward in eval on the logits path
-        u = cfg.logit_cap * torch.sigmoid(((x @ w.type_as(x).T).float() + cfg.logit_shift) / cfg.logit_temp)
-        return F.cross_entropy(u, targets)
+        return F.cross_entropy(T.softcap(x @ w.type_as(x).T, cfg), targets)
 
     torch_path = compile_(torch_loss)
     return (x, w), {"torch": lambda: torch_path(),

@@ -5,6 +5,7 @@ the check's table show them)."""
 
 import math
 import os
+import sys
 import threading
 
 import pytest
@@ -249,10 +250,8 @@ def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logit
     # rescale, three next tokens), and validation's loss over one val sequence, from records/kernel_bench.py: the
     # gradients and the loss, and peak memory above the inputs, which must fall by at least the bf16 logits the
     # fused head never holds whole (times: the benchmark's).
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("kernel_bench", T.HERE / "records" / "kernel_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    sys.path.insert(0, str(T.HERE / "records"))
+    import kernel_bench as bench
     cfg = T.parse_config(["--preset=v2"])
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
     (x, w), cases = bench.head_cases(cfg, cfg.train_seq_len, torch.bfloat16, CUDA, compile_, fp8=True)
