@@ -7,7 +7,9 @@
 # exit code is the rank's (2: bad input, 130: Ctrl-C, 143: SIGTERM).
 set -euo pipefail
 cd "$(dirname "$0")"
-gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+# Some images (a distribution's, a container's) have only python3.
+python=$(command -v python || command -v python3) || { echo "run.sh: neither python nor python3 is on PATH" >&2; exit 1; }
+gpus=$("$python" -c "import torch; print(torch.cuda.device_count())")
 args=("$@")
 if [ "$gpus" -eq 0 ]; then
     echo "run.sh: no CUDA GPU visible; running --preset=tiny on the CPU with data/sample/" >&2
@@ -17,9 +19,9 @@ if [ "$gpus" -eq 0 ]; then
 fi
 nproc=${NPROC:-$((gpus > 0 ? gpus : 1))}
 if [ "$nproc" -le 1 ]; then
-    exec python train_gpt.py "${args[@]}"
+    exec "$python" train_gpt.py "${args[@]}"
 fi
-exec python - "$nproc" "${args[@]}" <<'PY'
+exec "$python" - "$nproc" "${args[@]}" <<'PY'
 import logging
 import sys
 

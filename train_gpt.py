@@ -1037,7 +1037,20 @@ def _scale(value: float, like: Tensor) -> Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
-@torch.compile(dynamic=False, fullgraph=True)
+def compiled_on_first_call(fn: Callable) -> Callable:
+    """fn under torch.compile (fullgraph, static shapes), built when first called: torch.compile imports dynamo,
+    over a second of every process's start-up that a run without the FP8 head (a CPU run, --help) never needs."""
+    compiled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=False, fullgraph=True))
+        return compiled[0](*args)
+    return call
+
+
+@compiled_on_first_call
 def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
     w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
@@ -1045,7 +1058,7 @@ def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
                             scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
 
 
-@torch.compile(dynamic=False, fullgraph=True)
+@compiled_on_first_call
 def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
     g_f8 = g.div(grad_s).to(torch.float8_e5m2)
@@ -1185,29 +1198,30 @@ def softcap_ce_launcher() -> Callable:
                V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
         # One program per row t = row0 + r: the loss sum_k w_k (lse - u[y_(t+k)]) over the k with t + k < T, then
         # dL/dz = (sum_k w_k softmax(u) - sum_k w_k onehot(y_(t+k))) * (cap / temp) s (1 - s), s = u / cap, over z.
+        # sigmoid and cdiv written out: tl's are jit functions, which the interpreter re-patches at every call.
         r = tl.program_id(0)
         row = z_ptr + r.to(tl.int64) * stride
         sums = tl.zeros((BLOCK_V,), dtype=tl.float32)
-        for i in range(0, tl.cdiv(V, BLOCK_V)):
+        for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
             cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
             z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            sums += tl.where(cols < V, tl.exp(cap * tl.sigmoid((z + shift) / temp) - cap), 0.0)
+            sums += tl.where(cols < V, tl.exp(cap / (1 + tl.exp(-(z + shift) / temp)) - cap), 0.0)
         lse = cap + tl.log(tl.sum(sums, axis=0))
         ks = tl.arange(0, K)
         valid = row0 + r + ks < T
         ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
         ws = tl.load(weights_ptr + ks, mask=valid, other=0.0)
-        u_y = cap * tl.sigmoid((tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) + shift) / temp)
-        tl.store(loss_ptr + r, tl.sum(ws * (lse - u_y), axis=0))
+        z_y = tl.load(row + ys, mask=valid, other=0.0).to(tl.float32)
+        tl.store(loss_ptr + r, tl.sum(ws * (lse - cap / (1 + tl.exp(-(z_y + shift) / temp))), axis=0))
         coef = tl.sum(ws, axis=0)
         if GRAD:
-            for i in range(0, tl.cdiv(V, BLOCK_V)):
+            for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
                 cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
                 a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
-                s = tl.sigmoid(a)
+                s = 1 / (1 + tl.exp(-a))
                 picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
-                # 1 - s as sigmoid(-a): no cancellation where the sigmoid saturates at cap
-                grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s * tl.sigmoid(-a)
+                # 1 - s as sigmoid(-a) = 1 / (1 + exp(a)): no cancellation where the sigmoid saturates at cap
+                grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s / (1 + tl.exp(a))
                 tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
 
     def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,

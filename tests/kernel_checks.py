@@ -214,7 +214,7 @@ def test_a_run_with_the_fused_head_follows_the_torch_path(tmp_path, monkeypatch)
     launch = T.softcap_ce_launcher()
     monkeypatch.setattr(T, "softcap_ce_launcher", lambda: functools.partial(launch, block_v=65536))
     runs = [T.run(tiny_args(tmp_path, run_id=f"head_{fused}", fused_head=fused, mtp_stages="1/0.5", logit_cap=23,
-                            logit_shift=5, num_steps=2, val_every=2, **{**SMALL, "val_tokens": 256, "val_seq_len": 256})
+                            logit_shift=5, num_steps=2, val_every=2, **{**SMALL, "val_tokens": 128, "val_seq_len": 128})
                   ).val_losses for fused in (False, True)]
     (_, start), (_, plain) = runs[0]
     assert [s for s, _ in runs[1]] == [0, 2] and abs(runs[1][0][1] - start) < 1e-5  # validation: the kernel too
