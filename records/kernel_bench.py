@@ -135,6 +135,7 @@ def main() -> int:
             print(f"{kernel:<15} {path:<7} {figures['ms']:9.2f} ms  peak above inputs "
                   f"{'-' if peak is None else f'{peak:,.0f} MiB'}")
     if opts.out:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": rows, "fp8": fp8,
                                         "dtype": str(dtype), "results": rows_out}, indent=2) + "\n")
     return 0
