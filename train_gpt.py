@@ -1040,13 +1040,11 @@ def _scale(value: float, like: Tensor) -> Tensor:
 def compiled_on_first_call(fn: Callable) -> Callable:
     """fn under torch.compile (fullgraph, static shapes), built when first called: torch.compile imports dynamo,
     over a second of every process's start-up that a run without the FP8 head (a CPU run, --help) never needs."""
-    compiled: list[Callable] = []
+    build = functools.cache(lambda: torch.compile(fn, dynamic=False, fullgraph=True))
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
-        if not compiled:
-            compiled.append(torch.compile(fn, dynamic=False, fullgraph=True))
-        return compiled[0](*args)
+        return build()(*args)
     return call
 
 

@@ -56,11 +56,10 @@ def cli(args: list[str], cwd: Path, env: dict | None = None, launcher: list[str]
                           env={**os.environ, **(env or {})})
 
 
-def run_sh(args: list[str], cwd: Path, nproc: int, **popen) -> subprocess.Popen:
-    """./run.sh on this CPU machine (it adds --preset=tiny --device=cpu) with NPROC processes."""
-    popen.setdefault("env", {**os.environ, "NPROC": str(nproc)})
+def run_sh(args: list[str], cwd: Path, nproc: int, env: dict | None = None, **popen) -> subprocess.Popen:
+    """./run.sh on this CPU machine (it adds --preset=tiny --device=cpu) with NPROC processes; env adds variables."""
     return subprocess.Popen([str(REPO / "run.sh"), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **popen)
+                            env={**os.environ, "NPROC": str(nproc), **(env or {})}, text=True, **popen)
 
 
 @pytest.mark.slow
@@ -86,7 +85,7 @@ def test_run_sh_ends_with_the_ranks_one_line_and_its_exit_code(tmp_path, nproc):
     (bin_dir / "python3").symlink_to(sys.executable)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"} if nproc == 1 else {}
     assert nproc > 1 or shutil.which("python", path=env["PATH"]) is None
-    proc = run_sh(["--bogus=1"], tmp_path, nproc, env={**os.environ, "NPROC": str(nproc), **env})
+    proc = run_sh(["--bogus=1"], tmp_path, nproc, env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "error: unknown option --bogus (see --help)"
