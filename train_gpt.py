@@ -1028,8 +1028,15 @@ class PrefetchLoader:
 # 57344 / 448 (v2 takes #51/#55's retune).
 # Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
 # backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
-# dtype torch.library.opcheck can compare).
-FP8_MAX_E4M3 = 448.0
+# dtype torch.library.opcheck can compare). A value past a format's range saturates to its largest, as the
+# record's compiled casts do on the GPU (Triton's); torch < 2.12 casts e4m3 overflow to NaN, e5m2's to inf.
+FP8_MAX_E4M3 = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def _to_fp8(t: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    # In fp32, rounded once (a bf16 quotient would round twice; fused, the cast never sees it anyway).
+    limit = torch.finfo(dtype).max
+    return t.float().div(scale).clamp(-limit, limit).to(dtype)
 
 
 def _scale(value: float, like: Tensor) -> Tensor:
@@ -1050,8 +1057,8 @@ def compiled_on_first_call(fn: Callable) -> Callable:
 
 @compiled_on_first_call
 def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
     return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
                             scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
 
@@ -1059,9 +1066,9 @@ def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
 @compiled_on_first_call
 def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
-    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    g_f8 = _to_fp8(g, grad_s, torch.float8_e5m2)
+    x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
                               scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g))
     # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.

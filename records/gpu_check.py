@@ -44,6 +44,7 @@ CORPORA = [("data/proxy/proxy_train_*.bin", "data/proxy/proxy_val_*.bin"),
 # In this order, the long tests/test_cuda.py last: if the stage runs past its limit, its last tests are what is lost.
 GPU_TESTS = ["tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py"]
 CPU_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
+             "tests/test_model.py::test_fp8_head_saturates_values_beyond_each_formats_range",
              "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
              "tests/test_model.py::test_compiled_flex_attention_equals_sdpa_with_reference_mask"]
 REHEARSAL_TESTS = ["tests/test_compiled.py"]

@@ -16,6 +16,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import train_gpt as T
 from conftest import SAMPLE_TRAIN, tiny_args
+from test_model import assert_fp8_head_saturates
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -50,6 +51,11 @@ def test_fp8_ops_pass_opcheck_on_cuda():
     scales = (math.sqrt(768) / T.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
     torch.library.opcheck(torch.ops.speedrun.fp8_mm.default, (x, w, *scales))
     torch.library.opcheck(torch.ops.speedrun.fp8_mm_backward.default, (g, x, w, *scales))
+
+
+@fp8
+def test_fp8_head_saturates_on_cuda():
+    assert_fp8_head_saturates(CUDA)
 
 
 @fp8

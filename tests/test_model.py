@@ -201,6 +201,34 @@ def test_fp8_ops_pass_opcheck():
     assert grad_w.shape == w.shape and grad_w.stride() == (1, w.size(0))  # column-major, as the fake says
 
 
+def assert_fp8_head_saturates(device: torch.device) -> None:
+    """As the record's compiled casts do on the GPU: a weight past 448 * 2^-9 = 0.875 becomes 0.875 and a gradient
+    past 57344 * grad_s becomes that, where a plain cast gives NaN (e4m3 on torch < 2.12) or inf (e5m2), and the
+    run would stop as diverged. (tests/test_cuda.py runs it on the GPU.)"""
+    x, w, (x_s, w_s, grad_s) = fp8_args()
+    x, w = x.to(device), w.to(device)
+    w[:8, :16] = 2.0
+    g = torch.randn(x.size(0), w.size(0), device=device).bfloat16()
+    g[:4, :4] = 1000.0
+
+    def saturated(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        top = torch.finfo(dtype).max
+        return (t.double() / scale).clamp(-top, top).to(dtype).double() * scale
+
+    xq, wq, gq = saturated(x, x_s, torch.float8_e4m3fn), saturated(w, w_s, torch.float8_e4m3fn), \
+        saturated(g, grad_s, torch.float8_e5m2)
+    assert wq[0, 0] == 448 * w_s and gq[0, 0] == 57344 * grad_s
+    out = torch.ops.speedrun.fp8_mm(x, w, x_s, w_s, grad_s)
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(g, x, w, x_s, w_s, grad_s)
+    for got, want in [(out, xq @ wq.T), (grad_x, gq @ wq), (grad_w, gq.T @ xq)]:
+        assert torch.isfinite(got).all()
+        assert (got.double() - want).norm() < 0.01 * want.norm()
+
+
+def test_fp8_head_saturates_values_beyond_each_formats_range():
+    assert_fp8_head_saturates(torch.device("cpu"))
+
+
 def test_fp8_head_gradients_quantize_like_the_records_unscaled_loss():
     # Record #28 backpropagates each rank's summed loss; train() scales it by 1/global_batch_seqs first. With
     # that scale folded into the FP8 gradient scale, the float8_e5m2 gradient is the record's, so every

@@ -143,6 +143,13 @@ def config(*items: str) -> T.Config:
     return cfg
 
 
+def grad_tolerance(name: str) -> float:
+    """The relative error allowed a parameter's gradient against the float64 spec: 5% (bf16 activations), 10% for
+    the scalars, each a sum over every position of terms that cancel (torch 2.11's draw of the perturbation puts
+    one at 6.4%)."""
+    return 0.1 if name == "scalars" else 0.05
+
+
 @pytest.mark.parametrize("items", [(), *[(i,) for i in ITEMS], tuple(ITEMS)],
                          ids=["skip", *ITEMS, "all"])
 def test_v2_forward_and_gradients_equal_the_spec(items):
@@ -159,12 +166,12 @@ def test_v2_forward_and_gradients_equal_the_spec(items):
         if ref is None:  # tied: the embedding table is read with weight 0
             assert name == "embed.weight" and not p.grad.any()
             continue
-        assert (p.grad.double() - ref).norm() < 0.05 * ref.norm(), name
+        assert (p.grad.double() - ref).norm() < grad_tolerance(name) * ref.norm(), name
 
 
 def test_each_item_moves_the_gradients_beyond_the_tolerance():
     """The spec test above can fail: with one item left out of the reference, some gradient is off by more
-    than its 5% tolerance."""
+    than twice its tolerance."""
     tokens = mask_tokens(4, length=257)
     for item in ITEMS:
         on, off = config(item), config()
@@ -172,9 +179,9 @@ def test_each_item_moves_the_gradients_beyond_the_tolerance():
         model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)).backward()
         params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
         spec_loss(off, params | signs(model), tokens).backward()
-        worst = max((p.grad.double() - params[n].grad).norm() / params[n].grad.norm()
+        worst = max((p.grad.double() - params[n].grad).norm() / (grad_tolerance(n) * params[n].grad.norm())
                     for n, p in model.named_parameters() if params[n].grad is not None and params[n].grad.norm() > 0)
-        assert worst > 0.1, item
+        assert worst > 2, item
 
 
 def test_v2_initial_values_follow_the_spec():
@@ -275,7 +282,7 @@ def test_fp8_head_takes_the_configured_scales(monkeypatch):
 
     def emulated(x_s: float, w_s: float) -> torch.Tensor:
         def q(t: torch.Tensor, s: float) -> torch.Tensor:
-            return (t.float() / s).to(torch.float8_e4m3fn).float() * s
+            return (t.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s  # saturating
         return q(x, x_s) @ q(w, w_s).T
 
     got = torch.ops.speedrun.fp8_mm(x, w, v2.fp8_x_scale, v2.fp8_w_scale, v2.fp8_grad_scale).float()
