@@ -1034,7 +1034,7 @@ FP8_MAX_E4M3 = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def _to_fp8(t: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
-    # In fp32, rounded once (a bf16 quotient would round twice; fused, the cast never sees it anyway).
+    # The quotient in fp32, so it rounds once, into fp8 (a bf16 one would round to bf16 first).
     limit = torch.finfo(dtype).max
     return t.float().div(scale).clamp(-limit, limit).to(dtype)
 

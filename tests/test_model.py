@@ -201,6 +201,12 @@ def test_fp8_ops_pass_opcheck():
     assert grad_w.shape == w.shape and grad_w.stride() == (1, w.size(0))  # column-major, as the fake says
 
 
+def saturated(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """t / scale rounded to an fp8 format, values past its range saturating to its largest, times scale (float64)."""
+    top = torch.finfo(dtype).max
+    return (t.double() / scale).clamp(-top, top).to(dtype).double() * scale
+
+
 def assert_fp8_head_saturates(device: torch.device) -> None:
     """As the record's compiled casts do on the GPU: a weight past 448 * 2^-9 = 0.875 becomes 0.875 and a gradient
     past 57344 * grad_s becomes that, where a plain cast gives NaN (e4m3 on torch < 2.12) or inf (e5m2), and the
@@ -210,11 +216,6 @@ def assert_fp8_head_saturates(device: torch.device) -> None:
     w[:8, :16] = 2.0
     g = torch.randn(x.size(0), w.size(0), device=device).bfloat16()
     g[:4, :4] = 1000.0
-
-    def saturated(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-        top = torch.finfo(dtype).max
-        return (t.double() / scale).clamp(-top, top).to(dtype).double() * scale
-
     xq, wq, gq = saturated(x, x_s, torch.float8_e4m3fn), saturated(w, w_s, torch.float8_e4m3fn), \
         saturated(g, grad_s, torch.float8_e5m2)
     assert wq[0, 0] == 448 * w_s and gq[0, 0] == 57344 * grad_s

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from test_model import mask_tokens, reference_mask
+from test_model import mask_tokens, reference_mask, saturated
 from test_spec import rms, rope  # the anchor spec's RMSNorm and half-truncated RoPE, written out in float64
 
 # The v2 model at a test's size: five layers shaped like the spec's eleven (a long layer feeding the
@@ -281,9 +281,7 @@ def test_fp8_head_takes_the_configured_scales(monkeypatch):
     w = model.lm_head.weight
 
     def emulated(x_s: float, w_s: float) -> torch.Tensor:
-        def q(t: torch.Tensor, s: float) -> torch.Tensor:
-            return (t.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s  # saturating
-        return q(x, x_s) @ q(w, w_s).T
+        return saturated(x, x_s, torch.float8_e4m3fn) @ saturated(w, w_s, torch.float8_e4m3fn).T
 
     got = torch.ops.speedrun.fp8_mm(x, w, v2.fp8_x_scale, v2.fp8_w_scale, v2.fp8_grad_scale).float()
     ours, r28 = emulated(v2.fp8_x_scale, v2.fp8_w_scale), emulated(math.sqrt(64) / 448, 2**-9)
