@@ -6,9 +6,10 @@
 On a GPU, bf16 at the recipe's shapes: --relu2_kernel (49,152 x 768 @ 768 x 3,072, then ReLU^2) and --fused_head
 (49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5) and three next tokens, FP8 where the GPU
 has it; and validation's loss alone over one 262,144-token sequence), each torch path compiled as the trainer
-compiles it. --small runs shapes that Triton's interpreter
-manages on a CPU (TRITON_INTERPRET=1): that checks the script, its times say nothing. The whole step before
-and after: train_gpt.py --bench with and without the flags, then records/compare.py on the two logs.
+compiles it. Where the GPU has FP8, also the MLP's two GEMMs in FP8 against bf16 (fp8_mlp: whether FP8 MLP
+projections would pay; no kernel of ours yet). --small runs shapes that Triton's interpreter manages on a CPU
+(TRITON_INTERPRET=1): that checks the script, its times say nothing. The whole step before and after:
+train_gpt.py --bench with and without the flags, then records/compare.py on the two logs.
 """
 
 from __future__ import annotations
@@ -105,6 +106,36 @@ def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
                     "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, one, *caps, [], False)[0] / rows}
 
 
+def fp8_mlp_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
+    """Not a kernel yet: whether FP8 MLP projections (#84, #89) would pay. Both of the MLP's GEMMs, forward and
+    backward, through the FP8 head's op (e4m3 operands, e5m2 gradients) against the bf16 MLP as the model runs it.
+    The scales are static, each set once from the amax of its tensor here: no amax pass is timed, so the saving is
+    an upper bound (dynamic scaling reads each operand once more; delayed scaling (#89) keeps state instead)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = cfg.mlp_ratio * cfg.model_dim
+    x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=g)).to(dtype).requires_grad_()
+    w_up = (0.05 * torch.randn(hidden, cfg.model_dim, device=device, generator=g)).requires_grad_()  # c_fc.T
+    w_down = (0.05 * torch.randn(cfg.model_dim, hidden, device=device, generator=g)).requires_grad_()  # c_proj
+    grad = torch.randn(rows, cfg.model_dim, device=device, generator=g).to(dtype)
+    with torch.no_grad():  # each fp8 operand's scale: its amax onto the format's largest value
+        pre = x.float() @ w_up.T
+        d_pre = 2 * pre.relu() * (grad.float() @ w_down)
+        e4m3, e5m2 = T.FP8_MAX_E4M3, torch.finfo(torch.float8_e5m2).max
+        up = [x.abs().max() / e4m3, w_up.abs().max() / e4m3, d_pre.abs().max() / e5m2]
+        down = [pre.relu().square().max() / e4m3, w_down.abs().max() / e4m3, grad.abs().max() / e5m2]
+        up, down = [float(s) for s in up], [float(s) for s in down]
+
+    def bf16() -> torch.Tensor:  # MLP.forward's torch path
+        return F.linear(F.relu(F.linear(x, w_up.type_as(x))).square(), w_down.type_as(x))
+
+    def fp8() -> torch.Tensor:
+        h = F.relu(torch.ops.speedrun.fp8_mm(x, w_up, *up)).square()
+        return torch.ops.speedrun.fp8_mm(h, w_down, *down)
+
+    torch_path, fp8_path = compile_(bf16), compile_(fp8)
+    return (x, w_up), {"torch": lambda: torch_path().backward(grad), "kernel": lambda: fp8_path().backward(grad)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
@@ -125,9 +156,12 @@ def main() -> int:
     print(f"kernel_bench: {where}, torch {torch.__version__}, {rows} rows, {dtype}, fp8 head {fp8}")
     rows_out = []
     val_rows = rows if opts.small else cfg.val_seq_len
-    for kernel, cases in [("relu2_mm", relu2_cases(cfg, rows, dtype, device, compile_)),
-                          ("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8)),
-                          ("softcap_ce_eval", eval_cases(cfg, val_rows, dtype, device, compile_))]:
+    kernels = [("relu2_mm", relu2_cases(cfg, rows, dtype, device, compile_)),
+               ("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8)),
+               ("softcap_ce_eval", eval_cases(cfg, val_rows, dtype, device, compile_))]
+    if fp8 or opts.small:  # the CPU runs the FP8 op too, as the trainer's CPU rehearsal does
+        kernels.append(("fp8_mlp", fp8_mlp_cases(cfg, rows, torch.bfloat16, device, compile_)))
+    for kernel, cases in kernels:
         for path, fn in cases[1].items():
             figures = timed(fn, opts.repeats, device)
             rows_out.append({"kernel": kernel, "path": path, **figures})

@@ -228,6 +228,23 @@ def test_the_kernel_benchmark_runs_and_reports_both_paths_of_each_kernel(tmp_pat
     monkeypatch.setattr("sys.argv", ["kernel_bench.py", "--small", "--repeats=1", f"--out={out}"])
     assert bench.main() == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["kernel"], r["path"]) for r in results] == [(k, p) for k in ("relu2_mm", "softcap_ce", "softcap_ce_eval")
-                                                            for p in ("torch", "kernel")]
+    kernels = ("relu2_mm", "softcap_ce", "softcap_ce_eval", "fp8_mlp")
+    assert [(r["kernel"], r["path"]) for r in results] == [(k, p) for k in kernels for p in ("torch", "kernel")]
     assert all(r["ms"] > 0 for r in results)
+
+
+def test_the_benchmarks_fp8_mlp_computes_the_bf16_mlps_gradients_in_fp8():
+    # Its two paths must do the same work: the FP8 one within FP8's error of the bf16 MLP (e4m3 operands, e5m2
+    # gradients: ~4% and ~6% per GEMM, ~9% through both and the square), and really in FP8 (bf16's is ~0.4%).
+    sys.path.insert(0, str(T.HERE / "records"))
+    import kernel_bench as bench
+    cfg = T.parse_config(["--preset=v2", "--model_dim=64", "--head_dim=32"])
+    (x, w), cases = bench.fp8_mlp_cases(cfg, 96, torch.bfloat16, torch.device("cpu"), lambda fn: fn)
+    grads = {}
+    for path, fn in cases.items():
+        x.grad = w.grad = None
+        fn()
+        grads[path] = x.grad.clone(), w.grad.clone()
+    for got, want in zip(grads["kernel"], grads["torch"]):
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert 0.02 < err < 0.15, err
