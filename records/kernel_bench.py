@@ -117,13 +117,16 @@ def fp8_mlp_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.de
     w_up = (0.05 * torch.randn(hidden, cfg.model_dim, device=device, generator=g)).requires_grad_()  # c_fc.T
     w_down = (0.05 * torch.randn(cfg.model_dim, hidden, device=device, generator=g)).requires_grad_()  # c_proj
     grad = torch.randn(rows, cfg.model_dim, device=device, generator=g).to(dtype)
-    with torch.no_grad():  # each fp8 operand's scale: its amax onto the format's largest value
+
+    def scale(t: torch.Tensor, fmt: torch.dtype) -> float:  # the tensor's amax onto the format's largest value
+        return float(t.abs().max()) / torch.finfo(fmt).max
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    with torch.no_grad():
         pre = x.float() @ w_up.T
         d_pre = 2 * pre.relu() * (grad.float() @ w_down)
-        e4m3, e5m2 = T.FP8_MAX_E4M3, torch.finfo(torch.float8_e5m2).max
-        up = [x.abs().max() / e4m3, w_up.abs().max() / e4m3, d_pre.abs().max() / e5m2]
-        down = [pre.relu().square().max() / e4m3, w_down.abs().max() / e4m3, grad.abs().max() / e5m2]
-        up, down = [float(s) for s in up], [float(s) for s in down]
+        up = scale(x, e4m3), scale(w_up, e4m3), scale(d_pre, e5m2)
+        down = scale(pre.relu().square(), e4m3), scale(w_down, e4m3), scale(grad, e5m2)
 
     def bf16() -> torch.Tensor:  # MLP.forward's torch path
         return F.linear(F.relu(F.linear(x, w_up.type_as(x))).square(), w_down.type_as(x))
