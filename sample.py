@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> str:
     except (T.UsageError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    new = generate(model, prompt, args.tokens, args.temperature, args.top_k,
-                   torch.Generator().manual_seed(args.seed))
+    with T.cpu_gemms(T.bf16_gemm_path("auto", cuda=device.type == "cuda")):  # as the run's own CPU matmuls
+        new = generate(model, prompt, args.tokens, args.temperature, args.top_k,
+                       torch.Generator().manual_seed(args.seed))
     text = encoding.decode(new)
     print(args.prompt + text)
     return text

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # -----------------------------------------------------------------------------
 # Config
@@ -152,6 +153,7 @@ class Config:
     bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
     comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
     peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
+    cpu_bf16_gemm: str = "auto"  # CPU runs' bf16 matmuls: native (oneDNN) | fp32 (fp32 GEMM, bf16 result) | auto
     # run
     preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
     seed: int = -1  # -1 draws a random seed (always printed)
@@ -541,6 +543,8 @@ def validate_config(cfg: Config, world_size: int) -> int:
                          f"{cfg.adam_every}")
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
+    if cfg.cpu_bf16_gemm not in CPU_BF16_GEMMS:
+        raise UsageError(f"--cpu_bf16_gemm must be {', '.join(CPU_BF16_GEMMS)}, got {cfg.cpu_bf16_gemm!r}")
     if cfg.profile:
         profile_steps(cfg.profile, cfg.num_steps)
     if cfg.bench:
@@ -573,6 +577,10 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
     the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
     rehearsal of the GPU path refuses what the GPU would)."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
+    if cuda and cfg.cpu_bf16_gemm == "fp32":
+        raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
+                         "drop it (or use --device=cpu)")
+    cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
     cfg.fp8_head = (cuda if cfg.fp8_head is None else cfg.fp8_head) and not os.environ.get("DISABLE_FP8")
     if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
         raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
@@ -592,6 +600,65 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and
+# through a scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a
+# CPU run's bf16 GEMMs run as fp32 GEMMs of the same bf16 values, rounded once to bf16: a bf16 GEMM with fp32
+# accumulation, as on the GPU, up to summation order. --cpu_bf16_gemm chooses; one dispatch mode serves eager and
+# compiled code.
+CPU_BF16_GEMMS = ("auto", "native", "fp32")
+CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
+                  "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
+GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+def native_bf16_gemm() -> bool:
+    """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Fp32Gemms(TorchDispatchMode):
+    """Inside it, every bf16 mm/addmm/bmm/baddbmm on the CPU (and its out= form) runs in fp32 and rounds its
+    result to bf16. It ignores compile internals, so torch.compile still compiles under it (it falls back to eager
+    under other modes): compiled code calls its GEMMs as extern kernels, which come through here when they run."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func.overloadpacket not in GEMM_OPS or func._overloadname not in ("default", "out")
+                or not any(isinstance(a, Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
+                           for a in args)):
+            return func(*args, **kwargs)
+        wide = [a.float() if isinstance(a, Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+        out = kwargs.pop("out", None)
+        result = func.overloadpacket.default(*wide, **kwargs)
+        return result.bfloat16() if out is None else out.copy_(result)
+
+
+def bf16_gemm_path(choice: str, cuda: bool) -> str:
+    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
+    return "native" if cuda or choice == "native" or (choice == AUTO and native_bf16_gemm()) else "fp32"
+
+
+def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
+    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
+    return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
+
+
+def cpu_report() -> str:
+    """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
+            f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
 
 # -----------------------------------------------------------------------------
@@ -2239,7 +2306,7 @@ def print_all(*args: object, **kwargs: object) -> None:
     print(f"[rank {rank}/{world_size}]", *args, **{"flush": True, **kwargs})
 
 
-def environment_report(device: torch.device) -> str:
+def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
     lines = [f"Running Python {sys.version.split()[0]} on {platform.platform()}",
              f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}"]
     try:
@@ -2252,7 +2319,8 @@ def environment_report(device: torch.device) -> str:
         lines.append(f"GPUs: {', '.join(names)}")
         lines.append(f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}")
     else:
-        lines.append(f"CPU run ({os.cpu_count()} cores)")
+        lines.append(f"CPU run: {cpu_report()}")
+        lines.append(f"bf16 GEMM path: {CPU_GEMM_PATHS[cpu_bf16_gemm]}")
     if shutil.which("nvidia-smi"):
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
         lines.append(smi.stdout.rstrip())
@@ -2737,7 +2805,7 @@ class StepProfiler:
         write_json_atomic(self.folder / f"bench_rank{rt.rank}.json", {
             "run_id": cfg.run_id, "rank": rt.rank, "world_size": rt.world_size,
             "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else
-            f"cpu ({os.cpu_count()} cores)",
+            f"CPU: {cpu_report()}; bf16 GEMM path {cfg.cpu_bf16_gemm}",
             "timed_steps": [self.timed.start, self.timed.stop - 1],
             "traced_steps": [self.traced.start, self.traced.stop - 1],
             "step_ms": timed, "traced_step_ms": self._step_ms(self.traced), "tokens_per_step": tokens,
@@ -3541,11 +3609,12 @@ def run(argv: list[str]) -> TrainResult:
             (Path(cfg.log_dir) / f"{cfg.run_id}.json").unlink(missing_ok=True)  # an --overwrite's old summary
             log(Path(__file__).read_text(), console=False)
             log(SEPARATOR, console=False)
-            log(environment_report(rt.device))
+            log(environment_report(rt.device, cfg.cpu_bf16_gemm))
             log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
             log(SEPARATOR)
             log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
-        result = train(cfg, rt, log, train_files, val)
+        with cpu_gemms(cfg.cpu_bf16_gemm):
+            result = train(cfg, rt, log, train_files, val)
         if rt.world_size > 1:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.

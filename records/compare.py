@@ -106,7 +106,8 @@ class Run:
 
 STEP_RE = re.compile(r"^step:(\d+)/(\d+)(?:\s+(.*))?$")
 GPUS_RE = re.compile(r"^GPUs:\s*(.+)$")
-CPU_RE = re.compile(r"^CPU run \((.+)\)$")
+CPU_RE = re.compile(r"^CPU run(?: \((.+)\)|: (.+))$")  # older logs: "CPU run (2 cores)"
+GEMM_RE = re.compile(r"^bf16 GEMM path: (\w+)")
 SMI_GPU_RE = re.compile(r"^\|\s+\d+\s+(.+?)\s+(?:On|Off)\s+\|")
 TORCH_RE = re.compile(r"^Running PyTorch (\S+) compiled for CUDA (\S+)", re.IGNORECASE)
 MODEL_RE = re.compile(r"^model:.*\bworld size (\d+)")
@@ -175,7 +176,9 @@ def parse_log(text: str, name: str, path: Path) -> Run:
         elif m := GPUS_RE.match(line):
             run.gpu_names = [n.strip() for n in m.group(1).split(",") if n.strip()]
         elif m := CPU_RE.match(line):
-            run.cpu_info = f"CPU ({m.group(1)})"
+            run.cpu_info = f"CPU ({m.group(1) or m.group(2)})"
+        elif (m := GEMM_RE.match(line)) and run.cpu_info:
+            run.cpu_info = f"{run.cpu_info[:-1]}, bf16 GEMM path {m.group(1)})"
         elif m := SMI_GPU_RE.match(line):
             smi_names.append(m.group(1).strip())
         elif m := TORCH_RE.match(line):

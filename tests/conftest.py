@@ -60,6 +60,21 @@ def _cpu_threads():
     torch.set_num_threads(2)
 
 
+def cpu_gemms():
+    """The bf16 GEMM path a run takes on this CPU (train_gpt.run enters it itself): fp32 GEMMs where the CPU has no
+    native bf16 GEMM, whose reference loop would make the suite many times slower. The whole session runs in it,
+    and so does every spawned process that compares with it."""
+    import train_gpt
+
+    return train_gpt.cpu_gemms(train_gpt.bf16_gemm_path("auto", cuda=False))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_bf16_gemms():
+    with cpu_gemms():
+        yield
+
+
 def main_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
     """train_gpt.main() as the command line runs it, in this process: (exit code, stdout, stderr)."""
     import train_gpt

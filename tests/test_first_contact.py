@@ -2,6 +2,7 @@
 tiny preset's fixed seed reproducing the bundled record, then records/compare.py diff against that record."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from conftest import REPO
 
-RECORD = Path("records/2026-11-23_tiny_cpu/tiny_cpu_w1.txt")
+RECORD = Path("records/2026-11-25_tiny_cpu/tiny_cpu_w1.txt")
 
 
 def scratch_copy(tmp_path: Path) -> Path:
@@ -26,23 +27,44 @@ def scratch_copy(tmp_path: Path) -> Path:
     return copy
 
 
+def logged_losses(jsonl: Path) -> dict[tuple[int, str], float]:
+    """Every train and val loss a run logged, by (step, name)."""
+    entries = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    return {(e["step"], name): e[name] for e in entries for name in ("train_loss", "val_loss") if name in e}
+
+
+def cpu_kind(log: str) -> tuple[str, ...]:
+    """What a CPU run's bits depend on, from its log header: torch's version, its threads, the vector ISA of its
+    kernels and the bf16 GEMM path (README: "Quick start")."""
+    patterns = (r"^Running PyTorch (\S+)", r"^CPU run: .*?(\d+) torch threads, vector ISA (\w+)",
+                r"^bf16 GEMM path: (\w+)")
+    return tuple(g for p in patterns for m in [re.search(p, log, re.MULTILINE)] if m for g in m.groups())
+
+
+# README: on another kind of CPU the losses drift apart by rounding; measured (AVX2 kernels): at most 0.07 on a
+# train loss and 0.019 on a val loss.
+DRIFT = {"train_loss": 0.2, "val_loss": 0.05}
+
+
 @pytest.mark.slow
-def test_a_first_run_reproduces_the_bundled_record_and_compares_with_it(tmp_path):
+def test_the_quick_start_reproduces_the_bundled_record_and_compares_with_it(tmp_path):
     if not (REPO / ".git").exists():
         pytest.skip("needs the git checkout (the copy takes its tracked files)")
     repo = scratch_copy(tmp_path)
     assert not (repo.parent / "shared").exists()
-    # The README's command, shortened: the first two steps do not depend on --num_steps (lr 1, window 1).
-    run = subprocess.run([str(repo / "run.sh"), "--num_steps=4", "--val_every=0", "--run_id=first"], cwd=repo,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([str(repo / "run.sh"), "--run_id=first"], cwd=repo, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    ours = [json.loads(line) for line in (repo / "logs" / "first.jsonl").read_text().splitlines()]
-    record = [json.loads(line) for line in (repo / RECORD.with_suffix(".jsonl")).read_text().splitlines()]
-    for step in (1, 2):  # the preset's seed reproduces the record (summation order aside)
-        a, b = (next(e["train_loss"] for e in entries if e["step"] == step and "train_loss" in e)
-                for entries in (ours, record))
-        assert a == pytest.approx(b, abs=1e-3), (step, a, b)
+    ours, record = logged_losses(repo / "logs" / "first.jsonl"), logged_losses(repo / RECORD.with_suffix(".jsonl"))
+    assert ours.keys() == record.keys() and len(ours) == 43  # 40 train losses, 3 validations
+    kind, record_kind = cpu_kind((repo / "logs" / "first.txt").read_text()), cpu_kind((repo / RECORD).read_text())
+    assert len(record_kind) == 4, record_kind
+    if kind == record_kind:  # the record's kind of CPU: every logged loss to the bit
+        assert ours == record
+    else:
+        for key, loss in ours.items():
+            assert abs(loss - record[key]) <= DRIFT[key[1]], (key, loss, record[key], kind, record_kind)
     diff = subprocess.run([sys.executable, "records/compare.py", "diff", str(RECORD), "logs/first.txt"], cwd=repo,
                           capture_output=True, text=True, timeout=120)
     assert diff.returncode == 0, diff.stderr
-    assert "num_steps" in diff.stdout and "40" in diff.stdout and "4" in diff.stdout
+    assert "6.97" in diff.stdout

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import free_port
+from conftest import cpu_gemms, free_port
 
 STEPS, GLOBAL_SEQS = 3, 8
 V2_CASE = ("v2-exact", "hooks", 0.05)
@@ -220,12 +220,13 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        counter = CollectiveCounter()
-        variants = ["fp32", "recipe"] if world_size == 2 else ["fp32"]
-        results = {(v, *case): train_sharded(small_config(v, comm_overlap=case[0], bucket_mb=case[1]), v, rank,
-                                             world_size, counter) for v in variants for case in CASES}
-        results[V2_CASE] = train_sharded(small_config("v2", comm_overlap="hooks", bucket_mb=0.05), "v2-exact",
-                                         rank, world_size, counter)
+        with cpu_gemms():  # the bf16 GEMM path of the reference, computed in the test's process
+            counter = CollectiveCounter()
+            variants = ["fp32", "recipe"] if world_size == 2 else ["fp32"]
+            results = {(v, *case): train_sharded(small_config(v, comm_overlap=case[0], bucket_mb=case[1]), v, rank,
+                                                 world_size, counter) for v in variants for case in CASES}
+            results[V2_CASE] = train_sharded(small_config("v2", comm_overlap="hooks", bucket_mb=0.05), "v2-exact",
+                                             rank, world_size, counter)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
