@@ -1686,6 +1686,7 @@ class GPT(nn.Module):
         """The head's input, (T, model_dim), for one packed (T,) sequence; windows is (long, short) in blocks, an int
         tensor (a new value never recompiles)."""
         cfg, L = self.cfg, self.cfg.num_layers
+        # Each scalar is read 0-dim (sc[name][k]): a (1,) fp32 tensor times a bf16 activation would be fp32.
         sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
         ves = [table(input_seq) for table in self.value_embeds]
         build = block_mask if self.use_flex else dense_mask
@@ -1697,7 +1698,8 @@ class GPT(nn.Module):
         if self.embed_tied is not None:  # both lookups, weighted by the flag: the same graph tied and untied
             e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight).type_as(e) + (1 - self.embed_tied) * e
         if self.smear_gate is not None:  # e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents
-            gate = sc["smear"] * torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate.type_as(e)))
+            gate = torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate.type_as(e)))
+            gate = sc["smear"][0] * gate
             e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
         x = x0 = norm(e[None])
         bigram = self.bigram_vectors(input_seq) if self.bigram is not None else None
@@ -1707,7 +1709,7 @@ class GPT(nn.Module):
                 x = x + sc["skip"][i - L // 2] * skips.pop()
             elif self.skip_layers is not None and i == self.skip_layers[1]:
                 gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate.type_as(x0)))
-                x = x + torch.sigmoid(sc["skip"]) * gate * skips.pop()
+                x = x + torch.sigmoid(sc["skip"][0]) * gate * skips.pop()
             t = self.ve_tables[i]
             x = block(x, x0, None if t is None else ves[t], sc["mix"][2 * i: 2 * i + 2],
                       sc["lambdas"][2 * i: 2 * i + 2], masks, None if bigram is None else sc["bigram"][i] * bigram)
@@ -1716,7 +1718,7 @@ class GPT(nn.Module):
             if i == cfg.backout_layer:
                 backout = x
         if backout is not None:  # #40: the middle layers' output, useful downstream but not for the prediction
-            x = x - sc["backout"] * backout
+            x = x - sc["backout"][0] * backout
         return norm(x).flatten(0, 1)
 
     def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ forward written here from the spec (recipe_v2.md §2.6, §2.7, §2.11, §2.14, �
 from the file's code; their initial values; multi-token prediction's loss and weights (§2.21); the FP8 head's
 scales (§2.19); the FLOP count of the new shape; one-line refusals."""
 
+import copy
 import math
 
 import pytest
@@ -143,30 +144,34 @@ def config(*items: str) -> T.Config:
     return cfg
 
 
-def grad_tolerance(name: str) -> float:
-    """The relative error allowed a parameter's gradient against the float64 spec: 5% (bf16 activations), 10% for
-    the scalars, each a sum over every position of terms that cancel (torch 2.11's draw of the perturbation puts
-    one at 6.4%)."""
-    return 0.1 if name == "scalars" else 0.05
+def grad_tolerance(name: str, dtype: torch.dtype) -> float:
+    """The relative error allowed a parameter's gradient against the float64 spec. In fp32 (every activation):
+    1e-3, the math itself (measured: at most 5e-5). In bf16, as trained: 5%, 20% for the scalars, each a sum over
+    every position of terms that cancel (measured 15.7% with every item on; 3e-5 in fp32)."""
+    if dtype == torch.float32:
+        return 1e-3
+    return 0.2 if name == "scalars" else 0.05
 
 
 @pytest.mark.parametrize("items", [(), *[(i,) for i in ITEMS], tuple(ITEMS)],
                          ids=["skip", *ITEMS, "all"])
 def test_v2_forward_and_gradients_equal_the_spec(items):
     cfg = config(*items)
-    model, tokens = perturbed_model(cfg), mask_tokens(4, length=cfg.train_seq_len + 1)
-    loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS))
-    loss.backward()
-    params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
-    spec = spec_loss(cfg, params | signs(model), tokens)
+    bf16, tokens = perturbed_model(cfg), mask_tokens(4, length=cfg.train_seq_len + 1)
+    fp32 = copy.deepcopy(bf16).float()  # the bf16 tables in fp32: every activation follows them (type_as)
+    params = {n: p.detach().double().requires_grad_() for n, p in bf16.named_parameters()}
+    spec = spec_loss(cfg, params | signs(bf16), tokens)
     spec.backward()
-    assert abs(loss.item() - spec.item()) < 1e-4 * spec.item()
-    for name, p in model.named_parameters():
-        ref = params[name].grad
-        if ref is None:  # tied: the embedding table is read with weight 0
-            assert name == "embed.weight" and not p.grad.any()
-            continue
-        assert (p.grad.double() - ref).norm() < grad_tolerance(name) * ref.norm(), name
+    for model, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
+        loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS))
+        loss.backward()
+        assert abs(loss.item() - spec.item()) < (1e-6 if dtype == torch.float32 else 1e-4) * spec.item(), dtype
+        for name, p in model.named_parameters():
+            ref = params[name].grad
+            if ref is None:  # tied: the embedding table is read with weight 0
+                assert name == "embed.weight" and not p.grad.any()
+                continue
+            assert (p.grad.double() - ref).norm() < grad_tolerance(name, dtype) * ref.norm(), (name, dtype)
 
 
 def test_each_item_moves_the_gradients_beyond_the_tolerance():
@@ -179,7 +184,7 @@ def test_each_item_moves_the_gradients_beyond_the_tolerance():
         model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)).backward()
         params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
         spec_loss(off, params | signs(model), tokens).backward()
-        worst = max((p.grad.double() - params[n].grad).norm() / (grad_tolerance(n) * params[n].grad.norm())
+        worst = max((p.grad.double() - params[n].grad).norm() / (grad_tolerance(n, torch.bfloat16) * params[n].grad.norm())
                     for n, p in model.named_parameters() if params[n].grad is not None and params[n].grad.norm() > 0)
         assert worst > 2, item
 
@@ -297,7 +302,8 @@ def test_fp8_head_takes_the_configured_scales(monkeypatch):
 def test_multi_token_loss_is_the_weighted_sum_of_shifted_cross_entropies():
     # Spec §2.21: L = sum_t sum_k w_k CE(z_t, y_(t+k)), the terms past the end dropped, not normalized by sum(w).
     cfg = config(*ITEMS)
-    model, tokens = perturbed_model(cfg), mask_tokens(5, length=cfg.train_seq_len + 1)
+    # In fp32 (the bf16 tables too): bf16 activations would round the two summation orders apart.
+    model, tokens = perturbed_model(cfg).float(), mask_tokens(5, length=cfg.train_seq_len + 1)
     inp, tgt, windows = tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)
     w = torch.tensor([1.0, 0.5, 0.125])
     loss = model(inp, tgt, windows, w)
@@ -308,8 +314,8 @@ def test_multi_token_loss_is_the_weighted_sum_of_shifted_cross_entropies():
     ref = sum(w[k] * torch.nn.functional.cross_entropy(z[: T_ - k], tgt[k:], reduction="sum") for k in range(3))
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
-    for n, p in model.named_parameters():  # the same math summed in another order: bf16 gradients round apart
-        assert (got[n].double() - p.grad.double()).norm() <= 1e-3 * p.grad.double().norm(), n  # tied embed: 0
+    for n, p in model.named_parameters():  # the same math summed in another order
+        assert (got[n].double() - p.grad.double()).norm() <= 1e-4 * p.grad.double().norm(), n  # tied embed: 0
     assert model(inp, tgt, windows, torch.tensor([1.0, 0.0, 0.0])).item() == pytest.approx(
         model(inp, tgt, windows).item(), rel=1e-5)  # weights (1, 0, 0): the next-token loss
     model.eval()

@@ -1,0 +1,85 @@
+"""The GPU path at the recipe's real shapes, traced on fake tensors (nothing computed): every matmul, attention
+call and custom-op activation of a training micro-step (forward and backward) and of a validation step is bf16,
+as the records run them. The model's parameters are real (built on the CPU, ~1.5 GB at the v2 shape); the tokens
+are fake, so every activation is a fake tensor. Fake CPU tensors: the dense SDPA path stands in for FlexAttention
+(no CPU backward), with the same input dtypes."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train_gpt as T
+
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_addmm_activation"}
+ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
+             "scaled_dot_product_attention", "flex_attention"}
+# The activation argument of each custom op (the weights may stay fp32: the ops cast them).
+CUSTOM_X = {"fp8_mm": 0, "fp8_mm_backward": 0, "relu2_mm": 0, "softcap_ce": 0}
+
+
+class InputDtypes(TorchDispatchMode):
+    """For each op that multiplies activations, the dtypes it was given: every input of a matmul, q/k/v of
+    attention, the activation of a custom op."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__ if isinstance(func, torch._ops.OpOverload) else str(func)
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if name in MATMULS:
+            self.seen.append((name, tuple(t.dtype for t in tensors)))
+        elif name in ATTENTION:
+            self.seen.append((name, tuple(t.dtype for t in tensors[:3])))
+        elif func.namespace == "speedrun" and name in CUSTOM_X:
+            self.seen.append((name, (tensors[CUSTOM_X[name]].dtype,)))
+        return func(*args, **(kwargs or {}))
+
+    def not_bf16(self) -> list[tuple[str, tuple[torch.dtype, ...]]]:
+        return [(name, dtypes) for name, dtypes in self.seen if set(dtypes) != {torch.bfloat16}]
+
+
+def recipe_config(preset: str, **fields: object) -> T.Config:
+    """The recipe's config as a GPU run resolves it (FP8 head on), at its real shapes."""
+    cfg = T.parse_config([f"--preset={preset}"] if preset else [])
+    T.resolve_for_device(cfg, cuda=False)
+    cfg.fp8_head = True
+    for name, value in fields.items():  # the Triton kernels: their fake kernels stand in, as torch.compile traces
+        setattr(cfg, name, value)
+    return cfg
+
+
+def traced_dtypes(cfg: T.Config) -> dict[str, InputDtypes]:
+    """One training micro-step at the last stage's sequence length (forward and backward) and one validation
+    step, on fake tokens: the dtypes each met."""
+    model = T.GPT(cfg, use_flex=False, fp8_head=cfg.fp8_head)
+    last = T.schedule_table(cfg)[-2]  # the last training step's schedule (the table ends with the final one)
+    windows = torch.tensor([last.long_window, last.short_window], dtype=torch.int32)
+    mtp = torch.tensor(last.mtp_weights) if cfg.mtp_stages else None
+    steps = {}
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        tokens = fake.from_tensor(torch.zeros(max(last.seq_len, cfg.val_seq_len) + 1, dtype=torch.int32))
+        with InputDtypes() as steps["train"]:
+            loss = model(tokens[:last.seq_len], tokens[1:last.seq_len + 1].long(), windows, mtp)
+            loss.backward()
+        model.eval()
+        with torch.no_grad(), InputDtypes() as steps["validation"]:
+            model(tokens[:cfg.val_seq_len], tokens[1:cfg.val_seq_len + 1].long(), windows)
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,fields", [("", {}), ("v2", {}), ("v2", {"relu2_kernel": True, "fused_head": True})],
+                         ids=["r28", "v2", "v2_kernels"])
+def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(preset, fields):
+    steps = traced_dtypes(recipe_config(preset, **fields))
+    for step, ops in steps.items():
+        assert len(ops.seen) > 20, (step, ops.seen)
+        assert not ops.not_bf16(), (step, sorted(set(ops.not_bf16())))
+    names = {name for ops in steps.values() for name, _ in ops.seen}
+    if fields:
+        assert {"relu2_mm", "softcap_ce"} <= names, names
+    else:
+        assert "fp8_mm" in names, names
