@@ -1100,21 +1100,24 @@ class PrefetchLoader:
 FP8_MAX_E4M3 = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-def _to_fp8(t: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+def _to_fp8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     # The quotient in fp32, so it rounds once, into fp8 (a bf16 one would round to bf16 first).
     limit = torch.finfo(dtype).max
     return t.float().div(scale).clamp(-limit, limit).to(dtype)
 
 
-def _scale(value: float, like: Tensor) -> Tensor:
-    # A fill kernel, not a host-to-device copy: a copy of a Python scalar would synchronize the host.
-    return torch.full((), value, dtype=torch.float32, device=like.device)
+def _scales(values: list[float] | tuple[float, ...], like: Tensor) -> list[Tensor]:
+    # Fill kernels, not host-to-device copies: a copy of a Python scalar would synchronize the host. Tensors, not
+    # floats, into the compiled bodies: a float there is a constant of the graph, a new graph for each value.
+    return [torch.full((), v, dtype=torch.float32, device=like.device) for v in values]
 
 
 def compiled_on_first_call(fn: Callable) -> Callable:
-    """fn under torch.compile (fullgraph, static shapes), built when first called: torch.compile imports dynamo,
-    over a second of every process's start-up that a run without the FP8 head (a CPU run, --help) never needs."""
-    build = functools.cache(lambda: torch.compile(fn, dynamic=False, fullgraph=True))
+    """fn under torch.compile (fullgraph, dynamic shapes), built when first called: torch.compile imports dynamo,
+    over a second of every process's start-up that a run without the FP8 head (a CPU run, --help) never needs.
+    Dynamic shapes and tensor arguments only, so a run's staged lengths and a process's many tests share a graph
+    per device and autograd context, far below dynamo's recompile limit (a hard failure)."""
+    build = functools.cache(lambda: torch.compile(fn, dynamic=True, fullgraph=True))
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
@@ -1123,31 +1126,31 @@ def compiled_on_first_call(fn: Callable) -> Callable:
 
 
 @compiled_on_first_call
-def _fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float) -> Tensor:
+def _fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
     x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
     w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
-    return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
-                            scale_a=_scale(x_s, x), scale_b=_scale(w_s, x))
+    return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=x_s, scale_b=w_s)
 
 
 @compiled_on_first_call
-def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
+                      ) -> tuple[Tensor, Tensor]:
     # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
     g_f8 = _to_fp8(g, grad_s, torch.float8_e5m2)
     x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
     w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                              scale_a=_scale(grad_s, g), scale_b=_scale(w_s, g))
+                              scale_a=grad_s, scale_b=w_s)
     # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.
     grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=_scale(x_s, g), scale_b=_scale(grad_s, g)).T
+                              scale_a=x_s, scale_b=grad_s).T
     return grad_x, grad_w
 
 
 @torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
 def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
     """x @ w.T in bf16, with both operands scaled into float8_e4m3 (grad_s is the backward's gradient scale)."""
-    return _fp8_matmul(x, w, x_s, w_s)
+    return _fp8_matmul(x, w, *_scales((x_s, w_s), x))
 
 
 @fp8_mm.register_fake
@@ -1158,7 +1161,7 @@ def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
 @torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
 def fp8_mm_backward(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     """Gradients of fp8_mm: g / grad_s in float8_e5m2; grad_x in bf16, grad_w in fp32 (column-major)."""
-    return _fp8_matmul_grads(g, x, w, x_s, w_s, grad_s)
+    return _fp8_matmul_grads(g, x, w, *_scales((x_s, w_s, grad_s), g))
 
 
 @fp8_mm_backward.register_fake
@@ -1221,6 +1224,7 @@ def relu2_launcher() -> Callable:
         kernel[grid](x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(),
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
 
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -1302,6 +1306,7 @@ def softcap_ce_launcher() -> Callable:
         kernel[(z.size(0),)](z, z.stride(0), targets, weights, losses, row0, targets.numel(), cap, shift, temp,
                              V=z.size(1), K=weights.numel(), BLOCK_V=block_v, GRAD=grad)
 
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -1319,6 +1324,7 @@ def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: floa
     losses = torch.empty(x.size(0), dtype=torch.float32, device=x.device)  # per row, summed once at the end
     weights = F.pad(weights.float(), (0, max(2, 1 << (weights.numel() - 1).bit_length()) - weights.numel()))
     w_x = None if scales else w.type_as(x)  # the FP8 GEMMs cast w themselves
+    scales = _scales(scales, x)
     for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
         xc = x[row0: row0 + HEAD_CHUNK_ROWS]
         z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
@@ -3279,6 +3285,8 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
     whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
     on_cuda = rt.device.type == "cuda"
+    if cfg.compile:  # dynamo refuses a function's 9th graph by default (a hard error): size its limit from the plan
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, model_graphs(cfg))
     raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
@@ -3290,6 +3298,12 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
     return raw, model, optimizer
+
+
+def model_graphs(cfg: Config) -> int:
+    """The graphs torch.compile builds of the model in a run (static shapes): one per training sequence length,
+    and validation's."""
+    return len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1
 
 
 def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]]:

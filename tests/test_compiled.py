@@ -150,10 +150,28 @@ def test_staged_sequence_lengths_compile_in_the_warmup_and_never_after(tmp_path,
         graphs_after_warmup.append(model_graphs())
 
     monkeypatch.setattr(T, "warmup", counted_warmup)
+    # A limit below the plan's graphs (as dynamo's default 8 is below an 8-length plan's 9): the run raises it.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
     staged = dict(REHEARSAL, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", yarn="true", warmup_steps=1)
-    result = T.run(tiny_args(tmp_path, run_id="staged", **staged))
+    args = tiny_args(tmp_path, run_id="staged", **staged)
+    result = T.run(args)
     assert graphs_after_warmup == [3]  # one training graph per sequence length, all before the clock
-    assert model_graphs() == 4  # + the eval graph; YaRN's changes at each stage recompiled nothing
+    assert model_graphs() == 4 == T.model_graphs(T.parse_config(args))  # + the eval graph; YaRN recompiled nothing
     assert "warmup: snapshot" in (tmp_path / "logs" / "staged.txt").read_text()
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 1.0
+
+
+def test_fp8_ops_take_any_token_count_and_scales_in_two_graphs():
+    # Ten token counts and ten scales, as a process running many tests meets them: static graphs would fail hard
+    # at dynamo's limit (8); shapes turn dynamic at the first change, the scales are graph inputs.
+    torch._dynamo.reset()
+    w = torch.randn(128, 64).bfloat16()
+    for i in range(10):
+        x, g = torch.randn(16 * (i + 1), 64).bfloat16(), torch.randn(16 * (i + 1), 128).bfloat16()
+        scales = T._scales((0.01 * (i + 1), 2**-9 * (i + 1), 1 / 448), x)
+        assert torch.equal(T._fp8_matmul(x, w, *scales[:2]), T._fp8_matmul.__wrapped__(x, w, *scales[:2]))
+        for a, b in zip(T._fp8_matmul_grads(g, x, w, *scales), T._fp8_matmul_grads.__wrapped__(g, x, w, *scales)):
+            assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    for fn in (T._fp8_matmul, T._fp8_matmul_grads):
+        assert len(_debug_get_cache_entry_list(fn.__wrapped__.__code__)) <= 2, fn.__name__
