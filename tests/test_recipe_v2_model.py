@@ -184,7 +184,8 @@ def test_each_item_moves_the_gradients_beyond_the_tolerance():
         model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS)).backward()
         params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
         spec_loss(off, params | signs(model), tokens).backward()
-        worst = max((p.grad.double() - params[n].grad).norm() / (grad_tolerance(n, torch.bfloat16) * params[n].grad.norm())
+        worst = max((p.grad.double() - params[n].grad).norm()
+                    / (grad_tolerance(n, torch.bfloat16) * params[n].grad.norm())
                     for n, p in model.named_parameters() if params[n].grad is not None and params[n].grad.norm() > 0)
         assert worst > 2, item
 
