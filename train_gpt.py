@@ -1452,7 +1452,9 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def set_frequencies(self, freqs: Tensor) -> None:
-        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32), freqs.float()).to(self.cos.device)
+        # Built where the tables live: only the head_dim/2 frequencies cross from the host, not the tables.
+        positions = torch.arange(self.cos.size(0), dtype=torch.float32, device=self.cos.device)
+        theta = torch.outer(positions, freqs.to(self.cos.device, torch.float32))
         self.cos.copy_(theta.cos())
         self.sin.copy_(theta.sin())
 
@@ -1463,7 +1465,7 @@ class Rotary(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: Config, layer: int, max_len: int, flex: Callable = flex_attention):
+    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable = flex_attention):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
         # "long" or "short": which of the step's two windows this layer attends within
@@ -1489,7 +1491,7 @@ class CausalSelfAttention(nn.Module):
         # Per head, 2 sigmoid(W [x, ve]) on the value embedding: 1 at init (#55, #70's input).
         self.ve_gate_w = (nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if cfg.ve_gates and has_ve
                           else None)
-        self.rotary = Rotary(cfg.head_dim, 2 * max_len if self.paired else max_len)
+        self.rotary = rotary_for(self.paired)  # shared by the layers of its length
         # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
         self.register_buffer("q_gain", torch.ones(()), persistent=False)
 
@@ -1549,9 +1551,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, layer: int, max_len: int, flex: Callable):
+    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, layer, max_len, flex) if cfg.attn_pattern[layer] != "-" else None
+        self.attn = CausalSelfAttention(cfg, layer, rotary_for, flex) if cfg.attn_pattern[layer] != "-" else None
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: Tensor, sa_lambdas: Tensor,
@@ -1619,7 +1621,10 @@ class GPT(nn.Module):
         signs = torch.randn(cfg.bigram_signs, cfg.bigram_dim or d, generator=torch.Generator().manual_seed(0))
         self.register_buffer("bigram_sign", torch.where(signs >= 0, 1.0, -1.0) if cfg.bigram_signs else None,
                              persistent=False)
-        self.blocks = nn.ModuleList(Block(cfg, layer, max_len, flex) for layer in range(L))
+        # One RoPE table per length (paired layers: 2T positions), shared: ten layers' own fp32 tables at v2's
+        # 262,144 positions would be 1.75 GiB a GPU.
+        rotary_for = functools.cache(lambda paired: Rotary(cfg.head_dim, 2 * max_len if paired else max_len))
+        self.blocks = nn.ModuleList(Block(cfg, layer, rotary_for, flex) for layer in range(L))
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embed:  # #51: the head is also the embedding, so it starts away from zero
             nn.init.normal_(self.lm_head.weight, std=0.005)
@@ -1662,10 +1667,11 @@ class GPT(nn.Module):
             g = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
             freqs = freqs * (old / new + g * (1 - old / new))
             scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
-        for block in self.blocks:
-            if block.attn is not None:
-                block.attn.rotary.set_frequencies(freqs)
-                block.attn.q_gain.fill_(scale)
+        attns = [b.attn for b in self.blocks if b.attn is not None]
+        for rotary in {id(a.rotary): a.rotary for a in attns}.values():  # each shared table once
+            rotary.set_frequencies(freqs)
+        for attn in attns:
+            attn.q_gain.fill_(scale)
         self.yarn_windows = long_windows
 
     @torch.no_grad()

@@ -83,3 +83,30 @@ def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(prese
         assert {"relu2_mm", "softcap_ce"} <= names, names
     else:
         assert "fp8_mm" in names, names
+
+
+@pytest.mark.parametrize("preset,tables", [("", 1), ("v2", 2)], ids=["r28", "v2"])
+def test_rope_tables_are_one_per_length_and_built_on_their_device(preset, tables):
+    cfg = T.parse_config([f"--preset={preset}"] if preset else [])
+    with torch.device("meta"):  # the real shapes, nothing allocated
+        model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    rotaries = {id(b.attn.rotary): b.attn.rotary for b in model.blocks if b.attn is not None}
+    assert len(rotaries) == tables  # v2's paired layers rotate 2T positions: a second length
+    for rotary in rotaries.values():
+        assert rotary.cos.size(0) in (cfg.val_seq_len, 2 * cfg.val_seq_len)
+
+    class HostTensors(TorchDispatchMode):  # any tensor of more than head_dim elements made off the tables' device
+        def __init__(self):
+            super().__init__()
+            self.made: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() > cfg.head_dim:
+                    self.made.append(f"{func} {tuple(t.shape)} on {t.device}")
+            return out
+
+    with HostTensors() as host:  # a YaRN stage change rewrites the tables
+        model.apply_yarn((1, 3, 5))
+    assert not host.made, host.made[:3]
