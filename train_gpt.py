@@ -1107,9 +1107,15 @@ def _to_fp8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _scales(values: list[float] | tuple[float, ...], like: Tensor) -> list[Tensor]:
-    # Fill kernels, not host-to-device copies: a copy of a Python scalar would synchronize the host. Tensors, not
-    # floats, into the compiled bodies: a float there is a constant of the graph, a new graph for each value.
-    return [torch.full((), v, dtype=torch.float32, device=like.device) for v in values]
+    # Tensors, not floats, into the compiled bodies: a float there is a constant of the graph, a new graph for each
+    # value. Made once per run's scales and device, not per micro-step.
+    return list(_scale_tensors(tuple(values), like.device))
+
+
+@functools.cache
+def _scale_tensors(values: tuple[float, ...], device: torch.device) -> tuple[Tensor, ...]:
+    # Fill kernels, not host-to-device copies: a copy of a Python scalar would synchronize the host.
+    return tuple(torch.full((), v, dtype=torch.float32, device=device) for v in values)
 
 
 def compiled_on_first_call(fn: Callable) -> Callable:

@@ -14,6 +14,8 @@ sys.path.insert(0, str(REPO))
 
 SAMPLE_TRAIN = str(REPO / "data" / "sample" / "sample_train_*.bin")
 SAMPLE_VAL = str(REPO / "data" / "sample" / "sample_val_*.bin")
+# Every aten op that multiplies matrices (the ones torch's CPU bf16 reference loop serves, and their relatives).
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
 # Small runs (two sequences a step, a narrower model) keep a step well under a second on a shared 2-core machine.
 SMALL = dict(global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, val_seq_len=1024)
 

@@ -12,10 +12,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as T
-from conftest import REPO, SMALL, tiny_args
+from conftest import MATMULS, REPO, SMALL, tiny_args
 
-# Every aten op that multiplies matrices (the ones torch's CPU bf16 reference loop serves, and their relatives).
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
 # oneDNN capped at AVX2 has no bf16 GEMM: torch then runs bf16 matmuls in its reference loop, as on an
 # AVX2-only CPU. aten's kernels and MKL take their AVX2 code too.
 AVX2_ONLY = dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")

@@ -10,8 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as T
+from conftest import MATMULS
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_addmm_activation"}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
              "scaled_dot_product_attention", "flex_attention"}
 # The activation argument of each custom op (the weights may stay fp32: the ops cast them).
