@@ -23,9 +23,12 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:
+    sys.exit("error: sm90_kernels.py runs Triton's compiler: pip install triton==3.6.0")
 
 import train_gpt as T  # noqa: E402
 
@@ -89,6 +92,7 @@ def main() -> int:
                    f"spills {r['spill_bytes'] + r['stack_bytes']} B" if "shared_bytes" in r else "")
         print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['kernel']:34s} {figures}  {r['problem']}".rstrip())
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1
 
