@@ -1201,6 +1201,20 @@ def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
 # the pre-activation never reaches memory; backward recovers relu(pre) = sqrt(post) (#87: nothing else saved)
 # and runs the two GEMMs in torch. Built on first use (triton is imported only then; with TRITON_INTERPRET=1
 # the kernel runs on CPU tensors, which is how the tests check it). K is a compile-time constant (model_dim).
+# On CUDA, Triton autotunes the tile per (M, N) over RELU2_CONFIGS during warmup (each stage's shape is warmed
+# up, so no timed step tunes); the interpreter runs the first config (autotuning would time the interpreter).
+RELU2_CONFIGS = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): H100 bf16 GEMM tiles, all within sm90's
+    (128, 256, 64, 8, 3),  # 227 KB of shared memory (records/sm90_kernels.py compiles each for sm90)
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 3),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 128, 32, 4, 4),
+    (64, 64, 64, 4, 5),
+)
+
+
 @functools.cache
 def relu2_launcher() -> Callable:
     global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
@@ -1224,11 +1238,19 @@ def relu2_launcher() -> Callable:
         tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, (acc * acc).to(out_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    def launch(x: Tensor, w: Tensor, out: Tensor, block_m: int = 64, block_n: int = 128, block_k: int = 32) -> None:
+    tuned = triton.autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                             for bm, bn, bk, w, s in RELU2_CONFIGS], key=["M", "N"])(kernel)
+
+    def launch(x: Tensor, w: Tensor, out: Tensor, config: tuple[int, ...] | None = None) -> None:
+        """config: one of RELU2_CONFIGS; None autotunes on CUDA and takes the first config elsewhere."""
         (M, K), N = x.shape, w.size(1)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        kernel[grid](x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(),
-                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        args = (x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride())
+        if config is None and x.is_cuda:
+            tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))](*args)
+            return
+        bm, bn, bk, warps, stages = config or RELU2_CONFIGS[0]
+        kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                                         num_warps=warps, num_stages=stages)
 
     launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
     return launch

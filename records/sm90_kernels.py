@@ -3,7 +3,7 @@
     python records/sm90_kernels.py [--json FILE]
 
 Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
-the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768, and the softcapped multi-token cross-entropy
+the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768 in each tile its autotuner may pick, and the softcapped multi-token cross-entropy
 (--fused_head) over the 50,304-column vocabulary with 1 to 3 loss weights (padded to 2 or 4), with and without
 its gradient pass. For each: shared memory, registers per thread and spilled bytes (from cuobjdump, which ships
 with Triton). A compile error, shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
@@ -26,9 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 try:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 except ImportError:
     sys.exit("error: sm90_kernels.py runs Triton's compiler: pip install triton==3.6.0")
+
+import torch  # noqa: E402
 
 import train_gpt as T  # noqa: E402
 
@@ -37,23 +40,37 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm90
 DEFAULTS = {"num_warps": 4, "num_stages": 3}  # what a launch without options gets
 
 
-def cases(cfg: T.Config) -> list[tuple[str, object, dict, dict]]:
-    """(name, kernel, signature, constexprs) of every launch the recipe makes."""
-    relu2 = T.relu2_launcher().kernel
-    relu2_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "constexpr",
-                 "sxm": "i32", "sxk": "i32", "swk": "i32", "swn": "i32", "som": "i32", "son": "i32",
-                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-    out = [(f"relu2_mm bf16 K={cfg.model_dim}", relu2, relu2_sig,
-            {"K": cfg.model_dim, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32})]
-    ce = T.softcap_ce_launcher().kernel
-    ce_sig = {"z_ptr": "*bf16", "stride": "i32", "targets_ptr": "*i64", "weights_ptr": "*fp32", "loss_ptr": "*fp32",
-              "row0": "i32", "T": "i32", "cap": "fp32", "shift": "fp32", "temp": "fp32", "V": "constexpr",
-              "K": "constexpr", "BLOCK_V": "constexpr", "GRAD": "constexpr"}
+def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, dict]]:
+    """(name, kernel, arguments, keywords) of every launch a run of the recipe makes, arguments as the launchers
+    pass them at one micro-step's rows: small host tensors of the launch's dtypes stand in for the device buffers
+    (only their dtype and 16-byte alignment reach the compiler), integers are the real sizes and strides."""
+    bf16 = torch.empty(8, dtype=torch.bfloat16)
+    dim, hidden, vocab = cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.vocab_size
+    relu2 = T.relu2_launcher().kernel  # x (rows, dim) @ c_fc (dim, hidden) -> (rows, hidden), all row-major
+    out = [(f"relu2_mm bf16 K={dim} {bm}x{bn}x{bk} w{warps} s{stages}", relu2,
+            (bf16, bf16, bf16, rows, hidden, dim, dim, 1, hidden, 1, hidden, 1),
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
+           for bm, bn, bk, warps, stages in T.RELU2_CONFIGS]
+    ce = T.softcap_ce_launcher().kernel  # one HEAD_CHUNK_ROWS chunk of logits, its first row at row0
+    targets, losses = torch.empty(8, dtype=torch.int64), torch.empty(8)
     for k in (2, 4):  # 1 or 2 weights pad to 2, 3 to 4 (softcap_ce)
         for grad in (True, False):
-            out.append((f"softcap_ce bf16 K={k} {'loss+grad' if grad else 'loss'}", ce, ce_sig,
-                        {"V": cfg.vocab_size, "K": k, "BLOCK_V": 1024, "GRAD": grad}))
+            out.append((f"softcap_ce bf16 K={k} {'loss+grad' if grad else 'loss'}", ce,
+                        (bf16, vocab, targets, torch.empty(k), losses, T.HEAD_CHUNK_ROWS, rows, 30.0, 5.0, 7.5),
+                        {"V": vocab, "K": k, "BLOCK_V": 1024, "GRAD": grad, **DEFAULTS}))
     return out
+
+
+def source(kernel, args: tuple, keywords: dict) -> tuple[ASTSource, dict]:
+    """What Triton's JIT compiles for this launch, and its options: the JIT's own binder decides, as at run time,
+    which integers become constants (those equal to 1: unit strides) or carry a divisible-by-16 hint, and which
+    pointers are aligned. Without them the loads are neither vectorized nor pipelined (a different kernel)."""
+    backend = make_backend(H100)
+    bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
+        *args, **keywords)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, keywords, bound, specialization, options)
+    return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), {
+        "num_warps": options.num_warps, "num_stages": options.num_stages}
 
 
 def resources(cubin: bytes) -> dict[str, int]:
@@ -68,11 +85,11 @@ def resources(cubin: bytes) -> dict[str, int]:
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "spill_bytes": int(fields["LOCAL"])}
 
 
-def check(name: str, kernel, signature: dict, constexprs: dict) -> dict:
-    row: dict = {"kernel": name, **DEFAULTS}
+def check(name: str, kernel, args: tuple, keywords: dict) -> dict:
+    src, options = source(kernel, args, keywords)
+    row: dict = {"kernel": name, **options}
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=H100,
-                                  options=DEFAULTS)
+        compiled = triton.compile(src, target=H100, options=options)
     except Exception as e:  # a compile error is this check's finding, reported in its row
         return {**row, "ok": False, "problem": f"does not compile for sm90: {type(e).__name__}: {e}"}
     row |= {"shared_bytes": compiled.metadata.shared, **resources(compiled.asm["cubin"])}
@@ -90,7 +107,7 @@ def main() -> int:
     for r in rows:
         figures = (f"shared {r['shared_bytes'] / 1024:6.1f} KB  registers {r['registers']:3d}  "
                    f"spills {r['spill_bytes'] + r['stack_bytes']} B" if "shared_bytes" in r else "")
-        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['kernel']:34s} {figures}  {r['problem']}".rstrip())
+        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['kernel']:44s} {figures}  {r['problem']}".rstrip())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -37,6 +37,14 @@ def test_relu2_kernel_equals_relu_squared_of_the_product_with_masked_tails(dtype
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.parametrize("config", T.RELU2_CONFIGS, ids=lambda c: "x".join(map(str, c[:3])) + f"w{c[3]}s{c[4]}")
+def test_every_autotuning_tile_of_the_relu2_kernel_computes_the_same_product(config):
+    x, w = operands(torch.float32)  # masked tails in every tile: 100 x 72 @ 72 x 200
+    out = torch.empty(100, 200)
+    T.relu2_launcher()(x, w, out, config)
+    torch.testing.assert_close(out, torch.relu(x @ w).square(), rtol=1e-5, atol=1e-6)
+
+
 def test_relu2_kernel_gradients_equal_the_torch_path():
     x, w = operands(torch.float32)
     g = torch.randn(100, 200, generator=torch.Generator().manual_seed(1))
