@@ -3319,8 +3319,6 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
     whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
     on_cuda = rt.device.type == "cuda"
-    if cfg.compile:  # dynamo refuses a function's 9th graph by default (a hard error): size its limit from the plan
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, model_graphs(cfg))
     raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
@@ -3331,13 +3329,21 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
         log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
+    if cfg.compile:  # dynamo refuses a function's graph past its limit (8 by default, a hard error): size it
+        graphs = compiled_graphs(cfg, optimizer)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, *graphs.values())
+        log(f"compile: graphs per function: {', '.join(f'{k} {v}' for k, v in graphs.items())} (recompile limit "
+            f"{torch._dynamo.config.recompile_limit})")
     return raw, model, optimizer
 
 
-def model_graphs(cfg: Config) -> int:
-    """The graphs torch.compile builds of the model in a run (static shapes): one per training sequence length,
-    and validation's."""
-    return len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1
+def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
+    """The graphs torch.compile builds in a run, per compiled function: the model's (static shapes), one per
+    training sequence length and validation's; Muon's orthogonalization, one per shape of a rank's shard batch;
+    each FP8 head op, two (the first shape static, then dynamic)."""
+    return {"model": len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1,
+            "orthogonalize": len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"}),
+            "fp8 ops": 2 if cfg.fp8_head else 0}
 
 
 def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]]:

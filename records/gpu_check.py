@@ -2,19 +2,24 @@
 
     python records/gpu_check.py [--out DIR] [--skip_bench]
 
-One command, at most ten minutes on one H100, from the repo root's checkout with a corpus for the benchmark:
-shards in the git-ignored data/proxy/ (proxy_train_*.bin, proxy_val_*.bin) or FineWeb in data/fineweb10B/
-(python data/cached_fineweb10B.py 1). Two stages, each under its own time limit:
+One command, at most ten minutes on one H100 from a cold compile cache, from the repo root's checkout with a
+corpus for the benchmarks: shards in the git-ignored data/proxy/ (proxy_train_*.bin, proxy_val_*.bin) or FineWeb
+in data/fineweb10B/ (python data/cached_fineweb10B.py 1). Four stages, in order of what a first run trips on
+first, each under its own time limit:
 
-1. tests: the CPU suite's FP8 and FlexAttention tests, the no-host-sync test, then tests/test_cuda.py (FP8 ops
-   and head through cuBLAS, compiled FlexAttention against dense attention, the prefetch loader against a
-   slowed stream, the compiled GPT's graphs, a tiny run with checkpoints, v2 compiled, the Triton kernels in
-   bf16). Without a GPU the CUDA tests are skipped with their reason and the CPU rehearsal of the compiled path
-   (tests/test_compiled.py) runs instead. A stage killed at its limit keeps the outcome of every test that
-   finished (read from pytest's verbose log).
-2. bench: train_gpt.py --bench at the recipe's per-rank shape (8 micro-steps of 49,152 tokens) on that
-   corpus; without a GPU, the tiny preset compiled with the FP8 head, on the CPU.
+1. kernels: the Triton kernels in bf16 at the recipe's shapes (autotuned on the GPU) and the FP8 ops (opcheck,
+   saturation, the head at the recipe's shape), through cuBLAS; the CPU suite's FP8 tests.
+2. model: the rest of tests/test_cuda.py (compiled FlexAttention against dense attention, the prefetch loader
+   against a slowed stream, the compiled GPT's graphs, v2's matmuls and attention in bf16, a tiny run with
+   checkpoints, v2 compiled) and the no-host-sync test. Without a GPU the CUDA tests are skipped with their reason
+   and the CPU rehearsal of the compiled path (tests/test_compiled.py) runs instead.
+3. v2: train_gpt.py --bench --preset=v2 at its last stage's real shape (paired FlexAttention over 2T = 98,304
+   positions, the bigram table, the multi-token loss), its peak memory against records/memory_estimate.py's
+   estimate for one GPU (PASS within 15% above it).
+4. bench: the same at #28's shape (8 micro-steps of 49,152 tokens). Without a GPU, stages 3 and 4 run the tiny
+   preset (v2's last stage, then #28) compiled with the FP8 head on the CPU, and the memory check is skipped.
 
+A stage killed at its limit keeps the outcome of every test that finished (read from pytest's verbose log).
 Every check prints PASS, FAIL or SKIP with its figures, and the script goes on past a failure (exit code 1 if
 any failed). The folder (default records/<date>_gpu_check/) receives the tests' log and junit XML, the bench's
 run log, summary and report (its trace stays in logs/, git-ignored there), and the table as check.md and
@@ -41,14 +46,30 @@ REPO = Path(__file__).resolve().parents[1]
 # The benchmark's corpus, the first one present: a proxy corpus, or FineWeb (the trainer's default).
 CORPORA = [("data/proxy/proxy_train_*.bin", "data/proxy/proxy_val_*.bin"),
            ("data/fineweb10B/fineweb_train_*.bin", "data/fineweb10B/fineweb_val_*.bin")]
-# In this order, the long tests/test_cuda.py last: if the stage runs past its limit, its last tests are what is lost.
-GPU_TESTS = ["tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py"]
-CPU_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
-             "tests/test_model.py::test_fp8_head_saturates_values_beyond_each_formats_range",
-             "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
-             "tests/test_model.py::test_compiled_flex_attention_equals_sdpa_with_reference_mask"]
+# The kernels and FP8 ops first: each is quick, and a first run on a new GPU or torch trips there first.
+KERNEL_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
+                "tests/test_model.py::test_fp8_head_saturates_values_beyond_each_formats_range",
+                "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
+                "tests/test_cuda.py::test_cuda_environment",
+                "tests/test_cuda.py::test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path",
+                "tests/test_cuda.py::test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logits"
+                "_memory", "tests/test_cuda.py::test_fp8_ops_pass_opcheck_on_cuda",
+                "tests/test_cuda.py::test_fp8_head_saturates_on_cuda",
+                "tests/test_cuda.py::test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled"]
+MODEL_TESTS = ["tests/test_model.py::test_compiled_flex_attention_equals_sdpa_with_reference_mask",
+               "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py",
+               *(f"--deselect={t}" for t in KERNEL_TESTS if t.startswith("tests/test_cuda.py"))]
 REHEARSAL_TESTS = ["tests/test_compiled.py"]
-TESTS_LIMIT_S, BENCH_LIMIT_S = 330, 240  # with start-up and the report, inside ten minutes
+# Seconds per stage (kernels, model, v2, bench): with start-up and the report, inside ten minutes on a cold cache.
+LIMITS_S = {"kernels": 120, "model": 200, "v2": 150, "bench": 120}
+MEMORY_MARGIN = 1.15  # measured peak allocated over the estimate that still passes
+# v2's last stage on the tiny preset (README's CPU command, one stage): the CPU rehearsal of the v2 stage.
+TINY_V2_LAST_STAGE = ["--preset=tiny,v2", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",
+                      "--window_stages=1/3,1/3", "--seq_len_stages=512", "--doc_len_stages=512", "--lr_stages=1.73",
+                      "--mtp_stages=1",
+                      "--final_val_windows=1/4", "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1",
+                      "--skip=0:2", "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608",
+                      "--bigram_dim=32"]
 BENCH_FIGURES = [("ms_per_step_median", "ms/step", "{:.1f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
                  ("mfu_pct", "MFU", "{:.1f}%"), ("peak_memory_allocated_mib", "peak alloc MiB", "{:,.0f}"),
                  ("peak_memory_reserved_mib", "peak reserved MiB", "{:,.0f}"), ("gpu_idle_frac", "GPU idle", "{:.2%}"),
@@ -120,10 +141,10 @@ def log_rows(log_text: str) -> list[dict]:
     return rows
 
 
-def run_tests(tests: list[str], out: Path, limit_s: float) -> list[dict]:
+def run_tests(tests: list[str], out: Path, limit_s: float, stage: str = "tests") -> list[dict]:
     """pytest on `tests`, one row per test from its junit XML (or, if killed, from its log) and a FAIL row
-    when it was killed or gave no results."""
-    xml, log = out / "tests.xml", out / "tests.log"
+    when it was killed or gave no results. Its log and XML are <stage>.log and <stage>.xml."""
+    xml, log = out / f"{stage}.xml", out / f"{stage}.log"
     xml.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", *tests, "-v", "-rfEs", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
            f"--junitxml={xml}"]
@@ -131,38 +152,51 @@ def run_tests(tests: list[str], out: Path, limit_s: float) -> list[dict]:
     rows = test_rows(xml) if xml.exists() else log_rows(log.read_text())
     if code is None or not rows:
         why = f"killed after {limit_s:.0f} s" if code is None else f"pytest exited {code} with no results"
-        rows.append({"check": "tests", "result": "FAIL", "seconds": seconds, "note": f"{why}; see tests.log",
+        rows.append({"check": stage, "result": "FAIL", "seconds": seconds, "note": f"{why}; see {log.name}",
                      "figures": {}})
     return rows
 
 
-def tests_stage(out: Path, cuda: bool) -> list[dict]:
-    return run_tests(CPU_TESTS + GPU_TESTS + ([] if cuda else REHEARSAL_TESTS), out, TESTS_LIMIT_S)
+def last_stage_args(preset: str) -> list[str]:
+    """Flags that make the preset's whole schedule its last stage (and the extension's windows after it), so a
+    short bench runs at the preset's final, largest shape."""
+    import train_gpt as T
+
+    cfg = T.parse_config([f"--preset={preset}"])
+    args = [f"--{name}={getattr(cfg, name).split(',')[-1]}" for name in T.STAGED if getattr(cfg, name)
+            and name != "window_stages"]
+    if cfg.window_stages:
+        args.append(f"--window_stages={','.join(cfg.window_stages.split(',')[-1 - (cfg.extension_steps > 0):])}")
+    return args
 
 
-def bench_stage(out: Path, cuda: bool) -> dict:
-    """The benchmark run; its figures from the report JSON and the warmup line of its log."""
-    run_id = f"gpu_check_bench_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+def bench_run(out: Path, cuda: bool, stage: str, preset: str, cpu_args: list[str]) -> tuple[dict, dict | None]:
+    """One --bench run of the preset (GPU: at its shape on the corpus; CPU: the tiny preset with cpu_args): its
+    row, figures from the report JSON and the warmup line of its log, and the report."""
+    run_id = f"gpu_check_{stage}_{datetime.datetime.now():%Y%m%d_%H%M%S}"
     logs = out / "logs"
+    shape = f"--preset={preset}" if preset else ""
     if cuda:
         corpus = next(((t, v) for t, v in CORPORA if list(REPO.glob(t)) and list(REPO.glob(v))), None)
-        name = f"bench: recipe shape, {corpus[0].split('/')[1] if corpus else 'no'} corpus"
+        name = f"{stage}: {shape or '#28'} at its shape, {corpus[0].split('/')[1] if corpus else 'no'} corpus"
         if corpus is None:
             return {"check": name, "result": "FAIL", "seconds": 0.0, "figures": {},
-                    "note": "no shards in data/proxy/ or data/fineweb10B/ (python data/cached_fineweb10B.py 1)"}
+                    "note": "no shards in data/proxy/ or data/fineweb10B/ (python data/cached_fineweb10B.py 1)"}, None
         # A bench needs data for its own ~43 steps; epochs let a small corpus supply them.
-        args = [f"--train_files={corpus[0]}", f"--val_files={corpus[1]}", "--train_epochs=30", "--val_tokens=262144"]
+        args = [*filter(None, [shape]), f"--train_files={corpus[0]}", f"--val_files={corpus[1]}", "--train_epochs=30",
+                "--val_tokens=262144"]
     else:
-        name = "bench: tiny preset, CPU, compiled with the FP8 head"
-        args = ["--preset=tiny", "--device=cpu", "--compile=true", "--fp8_head=true", "--bench_steps=3",
-                "--num_steps=10"]
+        name = f"{stage}: tiny preset{' ' + preset if preset else ''}, CPU, compiled with the FP8 head"
+        args = [*cpu_args, "--device=cpu", "--compile=true", "--fp8_head=true", "--bench_steps=3", "--num_steps=10"]
+    if preset and cuda:
+        args += last_stage_args(preset)
     cmd = [sys.executable, "train_gpt.py", "--bench", *args, f"--run_id={run_id}", f"--log_dir={logs}"]
-    code, seconds = run_logged(cmd, out / "bench.log", BENCH_LIMIT_S)
+    code, seconds = run_logged(cmd, out / f"{stage}.log", LIMITS_S[stage])
     report_path = logs / f"{run_id}_bench.json"
     row = {"check": name, "result": "PASS", "seconds": seconds, "note": "", "figures": {}}
     if code != 0 or not report_path.exists():
-        why = f"killed after {BENCH_LIMIT_S} s" if code is None else f"exit code {code}"
-        return {**row, "result": "FAIL", "note": f"{why}; see bench.log"}
+        why = f"killed after {LIMITS_S[stage]} s" if code is None else f"exit code {code}"
+        return {**row, "result": "FAIL", "note": f"{why}; see {stage}.log"}, None
     report = json.loads(report_path.read_text())
     for key, label, fmt in BENCH_FIGURES:
         if report.get(key) is not None:
@@ -172,7 +206,36 @@ def bench_stage(out: Path, cuda: bool) -> dict:
         row["figures"]["compile+warmup s"] = warmup.group(2)
     for suffix in (".txt", ".json", ".jsonl", "_bench.json"):  # the record keeps these; the trace stays in logs/
         shutil.copy(logs / f"{run_id}{suffix}", out)
-    return row
+    return row, report
+
+
+def memory_row(report: dict | None, cuda: bool) -> dict:
+    """v2's measured peak allocated against records/memory_estimate.py's figure for one GPU at the same shape."""
+    row = {"check": "v2: peak memory within the estimate", "result": "SKIP", "seconds": 0.0, "figures": {},
+           "note": "needs a CUDA GPU" if not cuda else "no bench report"}
+    if not cuda or report is None or report.get("peak_memory_allocated_mib") is None:
+        return row
+    sys.path.insert(0, str(REPO / "records"))
+    import memory_estimate
+
+    t0 = time.monotonic()
+    estimate = next(r for r in memory_estimate.estimate("v2", ["--preset=v2"]) if r["gpus"] == 1)["total"] / 2**20
+    measured = report["peak_memory_allocated_mib"]
+    ok = measured <= MEMORY_MARGIN * estimate
+    return {**row, "result": "PASS" if ok else "FAIL", "seconds": time.monotonic() - t0,
+            "figures": {"allocated MiB": f"{measured:,.0f}", "estimate MiB": f"{estimate:,.0f}"},
+            "note": "" if ok else f"above {MEMORY_MARGIN:.2f}x the estimate: see records/memory_estimate.py"}
+
+
+def stages(out: Path, cuda: bool) -> list[dict]:
+    rows = run_tests(KERNEL_TESTS, out, LIMITS_S["kernels"], "kernels")
+    rows += run_tests(MODEL_TESTS + ([] if cuda else REHEARSAL_TESTS), out, LIMITS_S["model"], "model")
+    return rows
+
+
+def benches(out: Path, cuda: bool) -> list[dict]:
+    v2, report = bench_run(out, cuda, "v2", "v2", TINY_V2_LAST_STAGE)
+    return [v2, memory_row(report, cuda), bench_run(out, cuda, "bench", "", ["--preset=tiny"])[0]]
 
 
 def table(rows: list[dict]) -> str:
@@ -187,7 +250,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "records" / f"{datetime.date.today()}_gpu_check")
-    parser.add_argument("--skip_bench", action="store_true", help="the tests alone")
+    parser.add_argument("--skip_bench", action="store_true", help="the test stages alone (kernels, model)")
     opts = parser.parse_args()
     out = opts.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -200,9 +263,9 @@ def main() -> int:
         if cuda else "no CUDA GPU: CUDA checks are skipped, the CPU rehearsal runs instead"
     header = f"torch {torch.__version__}, CUDA {torch.version.cuda}, {device}"
     print(f"gpu_check: {header}\ngpu_check: writing to {out}", flush=True)
-    rows = tests_stage(out, cuda)
+    rows = stages(out, cuda)
     if not opts.skip_bench:
-        rows.append(bench_stage(out, cuda))
+        rows += benches(out, cuda)
     text = table(rows)
     failed = [r["check"] for r in rows if r["result"] == "FAIL"]
     summary = f"{len(rows)} checks: {sum(r['result'] == 'PASS' for r in rows)} passed, {len(failed)} failed, " \

@@ -213,9 +213,11 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
     (fw_peak, fw_at), (bw_peak, bw_at) = (liveness_peak(graphs[g].graph, static) for g in ("forward", "backward"))
     val_peak, val_at = liveness_peak(val.graph, leading_inputs(val.graph, len(state)))
     workspace = fused_head_workspace(cfg)
-    where = lambda phase, node: f"{phase}, {getattr(node.target, '_opname', node.name)} {'x'.join(map(str, node.meta['val'].shape))}"  # noqa
+    where = lambda phase, node: (f"{phase}, {getattr(node.target, '_opname', node.name)} "  # noqa: E731
+                                 f"{'x'.join(map(str, node.meta['val'].shape))}")
     return {"seq_len": last.seq_len, "saved": sum(saved.values()),
-            "train_peak": max(fw_peak, bw_peak) + workspace, "train_peak_at": where("backward", bw_at) if bw_peak >= fw_peak else where("forward", fw_at),
+            "train_peak": max(fw_peak, bw_peak) + workspace,
+            "train_peak_at": where("backward", bw_at) if bw_peak >= fw_peak else where("forward", fw_at),
             "validation_peak": val_peak + workspace, "validation_peak_at": where("validation", val_at)}
 
 

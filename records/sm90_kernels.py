@@ -3,10 +3,11 @@
     python records/sm90_kernels.py [--json FILE]
 
 Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
-the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768 in each tile its autotuner may pick, and the softcapped multi-token cross-entropy
-(--fused_head) over the 50,304-column vocabulary with 1 to 3 loss weights (padded to 2 or 4), with and without
-its gradient pass. For each: shared memory, registers per thread and spilled bytes (from cuobjdump, which ships
-with Triton). A compile error, shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
+the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768 in each tile its autotuner may pick, and the softcapped
+multi-token cross-entropy (--fused_head) over the 50,304-column vocabulary with 1 to 3 loss weights (padded to 2
+or 4), with and without its gradient pass, each with the specialization Triton's JIT gives the real launch. For
+each: shared memory, registers per thread and spilled bytes (from cuobjdump, which ships with Triton). A compile
+error, shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
 """
 
 from __future__ import annotations

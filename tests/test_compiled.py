@@ -4,6 +4,7 @@ the attention kernel differs (dense SDPA: FlexAttention has no CPU backward). Th
 kernel, a graph break or a recompile shows up without a GPU."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -157,8 +158,13 @@ def test_staged_sequence_lengths_compile_in_the_warmup_and_never_after(tmp_path,
     args = tiny_args(tmp_path, run_id="staged", **staged)
     result = T.run(args)
     assert graphs_after_warmup == [3]  # one training graph per sequence length, all before the clock
-    assert model_graphs() == 4 == T.model_graphs(T.parse_config(args))  # + the eval graph; YaRN recompiled nothing
-    assert "warmup: snapshot" in (tmp_path / "logs" / "staged.txt").read_text()
+    log = (tmp_path / "logs" / "staged.txt").read_text()
+    line = re.search(r"^compile: graphs per function: (.*) \(recompile limit", log, re.M).group(1)
+    planned = {k: int(v) for k, v in (part.rsplit(" ", 1) for part in line.split(", "))}
+    assert model_graphs() == 4 == planned["model"]  # + the eval graph; YaRN recompiled nothing
+    orthogonalize = getattr(T, T.parse_config(args).orthogonalizer).__code__  # one graph per shard shape
+    assert len(_debug_get_cache_entry_list(orthogonalize)) == planned["orthogonalize"] >= 2
+    assert "warmup: snapshot" in log
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 1.0
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils._python_dispatch import _disable_current_modes
 
 import train_gpt as T
 from conftest import SAMPLE_TRAIN, tiny_args
@@ -284,3 +285,34 @@ def test_a_compiled_run_with_both_triton_kernels_learns(tmp_path):
     result = T.run(tiny_args(tmp_path, run_id="kernels", relu2_kernel=True, fused_head=True, mtp_stages="1/0.5",
                              logit_cap=23, logit_shift=5, num_steps=8, val_every=4, warmup_steps=1, **RUN))
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.3
+
+
+def test_recipe_v2_runs_every_matmul_and_flex_attention_in_bf16_on_cuda(record_property):
+    # The CPU suite proves this on fake tensors (tests/test_gpu_path.py); here the CUDA kernels dispatch for real:
+    # v2's model with FlexAttention (compiled alone) at 8,192 tokens, one forward and backward, FP8 head on.
+    from test_gpu_path import InputDtypes
+
+    cfg = T.parse_config(["--preset=v2"])
+    cfg.fp8_head = True
+    model = T.GPT(cfg, use_flex=True, fp8_head=True, compile_flex=True).cuda()
+    s = T.schedule_table(cfg)[-2]
+    tokens = torch.randint(0, cfg.vocab_size, (8193,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    tokens[::1000] = T.BOS_ID
+    windows = torch.tensor([s.long_window, s.short_window], dtype=torch.int32, device="cuda")
+    ops = InputDtypes()
+
+    def recorded(flex):  # q, k, v recorded here; the compiled kernel runs outside the mode (flex is a HOP)
+        def call(q, k, v, **kw):
+            ops.seen.append(("flex_attention", (q.dtype, k.dtype, v.dtype)))
+            with _disable_current_modes():
+                return flex(q, k, v, **kw)
+        return call
+
+    for block in model.blocks:
+        if block.attn is not None:
+            block.attn.flex = recorded(block.attn.flex)
+    with ops:
+        model(tokens[:-1], tokens[1:].long(), windows, torch.tensor(s.mtp_weights, device="cuda")).backward()
+    assert any(name == "flex_attention" for name, _ in ops.seen)
+    record_property("ops_seen", len(ops.seen))
+    assert len(ops.seen) > 50 and not ops.not_bf16(), sorted(set(ops.not_bf16()))

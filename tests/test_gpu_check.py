@@ -67,3 +67,34 @@ def test_a_killed_test_stage_keeps_each_finished_tests_outcome_from_its_log(tmp_
     assert results["test_gpu_only"][0] == "SKIP"
     assert results["test_hangs"] == ("FAIL", "running when the stage was killed")
     assert results["tests"] == ("FAIL", "killed after 8 s; see tests.log")
+
+
+def test_stages_run_kernels_first_then_the_model_then_v2_at_its_last_stage_inside_ten_minutes(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(gpu_check, "run_tests", lambda tests, out, limit, stage: calls.append((stage, tests)) or [])
+    monkeypatch.setattr(gpu_check, "bench_run", lambda out, cuda, stage, preset, cpu_args: (
+        calls.append((stage, preset)) or ({"check": stage}, None)))
+    gpu_check.stages(tmp_path, cuda=True)
+    gpu_check.benches(tmp_path, cuda=True)
+    assert [c[0] for c in calls] == ["kernels", "model", "v2", "bench"] and calls[2][1] == "v2"
+    kernels, model = calls[0][1], calls[1][1]
+    cuda_kernel_tests = [t for t in kernels if t.startswith("tests/test_cuda.py::")]
+    assert {t.split("::")[1] for t in cuda_kernel_tests} >= {"test_relu2_kernel_in_bf16_at_the_recipes_shape_follows"
+                                                             "_the_torch_path", "test_fp8_ops_pass_opcheck_on_cuda"}
+    # Each CUDA test runs once: the kernel ones in the first stage, deselected from the model stage's file.
+    assert "tests/test_cuda.py" in model and {f"--deselect={t}" for t in cuda_kernel_tests} <= set(model)
+    cuda_source = (REPO / "tests" / "test_cuda.py").read_text()
+    assert all(f"def {t.split('::')[1]}(" in cuda_source for t in cuda_kernel_tests)  # no renamed test lost
+    assert sum(gpu_check.LIMITS_S.values()) <= 600 - 10  # start-up and the memory estimate inside ten minutes
+
+
+def test_the_v2_stage_benches_v2_at_its_last_and_largest_shape():
+    import train_gpt as T
+    args = gpu_check.last_stage_args("v2")
+    cfg = T.parse_config(["--preset=v2", *args, "--bench"])
+    T.validate_config(cfg, 1)
+    v2 = T.parse_config(["--preset=v2"])
+    first, last = T.schedule_table(cfg)[0], T.schedule_table(v2)[v2.num_steps - v2.extension_steps - 1]
+    shape = lambda s: (s.seq_len, s.long_window, s.short_window, s.max_doc_len, s.lr_mult)  # noqa: E731
+    assert shape(first) == (49152, 11, 5, 2048, 1.73)
+    assert shape(last)[:4] == shape(first)[:4]  # the last stage's (its lr has cooled down by then)

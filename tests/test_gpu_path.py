@@ -4,13 +4,18 @@ as the records run them. The model's parameters are real (built on the CPU, ~1.5
 are fake, so every activation is a fake tensor. Fake CPU tensors: the dense SDPA path stands in for FlexAttention
 (no CPU backward), with the same input dtypes."""
 
+import sys
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as T
-from conftest import MATMULS
+from conftest import MATMULS, REPO
+
+sys.path.insert(0, str(REPO / "records"))
+import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU run resolves, real shapes)
 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
              "scaled_dot_product_attention", "flex_attention"}
@@ -41,16 +46,6 @@ class InputDtypes(TorchDispatchMode):
         return [(name, dtypes) for name, dtypes in self.seen if set(dtypes) != {torch.bfloat16}]
 
 
-def recipe_config(preset: str, **fields: object) -> T.Config:
-    """The recipe's config as a GPU run resolves it (FP8 head on), at its real shapes."""
-    cfg = T.parse_config([f"--preset={preset}"] if preset else [])
-    T.resolve_for_device(cfg, cuda=False)
-    cfg.fp8_head = True
-    for name, value in fields.items():  # the Triton kernels: their fake kernels stand in, as torch.compile traces
-        setattr(cfg, name, value)
-    return cfg
-
-
 def traced_dtypes(cfg: T.Config) -> dict[str, InputDtypes]:
     """One training micro-step at the last stage's sequence length (forward and backward) and one validation
     step, on fake tokens: the dtypes each met."""
@@ -71,15 +66,15 @@ def traced_dtypes(cfg: T.Config) -> dict[str, InputDtypes]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,fields", [("", {}), ("v2", {}), ("v2", {"relu2_kernel": True, "fused_head": True})],
-                         ids=["r28", "v2", "v2_kernels"])
-def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(preset, fields):
-    steps = traced_dtypes(recipe_config(preset, **fields))
+@pytest.mark.parametrize("args", M.PRESETS.values(), ids=M.PRESETS.keys())
+def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(args):
+    cfg = M.recipe_config(args)
+    steps = traced_dtypes(cfg)
     for step, ops in steps.items():
         assert len(ops.seen) > 20, (step, ops.seen)
         assert not ops.not_bf16(), (step, sorted(set(ops.not_bf16())))
     names = {name for ops in steps.values() for name, _ in ops.seen}
-    if fields:
+    if cfg.fused_head:
         assert {"relu2_mm", "softcap_ce"} <= names, names
     else:
         assert "fp8_mm" in names, names
@@ -110,3 +105,25 @@ def test_rope_tables_are_one_per_length_and_built_on_their_device(preset, tables
     with HostTensors() as host:  # a YaRN stage change rewrites the tables
         model.apply_yarn((1, 3, 5))
     assert not host.made, host.made[:3]
+
+
+TINY_V2 = ["--preset=tiny,v2", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",  # README's CPU command
+           "--window_stages=0/1,1/2,1/3,1/3", "--seq_len_stages=256,384,512", "--doc_len_stages=256,512,512",
+           "--final_val_windows=1/4", "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1", "--skip=0:2",
+           "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608", "--bigram_dim=32"]
+
+
+@pytest.mark.parametrize("args", [[], ["--preset=v2"], ["--preset=tiny"], TINY_V2],
+                         ids=["r28", "v2", "tiny", "tiny_v2"])
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_each_compiled_function_of_a_full_run_stays_within_dynamos_default_recompile_limit(args, world_size):
+    # From the schedule and the optimizer's buckets at the real shapes (meta device): the model's graphs (one
+    # per training length and validation's), Muon's orthogonalization (one per shard shape), the FP8 ops.
+    cfg = T.parse_config(args)
+    with torch.device("meta"):
+        model = T.GPT(cfg, use_flex=False, fp8_head=True)
+    cfg.fp8_head = True
+    graphs = T.compiled_graphs(cfg, T.ShardedMuonAdam(model, cfg, 0, world_size, compile_ns=False))
+    print(args[:1], world_size, graphs)
+    assert set(graphs) == {"model", "orthogonalize", "fp8 ops"} and graphs["model"] >= 2
+    assert max(graphs.values()) <= 8, graphs  # dynamo's default recompile_limit: a full run never needs more
