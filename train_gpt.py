@@ -345,15 +345,20 @@ def profile_steps(spec: str, num_steps: int) -> range:
     return range(a, b)
 
 
-def window_stages(spec: str) -> list[tuple[int, int]]:
-    """--window_stages=S/L,S/L,... as (short, long) windows in blocks; UsageError when malformed."""
+def window_stages(spec: str, flag: str = "window_stages") -> list[tuple[int, int]]:
+    """--window_stages=S/L,S/L,... (or --final_val_windows=S/L) as (short, long) windows in blocks; UsageError when
+    malformed or a short window is longer than its long one."""
     try:
         stages = [tuple(int(w) for w in pair.split("/")) for pair in spec.split(",")]
     except ValueError:
         stages = []
     if not stages or any(len(st) != 2 or min(st) < 0 for st in stages):
-        raise UsageError(f"--window_stages expects SHORT/LONG blocks per stage, comma-separated "
-                         f"(e.g. 1/3,3/7,5/11,6/13), got {spec!r}")
+        shape = " per stage, comma-separated (e.g. 1/3,3/7,5/11,6/13)" if flag == "window_stages" else " (e.g. 6/20)"
+        raise UsageError(f"--{flag} expects SHORT/LONG blocks{shape}, got {spec!r}")
+    wrong = [f"{a}/{b}" for a, b in stages if a > b]
+    if wrong:
+        raise UsageError(f"--{flag}={spec}: the short window exceeds the long one in {', '.join(wrong)} "
+                         f"(SHORT/LONG, in blocks)")
     return stages  # type: ignore[return-value]
 
 
@@ -365,6 +370,9 @@ def stage_values(name: str, spec: str, kind: type) -> list:
         values = []
     if not values or any(not (math.isfinite(v) and v >= 0) for v in values):
         raise UsageError(f"--{name} expects one non-negative {kind.__name__} per stage, comma-separated, got {spec!r}")
+    low, high = STAGE_RANGES.get(name, (-1, math.inf))
+    if any(not low < v <= high for v in values):
+        raise UsageError(f"--{name}={spec}: each stage's value must be above {low:g} and at most {high:g}")
     return values
 
 
@@ -374,11 +382,18 @@ def mtp_stages(spec: str) -> list[tuple[float, ...]]:
         stages = [tuple(float(w) for w in weights.split("/")) for weights in spec.split(",")]
     except ValueError:
         stages = []
-    if not stages or any(not all(math.isfinite(w) and w >= 0 for w in st) for st in stages):
-        raise UsageError(f"--mtp_stages expects non-negative weights W/W/... per stage, comma-separated (e.g. "
+    if not stages or any(not all(math.isfinite(w) and 0 <= w <= 100 for w in st) for st in stages):
+        raise UsageError(f"--mtp_stages expects weights W/W/... from 0 to 100 per stage, comma-separated (e.g. "
                          f"1/0.5/0.25,1/0.5,1), got {spec!r}")
+    if any(st[0] == 0 for st in stages):
+        raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
+                         f"without it the stage trains on nothing")
     return stages
 
+
+# The (exclusive low, high) range of a staged value where non-negative is not enough: lengths of at least one
+# token, and an lr multiplier of every group's lr (the records use 1 to 1.73) far from an fp32 update's overflow.
+STAGE_RANGES = {"seq_len_stages": (0, math.inf), "lr_stages": (0, 100)}
 
 # The staged fields besides --window_stages (whose count may include the extension's pair): one entry per stage.
 STAGED: dict[str, Callable[[str], list]] = {
@@ -524,7 +539,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
             parse(getattr(cfg, name))
     if cfg.yarn and not cfg.window_stages:
         raise UsageError("--yarn rescales at each staged window change: it needs --window_stages")
-    if cfg.final_val_windows and len(window_stages(cfg.final_val_windows)) != 1:
+    if cfg.final_val_windows and len(window_stages(cfg.final_val_windows, "final_val_windows")) != 1:
         raise UsageError(f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}")
     if num_stages(cfg) < 1:
         raise UsageError("--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension")
@@ -535,6 +550,13 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if cfg.extension_steps >= cfg.num_steps:
         raise UsageError(f"--extension_steps={cfg.extension_steps} must be below --num_steps={cfg.num_steps} "
                          f"(the extension is the end of the run)")
+    if num_stages(cfg) > cfg.num_steps - cfg.extension_steps:
+        raise UsageError(f"{num_stages(cfg)} stages need at least as many scheduled steps, got --num_steps="
+                         f"{cfg.num_steps} with --extension_steps={cfg.extension_steps}: a stage would get no step; "
+                         f"raise --num_steps or list fewer stages")
+    if cfg.untie_frac and not cfg.tie_embed:
+        raise UsageError(f"--untie_frac={cfg.untie_frac:g} unties a tied embedding: it needs --tie_embed=true (or "
+                         f"drop it)")
     # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
     if cfg.save_every % cfg.adam_every:
         raise UsageError(f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}")
@@ -765,6 +787,9 @@ class DataExhausted(UsageError):
 Pieces = list[tuple[int, int]]  # one sequence: (start, end) token ranges of the shard, concatenated
 
 
+POSITIONS_KEPT = 64  # recent steps whose stream position is kept: far more than a prefetch runs ahead
+
+
 class TrainTokenStream:
     """BOS-aligned training sequences in one global order, shared by every world size.
 
@@ -787,6 +812,9 @@ class TrainTokenStream:
         self.bos = np.zeros(0, dtype=np.int64)
         self.long_docs: dict[int, np.ndarray] = {}  # max_doc_len -> indices (into bos) of longer documents
         self.pos = 0
+        # (next file, position in the loaded shard) after each recent step: where a checkpoint's data resumes.
+        # Written by the producer thread, read by the loop for a step it has consumed (a few steps behind).
+        self.positions: dict[int, tuple[int, int]] = {0: (0, 0)}
         # Reading and scanning a 100M-token shard takes a large fraction of a second: do it ahead, off the loop.
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="shard-preload") if preload else None
         self.upcoming: Future | None = None
@@ -858,12 +886,28 @@ class TrainTokenStream:
         while (step := self._take(*shape)) is None:
             self._load_next_shard()
         self.steps_served += 1
+        self.positions[self.steps_served] = (self.next_file, self.pos)
+        self.positions.pop(self.steps_served - POSITIONS_KEPT, None)
         return step
 
     def skip(self, steps: int) -> None:
         """Pass over the sequences of `steps` steps (a resumed run's consumed data): no token is copied."""
         for _ in range(steps):
             self.next_step()
+
+    def seek(self, steps: int, position: tuple[int, int]) -> None:
+        """Continue after `steps` steps from position(steps) of the run that consumed them, whatever shapes it
+        took them in (a resumed run may change its stages)."""
+        next_file, pos = position
+        self.steps_served, self.next_file = steps, max(next_file - 1, 0)
+        if next_file:
+            self._load_next_shard()
+        self.pos = pos
+        self.positions = {steps: (next_file, pos)}
+
+    def position(self, steps: int) -> tuple[int, int]:
+        """Where the stream stood after serving `steps` steps (one of the last POSITIONS_KEPT)."""
+        return self.positions[steps]
 
     def steps_available(self, wanted: int) -> int:
         """Serve up to `wanted` steps without copying; how many the files supplied (the data check)."""
@@ -2376,6 +2420,8 @@ class RunLog:
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.file = self.jsonl = None
+        self.paths = [p for p in (path, jsonl_path) if p is not None]
+        self.records = 0  # JSONL entries written: none until the first validation or step
         if path is not None:
             self.file = self._open(path)
         if jsonl_path is not None:
@@ -2409,6 +2455,7 @@ class RunLog:
         """Append one JSON object as one line of the JSONL log."""
         if self.jsonl is not None:
             self._checked(self.jsonl, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
+            self.records += 1
 
     def flush(self) -> None:
         """Push what was written to the files: a hard stop (kill -9, the OOM killer) loses none of it."""
@@ -2426,6 +2473,17 @@ class RunLog:
                 with contextlib.suppress(OSError):
                     f.close()
         self.file = self.jsonl = None
+
+    def set_aside(self) -> Path | None:
+        """After a run that stopped before recording anything: move its logs to <run_id>.failed.<ext> (replacing
+        an older failure's), so they are kept and its run id is free again; the text log's new path."""
+        kept = None
+        for path in self.paths:
+            target = path.with_name(f"{path.stem}.failed{path.suffix}")
+            with contextlib.suppress(OSError):
+                path.replace(target)
+                kept = kept or target
+        return kept
 
 
 # Peak dense (no sparsity) bf16 tensor-core TFLOP/s per GPU, matched as a substring of the CUDA device
@@ -2534,7 +2592,7 @@ class Metrics:
     (rank 0's CUDA events; the slowest rank's host clock on CPU); train_time is the host clock.
     """
 
-    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib")
+    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib", "stop")
     STATS = ("mean", "sum", "min", "max")
     SLOTS = 8  # pinned host slots; with all in flight, the oldest is waited for (GPU far behind)
 
@@ -2553,6 +2611,7 @@ class Metrics:
         self.pending: list[PendingLine] = []  # staged lines, printed (rank 0) once their copy has landed
         self.last: PendingLine | None = None  # the latest staged line: checked for a diverged loss
         self.next_slot = 0
+        self.stop_agreed = False  # a rank received a stop signal: read at the same step on every rank
 
     def logs_at(self, step: int) -> bool:
         """Whether step (1-based: the step that `step:S/T` names) ends with a collective and a line."""
@@ -2595,7 +2654,7 @@ class Metrics:
         return torch.stack([gathered.mean(0), gathered.sum(0), gathered.amin(0), gathered.amax(0)])
 
     def _gather(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
-        host = {"host_ms": self.host_ms, **peak_memory_mib(self.rt.device)}
+        host = {"host_ms": self.host_ms, "stop": float(STOP.received is not None), **peak_memory_mib(self.rt.device)}
         local = torch.empty(len(self.RANK_STATS), dtype=torch.float64, device=self.rt.device)
         for i, name in enumerate(self.RANK_STATS):
             if name in self.sums:
@@ -2639,7 +2698,9 @@ class Metrics:
         rank holds the line's statistics and checks them at the same point of the loop, so every rank stops."""
         if p.event is not None:
             p.event.synchronize()  # landed long ago: the line is a logging interval old
-        loss = float(self.host_view[p.slot][self.STATS.index("sum")][self.RANK_STATS.index("loss_sum")])
+        loss, stop = (float(self.host_view[p.slot][self.STATS.index("sum")][self.RANK_STATS.index(k)])
+                      for k in ("loss_sum", "stop"))
+        self.stop_agreed = self.stop_agreed or stop > 0
         if not math.isfinite(loss):
             self._print_pending()
             raise UsageError(f"the train loss is {loss} at step {p.step}: the run diverged; lower the learning "
@@ -3029,6 +3090,7 @@ class ResumePoint:
     step: int
     train_time_ms: float
     rng: dict
+    data_position: tuple[int, int] | None  # the stream's (next file, position) after step; None: re-derive it
 
 
 def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
@@ -3055,8 +3117,11 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
     how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
                if k not in ("run_id", "resume") and hasattr(cfg, k) and getattr(cfg, k) != v]
+    position = tuple(meta["data_position"]) if "data_position" in meta else None
+    data = (f"data from shard {position[0] - 1} token {position[1]:,}" if position and position[0] else
+            "data from the start" if position else f"data fast-forwarded {meta['consumed_steps']} steps")
     log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} (optimizer state {how}), "
-        f"train_time so far {meta['train_time_ms']:.0f}ms, data fast-forwarded {meta['consumed_steps']} steps")
+        f"train_time so far {meta['train_time_ms']:.0f}ms, {data}")
     if changed:
         log(f"resume: config differs from the checkpoint's in {', '.join(changed)}")
     if meta.get("source_sha256") != source_sha256():
@@ -3067,7 +3132,7 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
         mib = sum(p.stat().st_size for p in stale) / 2**20
         log(f"resume: {folder.parent} holds {len(stale)} temporary file(s), {mib:.0f} MiB, left by an interrupted "
             f"save (e.g. {stale[0]}); delete them once that run has stopped")
-    return ResumePoint(step, float(meta["train_time_ms"]), rng)
+    return ResumePoint(step, float(meta["train_time_ms"]), rng, position)
 
 
 def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
@@ -3106,7 +3171,7 @@ class PendingCheckpoint:
 
 
 class Checkpointer:
-    """Asynchronous checkpoints; inert without --save_every or --save_final.
+    """Asynchronous checkpoints: at --save_every and --save_final, and when a stop signal ends the run.
 
     save() issues device-to-host copies into pinned buffers on a side stream that the compute stream then
     waits for (that wait, timed by events, is the GPU stall the log reports); a writer thread saves the files,
@@ -3128,14 +3193,14 @@ class Checkpointer:
                  start_step: int = 0):
         self.cfg, self.rt, self.log, self.model, self.optimizer = cfg, rt, log, model, optimizer
         self.start_step = start_step
-        self.enabled = cfg.save_every > 0 or cfg.save_final
+        self.enabled = cfg.save_every > 0 or cfg.save_final  # periodic saves (a stop signal saves in any case)
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
-        if not self.enabled:
-            return
+        self.saved_steps: set[int] = set()
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
-        self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated here once
-        self._host_state(self._host_buffer)
+        self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
+        if self.enabled:  # now, not at the first save: the loop would stall on the allocation
+            self._host_state(self._host_buffer)
         self.source_sha = source_sha256()
         self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
@@ -3164,8 +3229,9 @@ class Checkpointer:
             (self.cfg.save_final and step == self.cfg.num_steps)
 
     @torch.no_grad()
-    def save(self, step: int, train_time_ms: float) -> None:
-        """Checkpoint the state after `step` training steps; train_time_ms is the train time up to now."""
+    def save(self, step: int, train_time_ms: float, data_position: tuple[int, int]) -> None:
+        """Checkpoint the state after `step` training steps; train_time_ms is the train time up to now;
+        data_position the token stream's after those steps (TrainTokenStream.position)."""
         t0 = time.perf_counter()
         self.poll(block=True)  # the host buffers are reused: the previous write must be done with them
         self.optimizer.wait_for_params()  # the last step's all-gathers have written the parameters
@@ -3185,14 +3251,15 @@ class Checkpointer:
             gpu_stall[1].record(compute)
         cfg, rank = self.cfg, self.rt.rank
         common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size,
-                  "train_time_ms": train_time_ms, "consumed_steps": step, "config": dataclasses.asdict(cfg),
-                  "source_sha256": self.source_sha}
+                  "train_time_ms": train_time_ms, "consumed_steps": step, "data_position": list(data_position),
+                  "config": dataclasses.asdict(cfg), "source_sha256": self.source_sha}
         part = {**common, "rank": rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
         meta = None
         if rank == 0:
             meta = {**common, "run_id": cfg.run_id, "train_files": self.train_files,
                     "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
         folder = checkpoint_dir(cfg, step)
+        self.saved_steps.add(step)
         future = self.writer.submit(self._write, folder, event, part, model, meta)
         stall_ms = 1000 * (time.perf_counter() - t0)
         self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future, gpu_stall))
@@ -3257,8 +3324,6 @@ class Checkpointer:
     def close(self, error: bool = False) -> None:
         """Wait for every pending write (the process must not exit before); after an error rank 0 waits for
         the other ranks' files CKPT_ERROR_GRACE_S more at most."""
-        if not self.enabled:
-            return
         if error:
             self.give_up_at = time.monotonic() + CKPT_ERROR_GRACE_S
         self.poll(block=True)
@@ -3315,9 +3380,27 @@ def group_summary(names: list[str]) -> str:
                      for k, v in layers.items())
 
 
+def check_model_fits(cfg: Config, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a model whose parameters, their gradients and its tables alone
+    exceed the device's memory (a mistyped size would end in an allocator traceback). Sized on the meta device."""
+    with torch.device("meta"):
+        model = GPT(cfg, use_flex=False, fp8_head=False)
+    tensors = {**{n: (2, p) for n, p in model.named_parameters()}, **{n: (1, b) for n, b in model.named_buffers()}}
+    sizes = {n: copies * t.numel() * t.element_size() for n, (copies, t) in tensors.items()}
+    have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if sum(sizes.values()) > have:
+        big = max(sizes, key=sizes.get)
+        raise UsageError(f"the model needs at least {sum(sizes.values()) / 1e9:,.1f} GB for its parameters, their "
+                         f"gradients and tables ({big}: {sizes[big] / 1e9:,.1f} GB), more than the {device.type}'s "
+                         f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --bigram_signs, --vocab_size, "
+                         f"--model_dim, --num_layers)")
+
+
 def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
     whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
+    check_model_fits(cfg, rt.device)
     on_cuda = rt.device.type == "cuda"
     raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
@@ -3337,6 +3420,18 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     return raw, model, optimizer
 
 
+def check_update_range(optimizer: ShardedMuonAdam, schedules: list[StepSchedule]) -> None:
+    """Refuse at start-up a learning rate whose update scalars (lr, Muon's shape-scaled step, the weight decay's
+    wd x lr x step) overflow fp32 at the schedule's largest multiplier: the step would stop in a traceback."""
+    top = max(s.lr_mult for s in schedules)
+    for b in optimizer.buckets:
+        lr = b.lr * top
+        ratio = math.sqrt(max(1.0, b.unit[0] / b.unit[1])) if b.kind == "muon" else 1.0
+        if not max(lr * ratio, b.wd * lr * lr * ratio) < torch.finfo(torch.float32).max:
+            raise UsageError(f"the learning rate of {group_summary(b.names)} reaches {lr:g} (lr {b.lr:g} x stage "
+                             f"multiplier {top:g}): its update overflows fp32; lower the learning rates or --lr_stages")
+
+
 def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
     """The graphs torch.compile builds in a run, per compiled function: the model's (static shapes), one per
     training sequence length and validation's; Muon's orthogonalization, one per shape of a rank's shard batch;
@@ -3352,12 +3447,15 @@ def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]
 
 
 def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
-                 skip_steps: int = 0) -> PrefetchLoader:
+                 skip_steps: int = 0, position: tuple[int, int] | None = None) -> PrefetchLoader:
     """This rank's batches for `steps` steps of the given shapes (step_shape), after the sequences of the first
-    skip_steps (a resumed run's)."""
+    skip_steps (a resumed run's): from the position its checkpoint saved, else re-derived from these shapes."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, cfg.train_epochs,
                               preload=cfg.prefetch_depth > 0, step_shape=shape)
-    stream.skip(skip_steps)
+    if position is None:
+        stream.skip(skip_steps)
+    else:
+        stream.seek(skip_steps, position)
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
 
@@ -3520,6 +3618,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
     start_step = resumed.step if resumed else 0
     schedules = schedule_table(cfg)
+    check_update_range(optimizer, schedules)
     knobs = step_knobs(cfg, schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
@@ -3535,12 +3634,14 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         for line in stage_plan(cfg, schedules):
             log(line)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
-    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, skip_steps=start_step)
+    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, skip_steps=start_step,
+                          position=resumed.data_position if resumed else None)
     val_points: list[tuple[int, float, float]] = []
     if resumed:
         set_rng_state(resumed.rng, rt.device)
     clock = TrainClock(rt.device, resumed.train_time_ms if resumed else 0.0)
     try:
+        STOP.defer(True)
         for step in range(start_step, last_step + 1):
             last = step == last_step
             if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
@@ -3554,7 +3655,9 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
                 val_points.append(validate(model, val, cfg, rt, log, knobs(step)[0], step, train_time_ms))
                 clock.start()
             if checkpointer.due(step):
-                checkpointer.save(step, clock.now())
+                checkpointer.save(step, clock.now(), loader.source.stream.position(step))
+            if STOP.now(step, last, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
+                stop_with_checkpoint(step, cfg, log, checkpointer, clock.now(), loader.source.stream.position(step))
             if last:
                 break
             optimizer.set_step(schedules[step])
@@ -3568,6 +3671,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         checkpointer.close(error=True)  # pending writes finish before the error leaves train()
         raise
     finally:
+        STOP.defer(False)
         loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
     checkpointer.close()
     optimizer.wait_for_params()
@@ -3637,18 +3741,59 @@ STOPS = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}  # the last
 EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + SIGINT, 128 + SIGTERM
 
 
-def stop_on_signal(signum: int, frame: object) -> None:
-    """The first SIGINT or SIGTERM stops the run through the loop's cleanup (loaders closed, pending checkpoints
-    finished, logs flushed); later ones are ignored, so that they cannot break into that cleanup."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+class StopSignal:
+    """The first SIGINT or SIGTERM (Ctrl-C; SLURM, Kubernetes and torchrun stop a job with SIGTERM, then kill
+    it) stops the run; later ones are ignored, so that they cannot break into the cleanup. Outside the training
+    loop it stops at once, through the cleanup (loaders closed, pending checkpoints finished, logs flushed).
+    Inside it (deferred) the loop goes on to a step boundary where every rank agrees to stop and exact resume is
+    possible, writes a checkpoint there and stops: within a step (one rank) or two logging intervals (the
+    ranks agree through the metrics' collective), plus an Adam step when --adam_every > 1, plus the write."""
+
+    def __init__(self):
+        self.deferred = False
+        self.received: type[KeyboardInterrupt] | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.received = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        if not self.deferred:
+            raise self.received()
+        print0(f"{STOPS[self.received]}: stopping at the next step boundary, after a checkpoint", file=sys.stderr)
+
+    def defer(self, deferred: bool) -> None:
+        """Inside the training loop or not (a signal that lands in its last step lets the run finish)."""
+        self.deferred = deferred
+
+    def now(self, step: int, last: bool, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
+        """Whether the loop stops before training `step` (every rank answers alike); never at the last step,
+        whose validation has run: the run finishes instead."""
+        asked = self.received is not None if rt.world_size == 1 else metrics.stop_agreed
+        return asked and not last and (cfg.bench or step % cfg.adam_every == 0)  # between Adam steps: no resume
+
+
+STOP = StopSignal()
+
+
+def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Checkpointer", train_time_ms: float,
+                         data_position: tuple[int, int]) -> None:
+    """Write (unless this step's is already written) and wait for a checkpoint, say how to resume, and stop."""
+    kind = STOP.received or Terminated  # another rank's signal: this rank stops as that one does
+    if not cfg.bench:
+        if step not in checkpointer.saved_steps:
+            checkpointer.save(step, train_time_ms, data_position)
+        checkpointer.close()
+        folder = checkpoint_dir(cfg, step)
+        if not checkpointer.failures:
+            log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with this run's command and "
+                f"--resume={folder} (and a new --run_id, or none)", flush=True)
+    raise kind()
 
 
 def run(argv: list[str]) -> TrainResult:
     """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
     is checked before anything is written; a run that stops after its log was opened says why in the log."""
-    rt, log, stop = None, RunLog(None), None
+    rt, log, stop, error = None, RunLog(None), None, None
     try:
         cfg = parse_config(argv)
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
@@ -3678,9 +3823,13 @@ def run(argv: list[str]) -> TrainResult:
         return result
     except BaseException as e:
         stop = f"error: {e}" if isinstance(e, UsageError) else STOPS.get(type(e), f"failed: {type(e).__name__}: {e}")
+        error = e
         raise
     finally:
         log.close(stop)
+        kept = log.set_aside() if error is not None and not log.records else None
+        if kept is not None:  # nothing was trained: a rerun with the same --run_id must not be refused
+            error.add_note(f"(its log is kept as {kept}; the run id is free for a rerun)")
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -3690,15 +3839,15 @@ def main() -> None:
     if "--help" in argv or "-h" in argv:
         print0(config_help())
         return
-    signal.signal(signal.SIGINT, stop_on_signal)
-    signal.signal(signal.SIGTERM, stop_on_signal)
+    signal.signal(signal.SIGINT, STOP)
+    signal.signal(signal.SIGTERM, STOP)
     try:
         run(argv)
     except UsageError as e:
-        print0(f"error: {e}", file=sys.stderr)
+        print0("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:  # the loaders and checkpoint writers were closed on the way out
-        print0(STOPS[type(e)], file=sys.stderr)
+        print0("\n".join([STOPS[type(e)], *getattr(e, "__notes__", [])]), file=sys.stderr)
         sys.exit(EXIT_CODES[type(e)])
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SMALL, main_in_process, run_world, tiny_args
+from conftest import REPO, SAMPLE_TRAIN, SMALL, main_in_process, run_world, tiny_args
 
 K = 3
 # Schedules that do not depend on --num_steps (no LR cooldown; the long window stays one block), so a
@@ -57,12 +57,36 @@ def test_resume_at_world_size_one_is_exact(tmp_path):
     assert second.summary["train_time_ms"] > first.summary["train_time_ms"]  # carried over, then added to
     log = (tmp_path / "logs" / "second.txt").read_text()
     assert f"resume: {ckpt(tmp_path, 'first', K)} at step {K} of run first" in log
-    assert f"data fast-forwarded {K} steps" in log and f"num_steps {K} -> {2 * K}" in log
+    assert re.search(r"data from shard 0 token [\d,]+$", log, re.M) and f"num_steps {K} -> {2 * K}" in log
     assert re.search(r"^warmup: snapshot \d+\.\d ms, 2 steps \d+\.\d s, restore \d+\.\d ms "
                      r"\(untimed; state restored\)$", log, re.M)
     first_log = (tmp_path / "logs" / "first.txt").read_text()
     assert re.search(rf"^checkpoint: {re.escape(str(ckpt(tmp_path, 'first', K)))} \(step {K}: loop stall "
                      r"\d+\.\d+ ms, on disk \d+\.\d+ s later\)$", first_log, re.M)
+
+
+def test_a_resume_with_other_stage_lengths_continues_the_stream_where_the_checkpoint_left_it(tmp_path):
+    # The checkpoint saves the stream's exact position: new stage lengths apply to the data still to come, no
+    # token is trained twice (re-deriving the position from the new lengths lands ~5k tokens back).
+    staged = dict(train_seq_len=512, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", final_window_tokens=384,
+                  num_steps=6, val_every=0)
+    T.run(tiny_args(tmp_path, run_id="first", save_every=2, **staged))
+    meta = T.read_checkpoint_meta(ckpt(tmp_path, "first", 2))
+
+    def stream_after_two_steps(fields: dict) -> T.TrainTokenStream:
+        cfg = T.parse_config(tiny_args(tmp_path, **fields))
+        stream = T.TrainTokenStream(T.find_shards(SAMPLE_TRAIN), cfg.train_seq_len, cfg.global_batch_seqs,
+                                    cfg.vocab_size, step_shape=T.step_shape(T.schedule_table(cfg)))
+        stream.skip(2)
+        return stream
+
+    consumed = stream_after_two_steps(staged)
+    assert meta["data_position"] == [consumed.next_file, consumed.pos] and consumed.pos > 0
+    changed = {**staged, "seq_len_stages": "128,256,512"}
+    T.run(tiny_args(tmp_path, run_id="second", resume=ckpt(tmp_path, "first", 2), **changed))
+    log = (tmp_path / "logs" / "second.txt").read_text()
+    assert f"data from shard {consumed.next_file - 1} token {consumed.pos:,}" in log
+    assert stream_after_two_steps(changed).pos < consumed.pos  # re-derived: those tokens would train twice
 
 
 @pytest.mark.slow

@@ -86,6 +86,18 @@ def test_token_stream_is_identical_for_every_world_size_and_depth(tmp_path, worl
             assert torch.equal(a, b)
 
 
+def test_a_stream_seeked_to_a_saved_position_serves_what_the_uninterrupted_stream_serves_next(tmp_path):
+    files = synthetic_shards(tmp_path)  # 6 steps of 8 x 129 tokens cross the first shard's end
+    whole = T.TrainTokenStream(files, 128, 8, 50304)
+    served = [whole.next_step() for _ in range(9)]
+    for k in (0, 3, 6):
+        resumed = T.TrainTokenStream(files, 128, 8, 50304)
+        resumed.seek(k, whole.position(k))
+        for step in range(k, 9):
+            assert resumed.next_step() == served[step] and resumed.position(step + 1) == whole.position(step + 1)
+    assert whole.position(9)[0] >= 2  # the saved positions span shards
+
+
 def test_sample_sequences_start_documents_and_never_repeat():
     batches = global_batches(T.find_shards(SAMPLE_TRAIN), 2, depth=2, steps=5)
     assert all((b[:, 0] == T.BOS_ID).all() for b in batches)

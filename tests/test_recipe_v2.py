@@ -324,6 +324,16 @@ def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
     (["--seq_len_stages=16384,32768", "--lr_stages=1,1.5,2"], "the staged fields must list the same number"),
     (["--doc_len_stages=2048,x"], "--doc_len_stages expects one non-negative int per stage"),
     (["--final_val_windows=6/20,7/21"], "--final_val_windows expects one SHORT/LONG pair"),
+    (["--final_val_windows=4"], r"--final_val_windows expects SHORT/LONG blocks \(e.g. 6/20\), got '4'"),
+    (["--mtp_stages=0,0,0", "--seq_len_stages=128,256,512"], "each stage's first weight .the next token's. must be"),
+    (["--mtp_stages=1/0.5,0/1"], "each stage's first weight"),
+    (["--lr_stages=1,1e300,1"], r"--lr_stages=1,1e300,1: each stage's value must be above 0 and at most 100"),
+    (["--lr_stages=1,0,1"], "must be above 0"),
+    (["--num_steps=2", "--window_stages=0/1,1/2,1/3"], "3 stages need at least as many scheduled steps"),
+    (["--num_steps=5", "--extension_steps=3", "--window_stages=0/1,1/2,1/3,1/3"], "3 stages need at least"),
+    (["--window_stages=3/1,1/2"], r"the short window exceeds the long one in 3/1"),
+    (["--final_val_windows=9/4"], r"--final_val_windows=9/4: the short window exceeds the long one"),
+    (["--untie_frac=0.5"], r"--untie_frac=0.5 unties a tied embedding: it needs --tie_embed=true"),
 ])
 def test_bad_v2_settings_are_refused_in_one_line(args, message):
     with pytest.raises(T.UsageError, match=message):

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import threading
@@ -98,9 +99,33 @@ def test_run_sh_ctrl_c_on_two_processes_is_one_line_and_130(tmp_path):
         if line.startswith("step:2/"):
             break
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "interrupted"
+    # Both ranks agreed on one step boundary and wrote their parts of one complete checkpoint there.
+    folder = Path(re.search(r"^interrupted after step \d+: checkpoint (\S+);", out, re.M).group(1))
+    assert T.read_checkpoint_meta(folder)["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_the_run_resumes_from_exactly(tmp_path):
+    # Preemption (SLURM, Kubernetes: SIGTERM, then a kill) without --save_every: the run checkpoints at the next
+    # step boundary, says how to resume, and exits 143; the resumed run ends where an uninterrupted one does.
+    fields = dict(num_steps=12, val_every=6, **SMALL)
+    full = T.run(tiny_args(tmp_path, run_id="full", **fields))
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *tiny_args(tmp_path, run_id="cut", **fields)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step:2/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "terminated" and "Traceback" not in err, err
+    stop = re.search(r"^terminated after step (\d+): checkpoint (\S+); resume with this run's command and "
+                     r"--resume=(\S+) ", out, re.M)
+    assert stop and stop.group(2) == stop.group(3) and 2 <= int(stop.group(1)) < 12, out[-1500:]
+    resumed = T.run(tiny_args(tmp_path, run_id="resumed", resume=stop.group(2), **fields))
+    assert resumed.val_losses[-1] == full.val_losses[-1]  # (12, loss) bit for bit
 
 
 @pytest.mark.parametrize("args, env, message", [
@@ -133,6 +158,23 @@ def test_bad_input_stops_with_one_clear_line(tmp_path, monkeypatch, capsys, args
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
+def test_sizes_beyond_the_device_and_an_overflowing_lr_stop_in_one_line_and_free_the_run_id(tmp_path, monkeypatch,
+                                                                                          capsys):
+    # Refused before anything trains (sizes: before anything is allocated, from a meta-device build). The log of
+    # a run that recorded nothing is set aside as <run_id>.failed.txt, so a rerun with its run id is not refused.
+    for args, message in [(["--bigram_rows=10000000000", "--bigram_dim=32"], "bigram.weight: 1,280.0 GB"),
+                          (["--bigram_rows=1000", "--bigram_dim=32", "--bigram_signs=999999999"], "bigram_sign: 128"),
+                          (["--muon_lr=1e200"], "reaches 1e+200 (lr 1e+200 x stage multiplier 1): its update "
+                                                "overflows fp32")]:
+        code, _, err = main_in_process(tiny_args(tmp_path, run_id="again") + args, monkeypatch, capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and lines[0].startswith("error: ") and message in lines[0] and "Traceback" not in err, err
+        assert lines[1:] == [f"(its log is kept as {tmp_path / 'logs' / 'again.failed.txt'}; the run id is free "
+                             f"for a rerun)"]
+        assert message in (tmp_path / "logs" / "again.failed.txt").read_text().splitlines()[-1]
+        assert not (tmp_path / "logs" / "again.txt").exists()
+
+
 @pytest.mark.slow
 def test_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
     # In a process of its own: CUDA_VISIBLE_DEVICES is read when CUDA starts.
@@ -163,8 +205,11 @@ def test_ctrl_c_stops_promptly_with_one_line(tmp_path):
         if line.startswith("step:2/"):  # the prefetch thread and shard preloader are running
             break
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == "interrupted", err
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted: stopping at the next step boundary, after a checkpoint",
+                                        "interrupted"], err
+    assert re.search(r"^interrupted after step \d: checkpoint ", out, re.M), out[-1000:]  # within a step or two
 
 
 @pytest.mark.parametrize("flags, env, expected", [
