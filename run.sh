@@ -12,6 +12,12 @@ python=$(command -v python || command -v python3) || { echo "run.sh: neither pyt
 gpus=$("$python" -c "import torch; print(torch.cuda.device_count())")
 args=("$@")
 if [ "$gpus" -eq 0 ]; then
+    for a in "$@"; do  # a GPU asked for by name: say so, not that a CPU run starts
+        if [ "$a" = "--device=cuda" ]; then
+            echo "error: --device=cuda but no CUDA GPU is visible; drop it to run the tiny preset on the CPU" >&2
+            exit 2
+        fi
+    done
     echo "run.sh: no CUDA GPU visible; running --preset=tiny on the CPU with data/sample/" >&2
     # glibc returns large freed blocks to the OS and page-faults them back every step: keep them.
     export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4000000000} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4000000000}

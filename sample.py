@@ -26,7 +26,7 @@ from tokenize_text import load_encoding  # noqa: E402
 
 def load_model(folder: Path, device: torch.device) -> T.GPT:
     """The model of a complete checkpoint, in eval mode on device."""
-    meta = T.read_checkpoint_meta(folder)
+    meta = T.read_checkpoint_meta(folder, taker="sample.py's CHECKPOINT argument")
     fields = {f.name for f in dataclasses.fields(T.Config)}
     cfg = T.Config(**{k: v for k, v in meta["config"].items() if k in fields})
     model = T.GPT(cfg, use_flex=False, fp8_head=False)

@@ -287,9 +287,11 @@ def parse_config(argv: list[str]) -> Config:
         if not arg.startswith("--"):
             raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
         name, _, text = arg[2:].partition("=")
-        if name not in kinds:
-            near = difflib.get_close_matches(name, kinds, n=1)
-            raise UsageError(f"unknown option --{name}{f'; did you mean --{near[0]}?' if near else ''} (see --help)")
+        if name not in kinds:  # the closest spelling, else the fields that share a word with it (--lr: the lrs)
+            near = difflib.get_close_matches(name, kinds, n=1) or [
+                k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6]
+            hint = f"; did you mean --{' or --'.join(near)}?" if near else ""
+            raise UsageError(f"unknown option --{name}{hint} (see --help)")
         if kinds[name] not in (bool, "bool | None") and "=" not in arg:
             raise UsageError(f"--{name} needs a value: --{name}=VALUE")
         overrides[name] = _parse_value(name, kinds[name], text)
@@ -2958,15 +2960,16 @@ def train_files_identity(cfg: Config) -> list[list]:
     return [[p.name, shard_token_count(p)] for p in find_shards(cfg.train_files)]
 
 
-def read_checkpoint_meta(folder: Path) -> dict:
+def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     """The metadata of a complete checkpoint directory (every file it lists there, with its size; load_part
-    checks each file's checksum as it reads it); a UsageError saying what is missing or broken otherwise."""
+    checks each file's checksum as it reads it); a UsageError saying what is missing or broken otherwise.
+    taker: what the user gave the folder to, for the messages."""
     where = f"checkpoint {folder}"
     if folder.is_file():
-        raise UsageError(f"{where} is a file: --resume takes a ckpt_<step> directory (the folder holding "
+        raise UsageError(f"{where} is a file: {taker} takes a ckpt_<step> directory (the folder holding "
                          f"{CKPT_META})")
     if not folder.is_dir():
-        raise UsageError(f"{where} does not exist (--resume takes a ckpt_<step> directory)")
+        raise UsageError(f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
     path = folder / CKPT_META
     if not path.exists():
         raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last, once every rank's part is "
@@ -3603,10 +3606,18 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
 
 
-def load_data(cfg: Config) -> tuple[list[Path], ValTokens]:
+def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]:
     """The training shards, checked to hold what the run trains on, and the validation tokens: read before
     anything is written, so a run without its data leaves nothing behind."""
-    train_files, val_files = find_shards(cfg.train_files), find_shards(cfg.val_files)
+    try:
+        train_files = find_shards(cfg.train_files)
+    except UsageError:
+        if device.type == "cpu" and "fineweb10B" in cfg.train_files:  # the recipe's data, without a GPU: tiny first
+            raise UsageError(f"no FineWeb shards match {cfg.train_files!r} and this run is on the CPU: try the tiny "
+                             f"preset on the bundled sample (--preset=tiny, as ./run.sh does without a GPU); for "
+                             f"the recipe, {more_data_hint(cfg.train_files, missing=True)}") from None
+        raise
+    val_files = find_shards(cfg.val_files)
     check_train_data(cfg, train_files, run_length(cfg), step_shape(schedule_table(cfg)))
     return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
 
@@ -3800,7 +3811,7 @@ def run(argv: list[str]) -> TrainResult:
         check_resume(cfg)
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
-        train_files, val = load_data(cfg)
+        train_files, val = load_data(cfg, rt.device)
         check_run_paths(cfg)
         if rt.world_size > 1:
             dist.barrier()  # every rank checked the log folder before rank 0 writes into it

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 SEPARATOR = "=" * 100
-DEFAULT_TARGET = 3.28
+DEFAULT_TARGET = 3.28  # FineWeb validation loss the speedrun records reach
+# Config fields that name a run rather than its recipe: left out of config diffs and of stats' grouping.
+RUN_FIELDS = {"run_id", "log_dir", "resume", "overwrite", "seed", "save_every", "save_final", "profile", "bench"}
 LOG_SHAPE = ("the script source, a line of 100 '=', a header, then "
              "'step:S/T val_loss:V train_time:Tms step_avg:Ams' lines")
 
@@ -57,6 +59,7 @@ class ValPoint:
 class StepLine:
     step: int
     total: int
+    malformed: list[str] = field(default_factory=list)  # "key:value" fields whose value is not a number
     val_loss: float | None = None
     train_loss: float | None = None
     train_time_ms: float | None = None
@@ -137,10 +140,12 @@ def parse_step_line(line: str) -> StepLine | None:
         key, sep, value = token.partition(":")
         if sep:
             fields[key] = value
-    return StepLine(step=int(match.group(1)), total=int(match.group(2)),
-                    val_loss=_float(fields.get("val_loss")), train_loss=_float(fields.get("train_loss")),
-                    train_time_ms=_float(fields.get("train_time"), "ms"),
-                    step_avg_ms=_float(fields.get("step_avg"), "ms"), tokens_per_s=_float(fields.get("tok/s")))
+    units = {"val_loss": "", "train_loss": "", "train_time": "ms", "step_avg": "ms", "tok/s": ""}
+    values = {key: _float(fields.get(key), unit) for key, unit in units.items()}
+    malformed = [f"{key}:{fields[key]}" for key in units if key in fields and values[key] is None]
+    return StepLine(step=int(match.group(1)), total=int(match.group(2)), malformed=malformed,
+                    val_loss=values["val_loss"], train_loss=values["train_loss"], train_time_ms=values["train_time"],
+                    step_avg_ms=values["step_avg"], tokens_per_s=values["tok/s"])
 
 
 def split_code(text: str) -> tuple[str | None, list[str] | None]:
@@ -212,7 +217,15 @@ def _fill_from_steps(run: Run, steps: list[StepLine]) -> None:
     run.tokens_per_s = latest([s.tokens_per_s for s in steps])
     run.val_points = [ValPoint(s.step, s.val_loss, s.train_time_ms) for s in steps if s.val_loss is not None]
     run.train_points = [ValPoint(s.step, s.train_loss, s.train_time_ms) for s in steps if s.train_loss is not None]
-    run.final_val_loss = run.val_points[-1].loss if run.val_points else None
+    for s in steps:
+        if s.malformed:
+            warn(f"{run.path}: step {s.step}: {', '.join(s.malformed)} is not a number; ignoring it")
+    # Final: the val loss of the last step's line, never an earlier one standing in for it.
+    last = run.val_points[-1] if run.val_points else None
+    run.final_val_loss = last.loss if last is not None and last.step == run.last_step else None
+    if last is not None and last.step != run.last_step:
+        warn(f"{run.path}: no val loss at its last step {run.last_step} (the latest is step {last.step}'s); "
+             f"no final val loss")
 
 
 # -----------------------------------------------------------------------------
@@ -465,13 +478,13 @@ def config_diff(a: Run, b: Run) -> list[str]:
     if missing:
         return [f"no config recorded for {' and '.join(missing)} (upstream logs keep hyperparameters in the code)"]
     assert a.config is not None and b.config is not None
-    absent = object()
-    lines = []
-    for key in sorted(set(a.config) | set(b.config)):
-        va, vb = a.config.get(key, absent), b.config.get(key, absent)
-        if va != vb:
-            show = ["(absent)" if v is absent else json.dumps(v) for v in (va, vb)]
-            lines.append(f"{key}: {show[0]} -> {show[1]}")
+    lines = [f"{key}: {json.dumps(a.config[key])} -> {json.dumps(b.config[key])}"
+             for key in sorted(set(a.config) & set(b.config)) if a.config[key] != b.config[key]
+             and key not in RUN_FIELDS]
+    for run, other in ((a, b), (b, a)):  # fields one code version has and the other lacks (at their defaults)
+        only = sorted(set(run.config) - set(other.config))
+        if only:
+            lines.append(f"only in {'A' if run is a else 'B'}'s config ({len(only)}): {', '.join(only)}")
     return lines or ["(no differences)"]
 
 
@@ -492,29 +505,38 @@ def matching_val_losses(a: Run, b: Run) -> list[tuple[int, float, float]]:
     return [(p.step, p.loss, b_at[p.step]) for p in a.val_points if p.step in b_at]
 
 
-def diff_report(a: Run, b: Run) -> str:
-    out = [f"A: {a.path}", f"B: {b.path}", "", "== config (A -> B)", *config_diff(a, b), "",
-           "== code (A -> B, changed hunks only)"]
-    if a.code is None or b.code is None:
-        out.append("unavailable: " + " and ".join(r.name for r in (a, b) if r.code is None) + " has no code snapshot")
-    else:
-        out.extend(code_diff(a, b) or ["(identical)"])
-    timing = [["train time (s)", fmt(a.train_time_s, ".2f"), fmt(b.train_time_s, ".2f"),
-               fmt(ratio(b.train_time_ms, a.train_time_ms), ".4f")],
-              ["step_avg (ms)", fmt(a.step_avg_ms, ".2f"), fmt(b.step_avg_ms, ".2f"),
-               fmt(ratio(b.step_avg_ms, a.step_avg_ms), ".4f")],
-              ["steps", describe_steps(a), describe_steps(b), fmt(ratio(b.last_step, a.last_step), ".4f")]]
-    out += ["", "== timing", format_table(["", "A", "B", "B/A"], timing), "", "== val loss at matching steps"]
+def diff_report(a: Run, b: Run, with_code: bool = False) -> str:
+    """Losses at common steps, the final val loss and the times first, then the config fields that changed,
+    then the code change: its size, or (with_code) its hunks."""
+    out = [f"A: {a.path}", f"B: {b.path}", "", "== val loss at matching steps"]
     pairs = matching_val_losses(a, b)
     rows = [[str(step), f"{la:.4f}", f"{lb:.4f}", f"{lb - la:+.4f}"] for step, la, lb in pairs]
-    out.append(format_table(["step", "A", "B", "delta (B-A)"], rows, left=()) if rows
-               else "(no common validation steps)")
+    out.append(format_table(["step", "A", "B", "B-A"], rows, left=()) if rows else "(no common validation steps)")
+    delta = None if a.final_val_loss is None or b.final_val_loss is None else b.final_val_loss - a.final_val_loss
+    results = [["final val loss", describe_loss(a), describe_loss(b), fmt(delta, "+.4f")],
+               ["train time (s)", fmt(a.train_time_s, ".2f"), fmt(b.train_time_s, ".2f"),
+                fmt(ratio(b.train_time_ms, a.train_time_ms), ".4f") + "x"],
+               ["step_avg (ms)", fmt(a.step_avg_ms, ".2f"), fmt(b.step_avg_ms, ".2f"),
+                fmt(ratio(b.step_avg_ms, a.step_avg_ms), ".4f") + "x"],
+               ["steps", describe_steps(a), describe_steps(b), ""]]
+    out += ["", format_table(["", "A", "B", "B vs A"], results)]
+    if describe_hardware(a) != describe_hardware(b):
+        out += [f"A ran on {describe_hardware(a)}", f"B ran on {describe_hardware(b)}"]
+    out += ["", "== config (A -> B)", *config_diff(a, b), "", "== code (A -> B)"]
+    if a.code is None or b.code is None:
+        out.append("unavailable: " + " and ".join(r.name for r in (a, b) if r.code is None) + " has no code snapshot")
+    elif with_code:
+        out.extend(code_diff(a, b) or ["(identical)"])
+    else:
+        changed = [line for line in code_diff(a, b, context=0)[2:] if line[:1] in "+-" and not line.startswith("@@")]
+        out.append(f"{sum(line[0] == '-' for line in changed)} line(s) removed, {sum(line[0] == '+' for line in changed)} "
+                   f"added (--code shows the hunks)" if changed else "(identical)")
     return "\n".join(out)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     a, b = load_single(args.a), load_single(args.b)
-    print(diff_report(a, b))
+    print(diff_report(a, b, args.code))
     lacking = [run for run in (a, b) if run.code is None]
     if lacking:
         raise LogError(f"{lacking[0].path}: no code snapshot (expected the script source above a line of 100 '=')")
@@ -608,19 +630,54 @@ def describe_group(label: str, group: GroupStats) -> list[str]:
             f"(mean ± sample std, n={len(group.times_s)})"]
 
 
-def stats_report(runs: Sequence[Run], target: float, baseline: Sequence[Run] | None = None) -> str:
-    group = group_stats(runs, "runs")  # labels read "the runs", "the baseline runs"
-    out = describe_group("runs", group)
-    out.append(f"  one-sided t-test, H1 mean val loss < {target}: "
-               f"{describe_test(target_test(group.losses, target), f'(have {len(group.losses)})')}")
-    if baseline:
-        base = group_stats(baseline, "baseline runs")
-        out += describe_group("baseline", base)
-        need = "in each group"
-        out.append(f"Welch t-test (two-sided), train time, runs vs baseline: "
-                   f"{describe_test(welch_test(group.times_s, base.times_s), need)}")
-        out.append(f"Welch t-test (two-sided), val loss, runs vs baseline: "
-                   f"{describe_test(welch_test(group.losses, base.losses), need)}")
+def recipe_groups(runs: Sequence[Run]) -> list[tuple[str, list[Run]]]:
+    """Runs grouped by recipe (their config without the fields that name a run), each labelled by the fields
+    that set it apart from the other groups; one group, labelled "", when they agree (or have no config)."""
+    def key(run: Run) -> str:
+        return json.dumps({k: v for k, v in (run.config or {}).items() if k not in RUN_FIELDS}, sort_keys=True)
+
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(key(run), []).append(run)
+    if len(groups) == 1:
+        return [("", list(runs))]
+    configs = [json.loads(k) for k in groups]
+    differing = sorted({f for c in configs for f in c if any(c.get(f) != o.get(f) for o in configs)})
+    return [(", ".join(f"{f}={json.dumps(c.get(f))}" for f in differing), members)
+            for c, members in zip(configs, groups.values())]
+
+
+def recipe_target(runs: Sequence[Run]) -> float | None:
+    """The val loss the runs' recipe aims at: the speedrun's FineWeb target for runs validated on FineWeb (or
+    upstream logs, which carry no config); none for other data (the tiny CPU preset on the bundled sample)."""
+    on_fineweb = ["fineweb" in str((run.config or {}).get("val_files", "fineweb")) for run in runs]
+    return DEFAULT_TARGET if all(on_fineweb) else None
+
+
+def stats_report(runs: Sequence[Run], target: float | None, baseline: Sequence[Run] | None = None) -> str:
+    """Per recipe group: mean ± std and the t-test against the target (given, else the recipe's); with a
+    baseline, Welch's tests of the (one) group against it."""
+    groups = recipe_groups(runs)
+    if len(groups) > 1:
+        warn(f"the runs are {len(groups)} different recipes: statistics per recipe, never pooled")
+    if baseline and len(groups) > 1:
+        raise LogError("--baseline compares one recipe's runs: give the runs of one recipe (see the groups above)")
+    out = []
+    for label, members in groups:
+        group = group_stats(members, "runs")
+        out += describe_group(f"runs{f' [{label}]' if label else ''}", group)
+        aim = target if target is not None else recipe_target(members)
+        out.append(f"  one-sided t-test, H1 mean val loss < {aim:g}: "
+                   f"{describe_test(target_test(group.losses, aim), f'(have {len(group.losses)})')}" if aim is not None
+                   else "  no target: these are not FineWeb validation runs (--target gives one)")
+        if baseline:
+            base = group_stats(baseline, "baseline runs")
+            out += describe_group("baseline", base)
+            need = "in each group"
+            out.append(f"Welch t-test (two-sided), train time, runs vs baseline: "
+                       f"{describe_test(welch_test(group.times_s, base.times_s), need)}")
+            out.append(f"Welch t-test (two-sided), val loss, runs vs baseline: "
+                       f"{describe_test(welch_test(group.losses, base.losses), need)}")
     return "\n".join(out)
 
 
@@ -723,14 +780,17 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="one row per run: val loss, time, steps, step_avg, tok/s, hardware")
     show.add_argument("runs", nargs="+", metavar="RUN", help="run log (.txt) or record folder")
     show.set_defaults(func=cmd_show)
-    diff = sub.add_parser("diff", help="config, code, timing and val loss differences between two runs")
+    diff = sub.add_parser("diff", help="val loss at common steps, final loss and times, then config and code")
     diff.add_argument("a", metavar="A", help="run log (.txt) or a folder holding one run")
     diff.add_argument("b", metavar="B", help="run log (.txt) or a folder holding one run")
+    diff.add_argument("--code", action="store_true", help="show the code diff's hunks (default: its size)")
     diff.set_defaults(func=cmd_diff)
-    stats = sub.add_parser("stats", help="mean ± std, t-test against a target loss, Welch t-tests vs a baseline")
+    stats = sub.add_parser("stats", help="per recipe: mean ± std, t-test against its target, Welch t-tests vs a "
+                                         "baseline")
     stats.add_argument("runs", nargs="+", metavar="RUN", help="run log (.txt) or record folder")
-    stats.add_argument("--target", type=float, default=DEFAULT_TARGET,
-                       help=f"val loss target for the one-sided t-test (default {DEFAULT_TARGET})")
+    stats.add_argument("--target", type=float, default=None,
+                       help=f"val loss target for the one-sided t-test (default: {DEFAULT_TARGET} for FineWeb "
+                            f"validation runs, none for others)")
     stats.add_argument("--baseline", nargs="+", metavar="RUN", help="runs to compare against (Welch t-tests)")
     stats.set_defaults(func=cmd_stats)
     plot = sub.add_parser("plot", help="PNG of val loss vs step and vs train time")

@@ -263,7 +263,7 @@ def test_flops_per_token_counts_the_v2_shape():
     (["--backout_layer=12"], "--backout_layer=12 must be a layer below --num_layers=12"),
     (["--ve_gates=true", "--gate_channels=7"], "--ve_gates reads half of --gate_channels=7"),
     (["--mix_init=nan"], "--mix_init must be >= 0"),
-    (["--mtp_stages=1/x"], "--mtp_stages expects non-negative weights"),
+    (["--mtp_stages=1/x"], "--mtp_stages expects weights W/W/... from 0 to 100 per stage"),
     (["--mtp_stages=1/0.5,1", "--lr_stages=1,1.5,2"], "the staged fields must list the same number of stages"),
     (["--fp8_w_scale=0"], "--fp8_w_scale must be > 0"),
 ])

@@ -199,26 +199,68 @@ def test_diff_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     a = make_log(tmp_path / "a.txt", {0: 10.8258, 10: 4.0, 20: 3.2800})
     b = make_log(tmp_path / "b.txt", {0: 10.8258, 10: 3.9900, 20: 3.2750}, step_ms=90, source=SOURCE_B,
                  config=dict(CONFIG, muon_lr=0.06))
-    rc, out, _ = run_main(capsys, "diff", str(a), str(b))
+    rc, out, _ = run_main(capsys, "diff", str(a), str(b), "--code")
     assert rc == 0
-    assert "muon_lr: 0.05 -> 0.06" in out and 'run_id: "a" -> "b"' in out and "num_steps" not in out
+    assert "muon_lr: 0.05 -> 0.06" in out and "run_id" not in out and "num_steps" not in out  # a run's name: no
     assert "-    return 0.05" in out and "+    return 0.06" in out and "@@" in out
     assert '"""Toy trainer."""' not in out  # unchanged code far from the hunk is left out
-    timing = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("train time", "step_avg"))}
-    assert timing["train"][-3:] == ["2.00", "1.80", "0.9000"]
-    assert timing["step_avg"][-3:] == ["100.00", "90.00", "0.9000"]
-    val_rows = [line.split() for line in out.split("== val loss at matching steps")[1].splitlines()[3:]]
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines()
+            if line.startswith(("train time", "step_avg", "final val loss"))}
+    assert rows["train time (s)"][-3:] == ["2.00", "1.80", "0.9000x"]
+    assert rows["step_avg (ms)"][-3:] == ["100.00", "90.00", "0.9000x"]
+    assert rows["final val loss"][-3:] == ["3.2800", "3.2750", "-0.0050"]
+    val_rows = [line.split() for line in out.split("== val loss at matching steps")[1].splitlines()[3:6]]
     assert val_rows == [["0", "10.8258", "10.8258", "+0.0000"], ["10", "4.0000", "3.9900", "-0.0100"],
                         ["20", "3.2800", "3.2750", "-0.0050"]]
+
+
+def test_diff_answers_first_and_shows_the_code_hunks_only_when_asked(tmp_path, capsys):
+    # What a user wants first fits a screen: losses at common steps, the final loss and times, then the changed
+    # config fields (fields one code version lacks on one line), then the code change's size.
+    a = make_log(tmp_path / "a.txt", curve(3.28), config={k: v for k, v in CONFIG.items() if k != "muon_lr"})
+    b = make_log(tmp_path / "b.txt", curve(3.27), source=SOURCE_B, step_ms=90)
+    rc, out, _ = run_main(capsys, "diff", str(a), str(b))
+    order = [out.index(s) for s in ("== val loss at matching steps", "final val loss", "train time (s)",
+                                    "== config (A -> B)", "== code (A -> B)")]
+    assert rc == 0 and order == sorted(order) and "@@" not in out
+    assert "only in B's config (1): muon_lr" in out
+    assert "1 line(s) removed, 1 added (--code shows the hunks)" in out
+    assert len(out.splitlines()) < 40
 
 
 def test_diff_against_upstream_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = make_log(tmp_path / "ours.txt", curve(3.2800))
     b = make_log(tmp_path / "theirs.txt", curve(3.2790), source=SOURCE_B, upstream=True)
-    rc, out, _ = run_main(capsys, "diff", str(a), str(b))
+    rc, out, _ = run_main(capsys, "diff", str(a), str(b), "--code")
     assert rc == 0
     assert "no config recorded for theirs" in out
     assert "+    return 0.06" in out
+
+
+def test_stats_groups_runs_of_different_recipes_and_tests_each_against_its_own_target(tmp_path, capsys):
+    eager = [make_log(tmp_path / f"e{i}.txt", curve(loss), config=dict(CONFIG, compile=False, seed=i))
+             for i, loss in enumerate([6.97, 6.98])]  # seeds differ: one recipe
+    fused = [make_log(tmp_path / "r.txt", curve(6.90), config=dict(CONFIG, compile=True))]
+    rc, out, err = run_main(capsys, "stats", *map(str, eager + fused))
+    assert rc == 0 and "2 different recipes: statistics per recipe, never pooled" in err
+    groups = [line for line in out.splitlines() if line.startswith("runs [")]
+    assert groups == ["runs [compile=false] (n=2): e0, e1", "runs [compile=true] (n=1): r"]
+    assert out.count("H1 mean val loss < 3.28") == 2  # runs without val_files: FineWeb's target (upstream's)
+    tiny = [make_log(tmp_path / f"t{i}.txt", curve(6.9 + i / 100), config=dict(
+        CONFIG, val_files="data/sample/sample_val_*.bin", seed=i)) for i in range(2)]
+    rc, out, _ = run_main(capsys, "stats", *map(str, tiny))
+    assert rc == 0 and "no target: these are not FineWeb validation runs" in out and "t-test" not in out
+    rc, out, _ = run_main(capsys, "stats", *map(str, tiny), "--target", "7.0")
+    assert "one-sided t-test, H1 mean val loss < 7: t = " in out
+
+
+def test_a_malformed_final_val_line_gives_no_final_loss_rather_than_an_earlier_one(tmp_path, capsys):
+    log = make_log(tmp_path / "bad.txt", curve(3.28))
+    log.write_text(log.read_text().replace("step:20/20 val_loss:3.2800", "step:20/20 val_loss:abc"))
+    rc, out, err = run_main(capsys, "show", str(log))
+    row = next(line.split() for line in out.splitlines() if line.startswith("bad"))
+    assert rc == 0 and row[1] == "-" and "4.0000" not in out
+    assert "step 20: val_loss:abc is not a number" in err and "no val loss at its last step 20" in err
 
 
 def test_diff_identical_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -236,9 +278,10 @@ BASE_LOSSES = [3.2805, 3.2790, 3.2830]
 BASE_STEP_MS = [104.0, 105.5, 103.0]
 
 
-def make_group(folder: Path, losses: list[float], step_ms: list[float], num_steps: int = 20) -> list[str]:
-    return [str(make_log(folder / f"run{i}.txt", curve(loss, num_steps), num_steps=num_steps, step_ms=ms))
-            for i, (loss, ms) in enumerate(zip(losses, step_ms))]
+def make_group(folder: Path, losses: list[float], step_ms: list[float], num_steps: int = 20,
+               upstream: bool = False) -> list[str]:
+    return [str(make_log(folder / f"run{i}.txt", curve(loss, num_steps), num_steps=num_steps, step_ms=ms,
+                         upstream=upstream)) for i, (loss, ms) in enumerate(zip(losses, step_ms))]
 
 
 def test_stats_target_ttest_matches_scipy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -280,8 +323,9 @@ def test_stats_with_one_run_says_it_needs_two(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_stats_runs_of_different_lengths_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    runs = make_group(tmp_path / "a", LOSSES[:2], STEP_MS[:2]) + make_group(tmp_path / "b", LOSSES[2:3], STEP_MS[2:3],
-                                                                           num_steps=18)
+    # Upstream logs carry no config (their recipe is in the code): one group, whose lengths differ.
+    runs = make_group(tmp_path / "a", LOSSES[:2], STEP_MS[:2], upstream=True) + make_group(
+        tmp_path / "b", LOSSES[2:3], STEP_MS[2:3], num_steps=18, upstream=True)
     rc, out, err = run_main(capsys, "stats", *runs)
     assert rc == 0 and "p = " in out
     assert err.count("\n") == 1 and "different steps (18, 20)" in err
@@ -388,6 +432,7 @@ def test_a_diverged_run_shows_nan_and_stays_out_of_the_statistics(tmp_path, caps
 
 
 def test_runs_of_different_lengths_are_named_once(tmp_path, capsys):
-    runs = [compare.load_run(make_log(tmp_path / f"r{n}.txt", curve(3.3, n), num_steps=n)) for n in (10, 20)]
+    runs = [compare.load_run(make_log(tmp_path / f"r{n}.txt", curve(3.3, n), num_steps=n, upstream=True))
+            for n in (10, 20)]
     compare.stats_report(runs, 3.3)
     assert "warning: the runs end at different steps (10, 20); computing anyway" in capsys.readouterr().err

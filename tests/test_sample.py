@@ -42,7 +42,7 @@ def test_sampling_is_reproducible_and_greedy_is_top_1(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([], "does not exist"),
+    ([], "does not exist (sample.py's CHECKPOINT argument takes a ckpt_<step> directory)"),
     (["--tokens=0"], "--tokens must be >= 1"),
     (["--tokens=100000"], "this model takes at most 1024"),
 ])

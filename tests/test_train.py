@@ -92,6 +92,13 @@ def test_run_sh_ends_with_the_ranks_one_line_and_its_exit_code(tmp_path, nproc):
     assert err.strip().splitlines()[-1] == "error: unknown option --bogus (see --help)"
 
 
+def test_run_sh_asked_for_a_gpu_it_does_not_see_says_so_and_starts_nothing(tmp_path):
+    proc = run_sh(["--device=cuda"], tmp_path, 1, {"CUDA_VISIBLE_DEVICES": ""})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.strip() == ("error: --device=cuda but no CUDA GPU is visible; drop it to "
+                                                    "run the tiny preset on the CPU"), err
+
+
 @pytest.mark.slow
 def test_run_sh_ctrl_c_on_two_processes_is_one_line_and_130(tmp_path):
     proc = run_sh(tiny_args(tmp_path, num_steps=90, **SMALL), tmp_path, 2, start_new_session=True)
@@ -147,6 +154,9 @@ def test_sigterm_writes_a_checkpoint_the_run_resumes_from_exactly(tmp_path):
     (["--muon_lr=-1"], {}, "--muon_lr must be > 0, got -1.0"),
     (["--adam_beta2=1.5"], {}, "--adam_beta2 must be in [0, 1), got 1.5"),
     (["--cooldown_frac=inf"], {}, "--cooldown_frac must be in [0, 1], got inf"),
+    (["--lr=0.01"], {}, "unknown option --lr; did you mean --muon_lr or --embed_lr or --head_lr or --scalar_lr"),
+    (["--train_files=data/fineweb10B/fineweb_train_*.bin"], {}, "this run is on the CPU: try the tiny preset on the "
+                                                                "bundled sample (--preset=tiny"),
 ])
 def test_bad_input_stops_with_one_clear_line(tmp_path, monkeypatch, capsys, args, env, message):
     for k, v in env.items():
