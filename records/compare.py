@@ -528,9 +528,9 @@ def diff_report(a: Run, b: Run, with_code: bool = False) -> str:
     elif with_code:
         out.extend(code_diff(a, b) or ["(identical)"])
     else:
-        changed = [line for line in code_diff(a, b, context=0)[2:] if line[:1] in "+-" and not line.startswith("@@")]
-        out.append(f"{sum(line[0] == '-' for line in changed)} line(s) removed, {sum(line[0] == '+' for line in changed)} "
-                   f"added (--code shows the hunks)" if changed else "(identical)")
+        changed = [line[0] for line in code_diff(a, b, context=0)[2:] if line[:1] in "+-"]
+        out.append(f"{changed.count('-')} line(s) removed, {changed.count('+')} added (--code shows the hunks)"
+                   if changed else "(identical)")
     return "\n".join(out)
 
 
@@ -643,6 +643,8 @@ def recipe_groups(runs: Sequence[Run]) -> list[tuple[str, list[Run]]]:
         return [("", list(runs))]
     configs = [json.loads(k) for k in groups]
     differing = sorted({f for c in configs for f in c if any(c.get(f) != o.get(f) for o in configs)})
+    if len(differing) > 4:  # labels would not fit a line: number the recipes
+        return [(f"recipe {i + 1} of {len(groups)}", members) for i, members in enumerate(groups.values())]
     return [(", ".join(f"{f}={json.dumps(c.get(f))}" for f in differing), members)
             for c, members in zip(configs, groups.values())]
 
