@@ -60,8 +60,9 @@ MODEL_TESTS = ["tests/test_model.py::test_compiled_flex_attention_equals_sdpa_wi
                "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py",
                *(f"--deselect={t}" for t in KERNEL_TESTS if t.startswith("tests/test_cuda.py"))]
 REHEARSAL_TESTS = ["tests/test_compiled.py"]
-# Seconds per stage (kernels, model, v2, bench): with start-up and the report, inside ten minutes on a cold cache.
-LIMITS_S = {"kernels": 120, "model": 200, "v2": 150, "bench": 120}
+# Seconds per stage (kernels, model, v2, bench): with start-up, v2's memory estimate (~40 s on the host) and the
+# report, inside ten minutes on a cold cache.
+LIMITS_S = {"kernels": 110, "model": 180, "v2": 140, "bench": 110}
 MEMORY_MARGIN = 1.15  # measured peak allocated over the estimate that still passes
 # v2's last stage on the tiny preset (README's CPU command, one stage): the CPU rehearsal of the v2 stage.
 TINY_V2_LAST_STAGE = ["--preset=tiny,v2", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",

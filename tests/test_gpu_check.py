@@ -85,7 +85,7 @@ def test_stages_run_kernels_first_then_the_model_then_v2_at_its_last_stage_insid
     assert "tests/test_cuda.py" in model and {f"--deselect={t}" for t in cuda_kernel_tests} <= set(model)
     cuda_source = (REPO / "tests" / "test_cuda.py").read_text()
     assert all(f"def {t.split('::')[1]}(" in cuda_source for t in cuda_kernel_tests)  # no renamed test lost
-    assert sum(gpu_check.LIMITS_S.values()) <= 600 - 10  # start-up and the memory estimate inside ten minutes
+    assert sum(gpu_check.LIMITS_S.values()) <= 600 - 60  # start-up and the memory estimate inside ten minutes
 
 
 def test_the_v2_stage_benches_v2_at_its_last_and_largest_shape():
