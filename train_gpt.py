@@ -1562,7 +1562,8 @@ class CausalSelfAttention(nn.Module):
             else:
                 self.qkvo_w[3].zero_()
         self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
-        # Per head, 2 sigmoid(W [x, ve]) on the value embedding: 1 at init (#55, #70's input).
+        # Per head, 2 sigmoid(W [x, ve]) on the value embedding: 1 at init (#55, #70's input); #70's paired-head
+        # layers read x alone (x[:gate_channels]).
         self.ve_gate_w = (nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if cfg.ve_gates and has_ve
                           else None)
         self.rotary = rotary_for(self.paired)  # shared by the layers of its length
@@ -1582,7 +1583,8 @@ class CausalSelfAttention(nn.Module):
             ve_heads = ve.view_as(v)
             if self.ve_gate_w is not None:
                 half = self.ve_gate_w.size(1) // 2
-                gate_in = torch.cat([x[..., :half], ve[None, :, :half].type_as(x)], dim=-1)
+                gate_in = (x[..., : 2 * half] if self.paired else
+                           torch.cat([x[..., :half], ve[None, :, :half].type_as(x)], dim=-1))
                 ve_heads = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve_heads
             v = v + (ve_heads if self.fold_lambdas else lambdas[1] * ve_heads)
         if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D); RoPE then turns head 2j by 2t, head 2j+1 by 2t+1
@@ -1976,18 +1978,29 @@ def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
 
 
-def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
+def normuon_(O: Tensor, v: Tensor, beta2: float, columns: Tensor | None = None) -> Tensor:
     """NorMuon (#41): divide the orthogonalized update by the running RMS of its rows (or columns), kept in v
-    (fp32, updated in place), then give it back its own Frobenius norm."""
+    (fp32, updated in place), then give it back its own Frobenius norm. columns: per (square) matrix of a batch,
+    whether its statistic runs per column instead (a matrix stored transposed: #70 takes W_o's per output
+    channel, the columns of the W_o^T kept here)."""
     O = O.float()
+    if columns is not None:
+        O = torch.where(columns.view(-1, 1, 1), O.mT, O)
     v.lerp_(O.square().mean(dim=-1 if v.size(-1) == 1 else -2, keepdim=True), 1 - beta2)
     scaled = O * v.clamp_min(1e-10).rsqrt()
-    return scaled * (O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    out = scaled * (O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    return out if columns is None else torch.where(columns.view(-1, 1, 1), out.mT, out)
+
+
+def normuon_columns(name: str, units: int) -> list[bool]:
+    """Which of a parameter's matrices take NorMuon's statistic per column: the attention's W_o, kept transposed
+    as the fourth of (q, k, v, o)."""
+    return [name.endswith("attn.qkvo_w") and unit == 3 for unit in range(units)]
 
 
 def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float,
                  orthogonalize: Callable[[Tensor], Tensor] = newton_schulz, lr_mul: float | Tensor = 1.0,
-                 normuon_beta2: float = 0.0, wd: float = 0.0) -> None:
+                 normuon_beta2: float = 0.0, wd: float = 0.0, columns: Tensor | None = None) -> None:
     """Nesterov momentum, orthogonalization (NorMuon-scaled with normuon_beta2), then a step of
     lr * lr_mul * sqrt(max(1, rows/cols)); lr_mul is a float or a per-matrix tensor broadcasting over p.
     Cautious weight decay (wd): p shrinks by wd * lr * (that step's lr) where the update has p's sign."""
@@ -1995,7 +2008,7 @@ def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, m
     buf.lerp_(grad, 1 - momentum)
     update = orthogonalize(grad.lerp(buf, momentum))
     if normuon_beta2:
-        update = normuon_(update, state["v"], normuon_beta2)
+        update = normuon_(update, state["v"], normuon_beta2, columns)
     update = update.type_as(p) * lr_mul
     step_lr = lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
     if wd:
@@ -2162,6 +2175,11 @@ class Bucket:
             muls += [1.0] * (self.shard_units * world_size - len(muls))
             self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units],
                                        device=self.data.device).view(-1, 1, 1)
+            # NorMuon's per-column matrices (W_o) of the shard, None when it has none (padding: rows)
+            cols = [c for n, count in zip(names, self.counts) for c in normuon_columns(n, count)]
+            cols = (cols + [False] * (self.shard_units * world_size - len(cols)))[
+                self.first_unit:self.first_unit + self.shard_units]
+            self.columns = torch.tensor(cols, device=self.data.device) if normuon and any(cols) else None
         else:
             dtype = torch.float32 if adam_state_fp32 else self.shard.dtype
             self.state = {k: torch.zeros(shape, dtype=dtype, device=self.data.device) for k in ("m", "v")}
@@ -2277,7 +2295,7 @@ class ShardedMuonAdam:
             lr = b.lr * self.lr_mult
             if b.kind == "muon":
                 muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, self.orthogonalize, b.lr_mul,
-                             c.normuon_beta2, b.wd)
+                             c.normuon_beta2, b.wd, b.columns)
             else:
                 adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
                              c.adam_eps, b.wd)

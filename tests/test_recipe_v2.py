@@ -83,6 +83,32 @@ def test_normuon_divides_rows_or_columns_by_their_running_rms_and_keeps_the_norm
         torch.testing.assert_close(p, ref_p)
 
 
+def test_normuon_takes_w_o_per_output_channel_as_record_70_does():
+    # #70 keeps W_o as (out, in) and takes the statistic per row: per output channel. Here W_o is kept
+    # transposed, the fourth matrix of qkvo_w: its statistic runs per column. The reference works on W_o itself.
+    torch.manual_seed(0)
+    n, beta2, lr = 8, 0.9, 0.1
+    assert T.normuon_columns("blocks.2.attn.qkvo_w", 4) == [False, False, False, True]
+    assert not any(T.normuon_columns("blocks.2.mlp.c_fc", 1))
+    p = torch.randn(4, n, n)
+    state = {"momentum": torch.zeros_like(p), "v": torch.zeros(T.normuon_state_shape(p.shape))}
+    ref = p.clone().double()
+    ref_v = torch.zeros(4, n, 1, dtype=torch.float64)
+    for _ in range(3):
+        O = torch.randn(4, n, n)
+        T.muon_update_(p, O, state, lr, momentum=0.0, orthogonalize=identity, normuon_beta2=beta2,
+                       columns=torch.tensor(T.normuon_columns("attn.qkvo_w", 4)))
+        spec = O.double().clone()
+        spec[3] = spec[3].T.clone()  # W_o as #70 stores it: (out, in)
+        ref_v = beta2 * ref_v + (1 - beta2) * spec.square().mean(-1, keepdim=True)  # per row of (out, in)
+        scaled = spec / ref_v.sqrt()
+        scaled = scaled * spec.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True)
+        scaled[3] = scaled[3].T.clone()  # back to the stored W_o^T
+        ref = ref - lr * scaled
+    torch.testing.assert_close(p.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state["v"].double(), ref_v, rtol=1e-5, atol=1e-8)
+
+
 def test_cautious_weight_decay_on_muon_shrinks_only_where_the_update_agrees_in_sign():
     torch.manual_seed(0)
     p, O = torch.randn(3, 8, 8), torch.randn(3, 8, 8)

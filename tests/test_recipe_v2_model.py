@@ -90,8 +90,9 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -
             table = cfg.value_embeds[i]
             if table != "-":
                 ve = p[f"value_embeds.{table}.weight"][inp]
-                if cfg.ve_gates:  # §2.23 with #70's input: 2 sigmoid(W_ve,h . [x[:6], ve[:6]]) per head
-                    gate_in = torch.cat([h[:, : g // 2], ve[:, : g // 2]], -1)
+                if cfg.ve_gates:  # §2.23 with #70's input: 2 sigmoid(W_ve,h . [x[:6], ve[:6]]) per head; #70's
+                    # paired-head layers: 2 sigmoid(W_ve,h . x[:12])
+                    gate_in = h[:, :g] if i in paired else torch.cat([h[:, : g // 2], ve[:, : g // 2]], -1)
                     gate = 2 * sigmoid(gate_in @ p[f"blocks.{i}.attn.ve_gate_w"].T)
                     ve_term = gate[..., None] * ve.view(-1, H, D)
                 else:

@@ -136,8 +136,9 @@ def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dic
                         s = state.setdefault(name, {"momentum": torch.zeros_like(p)})
                         if cfg.normuon_beta2:
                             s.setdefault("v", torch.zeros(T.normuon_state_shape(p.shape)))
+                        cols = T.normuon_columns(name, p[..., 0, 0].numel())  # W_o: per output channel
                         T.muon_update_(p, total[name], s, lr, MOMENTUM[step], orthogonalize, lr_mul,
-                                       cfg.normuon_beta2, g.wd)
+                                       cfg.normuon_beta2, g.wd, torch.tensor(cols) if any(cols) else None)
                     elif adam_step:
                         dtype = torch.float32 if cfg.adam_state_fp32 else p.dtype
                         s = state.setdefault(name, {k: torch.zeros(p.shape, dtype=dtype) for k in ("m", "v")})
