@@ -10,6 +10,7 @@ training (trace reports, run comparison, load balance) lives in records/.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import datetime
@@ -21,6 +22,7 @@ import hashlib
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -84,7 +86,7 @@ class Config:
     block_size: int = 128  # attention block granularity (FlexAttention tile; a multiple of 128 on CUDA)
     # model, recipe v2 (each off by default: record #28)
     skip: str = "unet"  # unet: layer i's output into layer L-1-i (#28; even layers) | A:B one gated skip (#45/#55: 3:6)
-    mix_init: float = 1.0  # initial a of each layer's x <- a x + b x0 (#45: 1.1)
+    mix_init: float = 1.0  # initial a of each layer's x <- a x + b x0 (#45: 1.1); b, the x0 lambdas, from 0
     ve_gates: bool = False  # value embeddings added under per-head gates 2 sigmoid(W [x, ve]: leading dims) (#55/#70)
     fold_lambdas: bool = False  # lambda_qkv scales W_qkv, lambda_o W_o (init 0.5, 1); no lambda on the VE (#47/#48)
     uniform_attn_out: bool = False  # W_o initialized like W_q, W_k, W_v instead of zero (#64, as HEAD)
@@ -93,12 +95,10 @@ class Config:
     backout_layer: int = -1  # before the head, subtract lambda (init 0.5) x this layer's output (#40: 7); -1 off
     key_offset: bool = False  # long-window layers' keys take their un-rotated dims from the previous position (#49)
     tie_embed: bool = False  # the embedding is a lookup into the head's weight, init N(0, 0.005), lr head_lr (#51)
-    untie_frac: float = 0.0  # tie_embed ends after the first Adam step at this fraction of the schedule (#53: 2/3)
+    untie_stage: int = 0  # tie_embed ends after the first Adam step of this stage (#70: 2); 0: tied throughout
     paired_layers: str = ""  # "I,J,..": short-window layers whose heads attend in interleaved pairs (#58: 0,2,5,9)
-    bigram_rows: int = 0  # rows of the bigram hash embedding added at every block (#62: 251520, #83: 754560); 0 off
-    bigram_dim: int = 0  # its width, added to the leading residual dims (#83: 192); 0: model_dim
-    bigram_signs: int = 0  # rows of its fixed random +-1 table, the sign trick (#83: 8192); 0: none
-    bigram_lambda_init: float = 0.1  # initial weight of the bigram vector at each block (#62: 0.1, #83: 0.05)
+    bigram_rows: int = 0  # rows of the bigram hash embedding added at every block (#62, #70: 251520); 0 off
+    bigram_lambda_init: float = 0.1  # initial weight of the bigram vector at each block (#62, #70: 0.1)
     # optimizer
     muon_lr: float = 0.05  # Muon (block matrices)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
@@ -123,6 +123,9 @@ class Config:
     adam_state_fp32: bool = False  # Adam's m and v in fp32 for the bf16 embeddings, the update rounded once (#56)
     scalar_beta1: float = 0.8  # Adam's beta1 for the scalar vector (#52, smoothed scalars: 0.9)
     scalar_beta2: float = 0.95  # ... and its beta2 (#52: 0.99)
+    x0_beta1: float = 0.8  # Adam's beta1 for the x0 lambdas (the b of x <- a x + b x0; #70: 0.65), beta2 adam_beta2
+    head_beta1: float = 0.8  # ... for the LM head, and the embedding while tie_embed (#70: 0.5), beta2 adam_beta2
+    gate_lr: float = 0.0  # Adam lr of the attention and VE gates, with the scalars' betas (#70: 0.008); 0: in Muon
     skip_gate_lr: float = 4e-4  # Adam: the gated skip's input gate (#55: 0.008 x 0.05), with the scalars' betas
     smear_gate_lr: float = 8e-5  # Adam: the smear's gate (#52: 0.008 x 0.01), with the scalars' betas
     # schedule
@@ -207,12 +210,16 @@ PRESETS: dict[str, dict[str, object]] = {
         muon_wd=1.2,
         adam_wd=0.005,
         adam_every=2,
-        adam_beta1=0.65,
+        adam_beta1=0.75,  # #70: the value embeddings and the bigram table
+        head_beta1=0.5,
+        x0_beta1=0.65,
+        gate_lr=0.008,
         adam_state_fp32=True,
         scalar_beta1=0.9,
         scalar_beta2=0.99,
+        num_steps=1547,  # #70: 1507 scheduled + 40 extension
         cooldown_frac=0.55,
-        final_lr_frac=0.15,
+        final_lr_frac=0.1,
         window_stages="1/3,3/7,5/11,6/13",
         seq_len_stages="16384,32768,49152",
         lr_stages="1,1.52,1.73",
@@ -239,11 +246,8 @@ PRESETS: dict[str, dict[str, object]] = {
         key_offset=True,
         paired_layers="0,2,5,9",
         tie_embed=True,
-        untie_frac=2 / 3,
-        bigram_rows=15 * 50304,
-        bigram_dim=192,
-        bigram_signs=8192,
-        bigram_lambda_init=0.05,
+        untie_stage=2,
+        bigram_rows=5 * 50304,
         extension_steps=40,
         muon_momentum_cooldown_steps=50,
         mtp_stages="1/0.5/0.25,1/0.5,1",
@@ -482,10 +486,10 @@ FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["prefetch_depth", "mix_init", "fp8_x_scale", "gate_channels", "muon_momentum_warmup_steps",
                      "val_every", "warmup_steps", "peak_tflops", "save_every", "muon_wd", "adam_wd", "embed_wd_mul",
                      "head_wd_mul", "value_embed_wd_mul", "extension_steps", "muon_momentum_cooldown_steps",
-                     "bigram_rows", "bigram_dim", "bigram_signs", "bigram_lambda_init"], ">= 0"),
-    **dict.fromkeys(["cooldown_frac", "final_lr_frac", "untie_frac"], "in [0, 1]"),
+                     "bigram_rows", "bigram_lambda_init", "gate_lr"], ">= 0"),
+    **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
     **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "normuon_beta2",
-                     "scalar_beta1", "scalar_beta2"], "in [0, 1)"),
+                     "scalar_beta1", "scalar_beta2", "x0_beta1", "head_beta1"], "in [0, 1)"),
     **dict.fromkeys(["seed", "backout_layer"], ">= -1"),
 }
 
@@ -514,9 +518,9 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if cfg.backout_layer >= cfg.num_layers:
         raise UsageError(f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}")
     paired_layers(cfg)
-    if cfg.bigram_dim > cfg.model_dim or cfg.bigram_rows == 1:
-        raise UsageError(f"--bigram_rows={cfg.bigram_rows} --bigram_dim={cfg.bigram_dim}: the table needs at least 2 "
-                         f"rows (one is reserved for position 0) and at most --model_dim={cfg.model_dim} columns")
+    if cfg.bigram_rows == 1:
+        raise UsageError("--bigram_rows=1: the table needs at least 2 rows (one is reserved for position 0), or 0 "
+                         "for none")
     if cfg.ve_gates and cfg.gate_channels % 2:
         raise UsageError(f"--ve_gates reads half of --gate_channels={cfg.gate_channels} from x, half from the VE: "
                          f"make it even")
@@ -556,9 +560,12 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"{num_stages(cfg)} stages need at least as many scheduled steps, got --num_steps="
                          f"{cfg.num_steps} with --extension_steps={cfg.extension_steps}: a stage would get no step; "
                          f"raise --num_steps or list fewer stages")
-    if cfg.untie_frac and not cfg.tie_embed:
-        raise UsageError(f"--untie_frac={cfg.untie_frac:g} unties a tied embedding: it needs --tie_embed=true (or "
+    if cfg.untie_stage and not cfg.tie_embed:
+        raise UsageError(f"--untie_stage={cfg.untie_stage} unties a tied embedding: it needs --tie_embed=true (or "
                          f"drop it)")
+    if not 0 <= cfg.untie_stage <= num_stages(cfg):
+        raise UsageError(f"--untie_stage={cfg.untie_stage}: the stages are 1 to {num_stages(cfg)} (the last: the "
+                         f"extension), or 0 to stay tied")
     # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
     if cfg.save_every % cfg.adam_every:
         raise UsageError(f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}")
@@ -1632,7 +1639,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer, rotary_for, flex) if cfg.attn_pattern[layer] != "-" else None
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: Tensor, sa_lambdas: Tensor,
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: tuple[Tensor, Tensor], sa_lambdas: Tensor,
                 masks: dict[str, BlockMask | Tensor], bigram: Tensor | None = None) -> Tensor:
         x = mix[0] * x + mix[1] * x0
         if bigram is not None:
@@ -1691,12 +1698,9 @@ class GPT(nn.Module):
             for table in self.value_embeds:
                 table.weight.mul_(cfg.value_embed_std)  # N(0, std^2) from nn.Embedding's N(0, 1), no other draw
         self.value_embeds.bfloat16()
-        # The bigram hash table (#62, zero-initialized) and its fixed +-1 sign rows (#83), the same on every rank.
-        table = torch.zeros(cfg.bigram_rows, cfg.bigram_dim or d, dtype=torch.bfloat16)
+        # The bigram hash table (#62), zero-initialized.
+        table = torch.zeros(cfg.bigram_rows, d, dtype=torch.bfloat16)
         self.bigram = nn.Embedding.from_pretrained(table, freeze=False) if cfg.bigram_rows else None
-        signs = torch.randn(cfg.bigram_signs, cfg.bigram_dim or d, generator=torch.Generator().manual_seed(0))
-        self.register_buffer("bigram_sign", torch.where(signs >= 0, 1.0, -1.0) if cfg.bigram_signs else None,
-                             persistent=False)
         # One RoPE table per length (paired layers: 2T positions), shared: ten layers' own fp32 tables at v2's
         # 262,144 positions would be 1.75 GiB a GPU.
         rotary_for = functools.cache(lambda paired: Rotary(cfg.head_dim, 2 * max_len if paired else max_len))
@@ -1716,16 +1720,18 @@ class GPT(nn.Module):
         self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
         self.embed_tied_now = cfg.tie_embed  # what tie_embedding last wrote into embed_tied
         # One vector of every learned scalar, by name: the skip weights (U-net: L/2 raw; one skip: s of
-        # sigmoid(s), init -1.5, #32), per-block (a, b) mixing with x0, per-layer lambdas ((lambda_v, lambda_ve),
+        # sigmoid(s), init -1.5, #32), per-block a of x <- a x + b x0, per-layer lambdas ((lambda_v, lambda_ve),
         # or folded (lambda_qkv, lambda_o)), the smear's lambda, backout's, and the bigram vector's per block.
+        # The b's, x0's weights, are a vector of their own: #70 steps them with other betas.
         lambdas = (0.5, 1.0) if cfg.fold_lambdas else (0.5, 0.5)
         parts = {"skip": torch.ones(L // 2) if self.skip_layers is None else torch.tensor([-1.5]),
-                 "mix": torch.tensor([cfg.mix_init, 0.0]).repeat(L), "lambdas": torch.tensor(lambdas).repeat(L),
+                 "resid": torch.full((L,), cfg.mix_init), "lambdas": torch.tensor(lambdas).repeat(L),
                  "smear": torch.zeros(int(cfg.smear)), "backout": torch.full((int(cfg.backout_layer >= 0),), 0.5),
                  "bigram": torch.full((L if cfg.bigram_rows else 0,), cfg.bigram_lambda_init)}
         ends = np.cumsum([len(t) for t in parts.values()]).tolist()
         self.scalar_slices = {k: slice(e - len(t), e) for (k, t), e in zip(parts.items(), ends)}
         self.scalars = nn.Parameter(torch.cat(list(parts.values())))
+        self.x0_lambdas = nn.Parameter(torch.zeros(L))
 
     @torch.no_grad()
     def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
@@ -1758,17 +1764,12 @@ class GPT(nn.Module):
             self.embed_tied_now = tied
 
     def bigram_vectors(self, input_seq: Tensor) -> Tensor:
-        """(1, T, model_dim): per position the bigram table's row for (previous token, token), zero-padded (#62):
-        row ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), the last row at position 0; across documents, as
-        upstream. With the sign trick (#83) the row is multiplied by sign row (x_(t-1) xor x_t) mod signs (0 first)."""
+        """(1, T, model_dim): per position the bigram table's row for (previous token, token) (#62): row
+        ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), the last row at position 0; across documents, as upstream."""
         x, rows = input_seq.long(), self.cfg.bigram_rows
         prev, cur = x[:-1], x[1:]
-        vectors = self.bigram(torch.cat([x.new_full((1,), rows - 1), ((BIGRAM_MUL[0] * cur) ^ (BIGRAM_MUL[1] * prev))
-                                         % (rows - 1)]))
-        if self.bigram_sign is not None:
-            signs = torch.cat([x.new_zeros(1), (prev ^ cur) % self.bigram_sign.size(0)])
-            vectors = vectors * self.bigram_sign[signs].type_as(vectors)
-        return F.pad(vectors, (0, self.cfg.model_dim - vectors.size(-1)))[None]
+        return self.bigram(torch.cat([x.new_full((1,), rows - 1), ((BIGRAM_MUL[0] * cur) ^ (BIGRAM_MUL[1] * prev))
+                                      % (rows - 1)]))[None]
 
     def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
         """The head's input, (T, model_dim), for one packed (T,) sequence; windows is (long, short) in blocks, an int
@@ -1799,7 +1800,7 @@ class GPT(nn.Module):
                 gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate.type_as(x0)))
                 x = x + torch.sigmoid(sc["skip"][0]) * gate * skips.pop()
             t = self.ve_tables[i]
-            x = block(x, x0, None if t is None else ves[t], sc["mix"][2 * i: 2 * i + 2],
+            x = block(x, x0, None if t is None else ves[t], (sc["resid"][i], self.x0_lambdas[i]),
                       sc["lambdas"][2 * i: 2 * i + 2], masks, None if bigram is None else sc["bigram"][i] * bigram)
             if (i < L // 2) if self.skip_layers is None else i == self.skip_layers[0]:
                 skips.append(x)
@@ -1861,12 +1862,20 @@ def short_window(long_window: int) -> int:
     return long_window // 2
 
 
+def stage_starts(cfg: Config) -> list[int]:
+    """The first step of each equal stage, then of the extension, then num_steps, rounded as #70 rounds them:
+    stage k of n starts at round(N (1/n + ... + 1/n)), k float terms and Python's round (ties to even), N the
+    scheduled steps (num_steps - extension_steps)."""
+    n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
+    return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
+
+
 def schedule(step: int, cfg: Config) -> StepSchedule:
     """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
     scheduled = cfg.num_steps - cfg.extension_steps
-    x = min(step / scheduled, 1.0)
-    stages = num_stages(cfg)
-    stage = int(stages * step / scheduled)  # of the equal stages; the extension's is `stages`
+    stages, starts = num_stages(cfg), stage_starts(cfg)
+    stage = min(bisect.bisect_right(starts, step) - 1, stages)  # of the equal stages; the extension's is `stages`
+    progress = 1.0 if stage >= stages else (step - starts[stage]) / (starts[stage + 1] - starts[stage])
 
     def staged(name: str, default: Any = None) -> Any:  # a staged field's value now, or default when unset
         spec = getattr(cfg, name)
@@ -1876,12 +1885,24 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
         return values[min(stage, len(values) - 1)]  # the extension keeps the last value (or has its own pair)
 
     peak = staged("lr_stages", 1.0)
-    cool = min((1 - x) / cfg.cooldown_frac, 1.0) if cfg.cooldown_frac else 1.0
-    lr_mult = peak if x < 1 - cfg.cooldown_frac else peak * cool + (1 - cool) * cfg.final_lr_frac
-    warm = min(step / cfg.muon_momentum_warmup_steps, 1.0) if cfg.muon_momentum_warmup_steps else 1.0
-    if cfg.muon_momentum_cooldown_steps:
-        warm = min(warm, (cfg.num_steps - step) / cfg.muon_momentum_cooldown_steps)
-    momentum = cfg.muon_momentum_start + warm * (cfg.muon_momentum_end - cfg.muon_momentum_start)
+    if not cfg.cooldown_frac:
+        lr_mult = peak
+    elif stages > 1 or cfg.extension_steps:  # #70 counts its cooldown in steps, from int(N (1 - cooldown_frac))
+        start = int(scheduled * (1 - cfg.cooldown_frac))
+        t = min(1.0, (step - start) / (scheduled - start))
+        lr_mult = peak * (1 - t) + cfg.final_lr_frac * t if step >= start else peak
+    else:  # #28 cools down on the fraction x = step / N
+        x = step / scheduled
+        cool = min((1 - x) / cfg.cooldown_frac, 1.0)
+        lr_mult = peak if x < 1 - cfg.cooldown_frac else peak * cool + (1 - cool) * cfg.final_lr_frac
+    momentum_range = cfg.muon_momentum_end - cfg.muon_momentum_start
+    cooldown_start = cfg.num_steps - cfg.muon_momentum_cooldown_steps
+    if step < cfg.muon_momentum_warmup_steps:
+        momentum = cfg.muon_momentum_start + step / cfg.muon_momentum_warmup_steps * momentum_range
+    elif cfg.muon_momentum_cooldown_steps and step > cooldown_start:
+        momentum = cfg.muon_momentum_end - (step - cooldown_start) / cfg.muon_momentum_cooldown_steps * momentum_range
+    else:
+        momentum = cfg.muon_momentum_start + momentum_range
     if cfg.final_val_windows and step == cfg.num_steps:  # no training step: the last validation's
         short, long = window_stages(cfg.final_val_windows)[0]
     elif cfg.window_stages:  # with an extension, the last pair is its own
@@ -1898,11 +1919,11 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
         weights = mtp_stages(cfg.mtp_stages)
         mtp = list(weights[min(stage, len(weights) - 1)])
         if len(mtp) > 1:
-            mtp[-1] *= 1 - (1.0 if stage >= stages else stages * x - stage)
+            mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress
         mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
     tied = cfg.tie_embed
-    if tied and cfg.untie_frac:  # the last tied step is the first Adam step at or after untie_frac of the schedule
-        split = math.ceil(cfg.untie_frac * scheduled)
+    if tied and cfg.untie_stage:  # the last tied step is the first Adam step at or after the stage's start
+        split = starts[cfg.untie_stage]
         tied = step <= split + (-(split + 1) % cfg.adam_every)
     return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, seq_len, max_doc_len,
                         yarn_windows, mtp, tied)
@@ -2048,13 +2069,15 @@ class ParamGroup:
 
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
-    """Muon takes every block matrix (gates included); Adam the embeddings (one lr), the head, the scalars and
-    the model-level gates (skip, smear)."""
+    """Muon takes every block matrix (the attention and VE gates too unless gate_lr gives them to Adam); Adam the
+    embeddings (one lr), the head, the scalars, the x0 lambdas and the model-level gates (skip, smear)."""
     named = dict(model.named_parameters())
     value_embeds = [n for n in named if n.startswith("value_embeds.") or n == "bigram.weight"]  # lr, wd alike
-    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2]
+    gates = [n for n in named if n.endswith(("attn.gate_w", "attn.ve_gate_w"))] if cfg.gate_lr else []
+    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2 and n not in gates]
     mul = {"c_fc": cfg.mlp_up_lr_mul, "c_proj": cfg.mlp_down_lr_mul}
     betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.scalar_beta2)
+    head_betas = (cfg.head_beta1, cfg.adam_beta2)
 
     def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
         return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
@@ -2062,10 +2085,12 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     groups = [group("muon", cfg.muon_lr, muon, lr_muls=[mul.get(n.split(".")[-1], 1.0) for n in muon],
                     wd=cfg.muon_wd),
               group("adam", cfg.head_lr if cfg.tie_embed else cfg.embed_lr, ["embed.weight"],  # tied: the head's
-                    wd=cfg.adam_wd * cfg.embed_wd_mul, betas=betas),
+                    wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas if cfg.tie_embed else betas),
               group("adam", cfg.embed_lr, value_embeds, wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
-              group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=betas),
+              group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
               group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
+              group("adam", cfg.scalar_lr, ["x0_lambdas"], betas=(cfg.x0_beta1, cfg.adam_beta2)),
+              group("adam", cfg.gate_lr, gates, wd=cfg.adam_wd, betas=scalar_betas),
               group("adam", cfg.skip_gate_lr, [n for n in named if n == "skip_gate"], betas=scalar_betas),
               group("adam", cfg.smear_gate_lr, [n for n in named if n == "smear_gate"], betas=scalar_betas)]
     groups = [g for g in groups if g.params]  # no value embeddings (or gates): no group
@@ -2169,16 +2194,17 @@ class Bucket:
             self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device)}
             if normuon:
                 self.state["v"] = torch.zeros(normuon_state_shape(shape), device=self.data.device)
-            # Each matrix's lr multiplier (1 for the padding), for the matrices of this rank's shard.
-            group_mul = dict(zip(group.names, group.lr_muls))
-            muls = [group_mul[n] for n, c in zip(names, self.counts) for _ in range(c)]
-            muls += [1.0] * (self.shard_units * world_size - len(muls))
-            self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units],
+
+            def of_shard(per_param: Callable[[str, int], list], padding: object) -> list:
+                """A value per matrix of this rank's shard, from each parameter's list of them (padding after)."""
+                values = [v for n, count in zip(names, self.counts) for v in per_param(n, count)]
+                values += [padding] * (self.shard_units * world_size - len(values))
+                return values[self.first_unit:self.first_unit + self.shard_units]
+
+            group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier
+            self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0),
                                        device=self.data.device).view(-1, 1, 1)
-            # NorMuon's per-column matrices (W_o) of the shard, None when it has none (padding: rows)
-            cols = [c for n, count in zip(names, self.counts) for c in normuon_columns(n, count)]
-            cols = (cols + [False] * (self.shard_units * world_size - len(cols)))[
-                self.first_unit:self.first_unit + self.shard_units]
+            cols = of_shard(normuon_columns, False)  # NorMuon's per-column matrices (W_o); None: none here
             self.columns = torch.tensor(cols, device=self.data.device) if normuon and any(cols) else None
         else:
             dtype = torch.float32 if adam_state_fp32 else self.shard.dtype
@@ -2950,13 +2976,13 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 5  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
-#                  5: value_embeds (was num_value_embeds) and v2's model fields
+CKPT_FORMAT = 6  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
+#                  5: value_embeds (was num_value_embeds) and v2's model fields; 6: x0_lambdas out of the scalars
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "skip", "ve_gates", "fold_lambdas", "smear",
-                     "backout_layer", "key_offset", "paired_layers", "tie_embed", "bigram_rows", "bigram_dim",
-                     "bigram_signs", "train_seq_len", "global_batch_seqs", "train_epochs")
+                     "backout_layer", "key_offset", "paired_layers", "tie_embed", "bigram_rows",
+                     "train_seq_len", "global_batch_seqs", "train_epochs")
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
 CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
 
@@ -3217,7 +3243,6 @@ class Checkpointer:
         self.enabled = cfg.save_every > 0 or cfg.save_final  # periodic saves (a stop signal saves in any case)
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
-        self.saved_steps: set[int] = set()
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
         self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
         if self.enabled:  # now, not at the first save: the loop would stall on the allocation
@@ -3280,7 +3305,6 @@ class Checkpointer:
             meta = {**common, "run_id": cfg.run_id, "train_files": self.train_files,
                     "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
         folder = checkpoint_dir(cfg, step)
-        self.saved_steps.add(step)
         future = self.writer.submit(self._write, folder, event, part, model, meta)
         stall_ms = 1000 * (time.perf_counter() - t0)
         self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future, gpu_stall))
@@ -3414,7 +3438,7 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
         big = max(sizes, key=sizes.get)
         raise UsageError(f"the model needs at least {sum(sizes.values()) / 1e9:,.1f} GB for its parameters, their "
                          f"gradients and tables ({big}: {sizes[big] / 1e9:,.1f} GB), more than the {device.type}'s "
-                         f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --bigram_signs, --vocab_size, "
+                         f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --vocab_size, "
                          f"--model_dim, --num_layers)")
 
 
@@ -3662,7 +3686,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     if num_stages(cfg) > 1 or cfg.extension_steps:
         for line in stage_plan(cfg, schedules):
             log(line)
-    checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)  # inert unless saving
+    checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)
     loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, skip_steps=start_step,
                           position=resumed.data_position if resumed else None)
     val_points: list[tuple[int, float, float]] = []
@@ -3806,10 +3830,10 @@ STOP = StopSignal()
 
 def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Checkpointer", train_time_ms: float,
                          data_position: tuple[int, int]) -> None:
-    """Write (unless this step's is already written) and wait for a checkpoint, say how to resume, and stop."""
+    """Write (unless the loop's schedule just did) and wait for a checkpoint, say how to resume, and stop."""
     kind = STOP.received or Terminated  # another rank's signal: this rank stops as that one does
     if not cfg.bench:
-        if step not in checkpointer.saved_steps:
+        if not checkpointer.due(step):
             checkpointer.save(step, train_time_ms, data_position)
         checkpointer.close()
         folder = checkpoint_dir(cfg, step)

@@ -64,13 +64,12 @@ REHEARSAL_TESTS = ["tests/test_compiled.py"]
 # report, inside ten minutes on a cold cache.
 LIMITS_S = {"kernels": 110, "model": 180, "v2": 140, "bench": 110}
 MEMORY_MARGIN = 1.15  # measured peak allocated over the estimate that still passes
-# v2's last stage on the tiny preset (README's CPU command, one stage): the CPU rehearsal of the v2 stage.
-TINY_V2_LAST_STAGE = ["--preset=tiny,v2", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",
-                      "--window_stages=1/3,1/3", "--seq_len_stages=512", "--doc_len_stages=512", "--lr_stages=1.73",
-                      "--mtp_stages=1",
-                      "--final_val_windows=1/4", "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1",
-                      "--skip=0:2", "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608",
-                      "--bigram_dim=32"]
+# v2 on the tiny preset, README's CPU command: the CPU rehearsal of the v2 stage (at its last stage).
+TINY_V2_FLAGS = ["--num_steps=40", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",
+                 "--window_stages=0/1,1/2,1/3,1/3", "--seq_len_stages=256,384,512", "--doc_len_stages=256,512,512",
+                 "--final_val_windows=1/4", "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1",
+                 "--skip=0:2", "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608"]
+TINY_V2 = ["--preset=tiny,v2", *TINY_V2_FLAGS]
 BENCH_FIGURES = [("ms_per_step_median", "ms/step", "{:.1f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
                  ("mfu_pct", "MFU", "{:.1f}%"), ("peak_memory_allocated_mib", "peak alloc MiB", "{:,.0f}"),
                  ("peak_memory_reserved_mib", "peak reserved MiB", "{:,.0f}"), ("gpu_idle_frac", "GPU idle", "{:.2%}"),
@@ -158,16 +157,18 @@ def run_tests(tests: list[str], out: Path, limit_s: float, stage: str = "tests")
     return rows
 
 
-def last_stage_args(preset: str) -> list[str]:
-    """Flags that make the preset's whole schedule its last stage (and the extension's windows after it), so a
-    short bench runs at the preset's final, largest shape."""
+def last_stage_args(preset: str, *flags: str) -> list[str]:
+    """Flags that make the whole schedule of the preset (with flags) its last stage (and the extension's windows
+    after it), so a short bench runs at its final, largest shape."""
     import train_gpt as T
 
-    cfg = T.parse_config([f"--preset={preset}"])
+    cfg = T.parse_config([f"--preset={preset}", *flags])
     args = [f"--{name}={getattr(cfg, name).split(',')[-1]}" for name in T.STAGED if getattr(cfg, name)
             and name != "window_stages"]
     if cfg.window_stages:
         args.append(f"--window_stages={','.join(cfg.window_stages.split(',')[-1 - (cfg.extension_steps > 0):])}")
+    if cfg.untie_stage:  # one stage now: the embedding stays tied (the graph and its cost are the untied one's)
+        args.append("--untie_stage=0")
     return args
 
 
@@ -176,16 +177,15 @@ def bench_run(out: Path, cuda: bool, stage: str, preset: str, cpu_args: list[str
     row, figures from the report JSON and the warmup line of its log, and the report."""
     run_id = f"gpu_check_{stage}_{datetime.datetime.now():%Y%m%d_%H%M%S}"
     logs = out / "logs"
-    shape = f"--preset={preset}" if preset else ""
     if cuda:
         corpus = next(((t, v) for t, v in CORPORA if list(REPO.glob(t)) and list(REPO.glob(v))), None)
-        name = f"{stage}: {shape or '#28'} at its shape, {corpus[0].split('/')[1] if corpus else 'no'} corpus"
+        name = f"{stage}: {preset or '#28'} at its shape, {corpus[0].split('/')[1] if corpus else 'no'} corpus"
         if corpus is None:
             return {"check": name, "result": "FAIL", "seconds": 0.0, "figures": {},
                     "note": "no shards in data/proxy/ or data/fineweb10B/ (python data/cached_fineweb10B.py 1)"}, None
         # A bench needs data for its own ~43 steps; epochs let a small corpus supply them.
-        args = [*filter(None, [shape]), f"--train_files={corpus[0]}", f"--val_files={corpus[1]}", "--train_epochs=30",
-                "--val_tokens=262144"]
+        args = ([f"--preset={preset}"] if preset else []) + [f"--train_files={corpus[0]}", f"--val_files={corpus[1]}",
+                                                            "--train_epochs=30", "--val_tokens=262144"]
     else:
         name = f"{stage}: tiny preset{' ' + preset if preset else ''}, CPU, compiled with the FP8 head"
         args = [*cpu_args, "--device=cpu", "--compile=true", "--fp8_head=true", "--bench_steps=3", "--num_steps=10"]
@@ -235,7 +235,7 @@ def stages(out: Path, cuda: bool) -> list[dict]:
 
 
 def benches(out: Path, cuda: bool) -> list[dict]:
-    v2, report = bench_run(out, cuda, "v2", "v2", TINY_V2_LAST_STAGE)
+    v2, report = bench_run(out, cuda, "v2", "v2", [*TINY_V2, *last_stage_args("tiny,v2", *TINY_V2_FLAGS)])
     return [v2, memory_row(report, cuda), bench_run(out, cuda, "bench", "", ["--preset=tiny"])[0]]
 
 

@@ -4,7 +4,7 @@
 
 For each preset, on 1 GPU (8 micro-steps) and on 8 (one each), per rank:
 - static: the parameters' buckets, the gradient buckets (and the reduce-scatter's shard on 8), the optimizer
-  state of the rank's shard, and the tables (RoPE, sign rows), from the objects train_gpt.py builds;
+  state of the rank's shard, and the tables (RoPE), from the objects train_gpt.py builds;
 - saved: the activations one micro-step keeps for its backward, as torch.compile's partitioner (AOTAutograd,
   min-cut rematerialization) splits the training graph;
 - train peak: the most a micro-step holds beyond static, by a liveness walk of the forward and backward graphs
@@ -111,15 +111,19 @@ INDEXING = {"gather", "index", "select", "slice", "embedding", "slice_scatter", 
 FILLS = {"full", "zeros", "empty", "scalar_tensor", "arange", "iota", "full_like", "zeros_like", "empty_like"}
 
 
+def op_name(node: torch.fx.Node) -> str | None:
+    """An aten op's name without its overload (sum for sum.dim_IntList); None for anything else."""
+    target = node.target
+    return target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else None
+
+
 def fusible(node: torch.fx.Node) -> bool:
     """Inductor computes this op inside the kernel that reads it (pointwise, views, indexed loads) or the
     producers inside it (reductions): an op whose inputs need not exist in memory."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return node.op == "call_function" and target.__name__ == "getitem"
-    name = target.overloadpacket.__name__
-    return (torch.Tag.pointwise in target.tags or target.is_view
-            or name in REDUCTIONS | INDEXING | FILLS | {"convert_element_type", "_to_copy", "clone", "where"})
+    if node.op != "call_function" or op_name(node) is None:
+        return node.op == "call_function" and node.target.__name__ == "getitem"
+    return (torch.Tag.pointwise in node.target.tags or node.target.is_view or op_name(node) in
+            REDUCTIONS | INDEXING | FILLS | {"convert_element_type", "_to_copy", "clone", "where"})
 
 
 def materialized(graph: torch.fx.Graph) -> set[int]:
@@ -128,11 +132,11 @@ def materialized(graph: torch.fx.Graph) -> set[int]:
     is the scatter's own output buffer (written in place), counted once there."""
     keep = set()
     for node in graph.nodes:
-        if isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket.__name__ in FILLS:
+        if op_name(node) in FILLS:
             continue
         needed = (node.op == "placeholder" or (node.op == "call_function" and not fusible(node)) or
                   any(u.op == "output" or not fusible(u) for u in node.users))
-        if needed or (node.op == "call_function" and node.target.__name__ in REDUCTIONS):
+        if needed or op_name(node) in REDUCTIONS:  # a reduction writes its (small) result
             keep |= {key(t) for t in tensors(node.meta.get("val"))}
     return keep
 

@@ -96,7 +96,7 @@ def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph(cfg)
         loss_c = compiled(tokens[:-1], tokens[1:].long(), *knobs)
         assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-4)
         for (name, a), b in zip(twin.named_parameters(), eager.parameters()):
-            if name != "scalars":  # sums of cancelling terms: relative error is not meaningful there
+            if name not in ("scalars", "x0_lambdas"):  # sums of cancelling terms: relative error means little there
                 # The one-row gates (skip, smear) sum over every position too, through the FP8 head's e5m2
                 # gradient: 20% (measured up to 10.5% with bf16 activations).
                 tol = 0.2 if name in ("skip_gate", "smear_gate") else 0.05

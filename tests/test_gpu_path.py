@@ -15,6 +15,7 @@ import train_gpt as T
 from conftest import MATMULS, REPO
 
 sys.path.insert(0, str(REPO / "records"))
+import gpu_check  # noqa: E402  (TINY_V2: the README's CPU command of v2)
 import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU run resolves, real shapes)
 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
@@ -107,13 +108,7 @@ def test_rope_tables_are_one_per_length_and_built_on_their_device(preset, tables
     assert not host.made, host.made[:3]
 
 
-TINY_V2 = ["--preset=tiny,v2", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",  # README's CPU command
-           "--window_stages=0/1,1/2,1/3,1/3", "--seq_len_stages=256,384,512", "--doc_len_stages=256,512,512",
-           "--final_val_windows=1/4", "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1", "--skip=0:2",
-           "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608", "--bigram_dim=32"]
-
-
-@pytest.mark.parametrize("args", [[], ["--preset=v2"], ["--preset=tiny"], TINY_V2],
+@pytest.mark.parametrize("args", [[], ["--preset=v2"], ["--preset=tiny"], gpu_check.TINY_V2],
                          ids=["r28", "v2", "tiny", "tiny_v2"])
 @pytest.mark.parametrize("world_size", [1, 8])
 def test_each_compiled_function_of_a_full_run_stays_within_dynamos_default_recompile_limit(args, world_size):

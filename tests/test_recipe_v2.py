@@ -23,8 +23,8 @@ V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mu
 V2_PART2 = dict(num_layers=5, attn_pattern="SL-SL", value_embeds="-0-12", skip="1:2", mix_init=1.1, ve_gates=True,
                 fold_lambdas=True, uniform_attn_out=True, value_embed_std=0.01, smear=True, backout_layer=3,
                 key_offset=True, logit_cap=23.0, logit_shift=5.0, mtp_stages="1/0.5/0.25,1/0.5,1", bigram_rows=4099,
-                bigram_dim=32, bigram_signs=256, bigram_lambda_init=0.05, paired_layers="0,3",
-                tie_embed=True, untie_frac=2 / 3)  # untied after step 5: after the resume test's checkpoint
+                paired_layers="0,3",
+                tie_embed=True, untie_stage=2)  # untied after step 5: after the resume test's checkpoint
 
 # Polar Express (Amsel et al. 2025; record #38): per-iteration (a, b, c), safety factor 1.02.
 PE_COEFFS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -161,38 +161,89 @@ def test_fp32_adam_state_steps_a_bf16_embedding_as_exact_adam_does():
         assert embed.data.dtype == torch.bfloat16 and embed.state["m"].dtype == embed.state["v"].dtype == dtype
 
 
-def test_the_v2_groups_take_the_spec_multipliers_and_the_scalars_never_decay():
-    cfg = T.parse_config(["--preset=tiny,v2", "--bigram_rows=1000", "--bigram_dim=32"])
+# Record #70's parameter table (its spec, §5.1): per role the optimizer, the effective lr (base x lr_mul), Adam's
+# betas and the decay coefficient (Adam: wd x wd_mul, applied as lr^2 x it; Muon: wd, applied as wd x lr x its lr).
+RECORD70_ADAM = {"scalars": (0.008 * 5, (0.9, 0.99), 0.0), "x0_lambdas": (0.008 * 5, (0.65, 0.95), 0.0),
+                 "value_embeds.0.weight": (0.008 * 75, (0.75, 0.95), 0.005 * 5),
+                 "bigram.weight": (0.008 * 75, (0.75, 0.95), 0.005 * 5),
+                 "smear_gate": (0.008 * 0.01, (0.9, 0.99), 0.0), "skip_gate": (0.008 * 0.05, (0.9, 0.99), 0.0),
+                 "blocks.0.attn.gate_w": (0.008, (0.9, 0.99), 0.005),
+                 "blocks.1.attn.ve_gate_w": (0.008, (0.9, 0.99), 0.005),
+                 "lm_head.weight": (0.008, (0.5, 0.95), 0.005 * 150), "embed.weight": (0.008, (0.5, 0.95), 0.005 * 150)}
+RECORD70_MUON = {"blocks.0.attn.qkvo_w": 1.0, "blocks.0.mlp.c_fc": 2.0, "blocks.0.mlp.c_proj": 4.0}  # x 0.023, wd 1.2
+
+
+def test_v2_optimizer_table_is_record_70s_for_every_role():
+    cfg = T.parse_config(["--preset=tiny,v2", "--bigram_rows=1000"])
     groups = {n: g for g in T.build_param_groups(T.GPT(cfg, use_flex=False, fp8_head=False), cfg) for n in g.names}
-    lr_mul = {n: g.lr_muls[g.names.index(n)] for n, g in groups.items() if g.kind == "muon"}
-    assert lr_mul["blocks.0.mlp.c_fc"] == 2.0 and lr_mul["blocks.0.mlp.c_proj"] == 4.0
-    assert lr_mul["blocks.0.attn.qkvo_w"] == lr_mul["blocks.0.attn.gate_w"] == 1.0
-    assert groups["blocks.0.mlp.c_fc"].wd == 1.2 and groups["blocks.0.mlp.c_fc"].lr == 0.023
-    assert groups["lm_head.weight"].wd == pytest.approx(0.005 * 150)
-    assert groups["embed.weight"].wd == pytest.approx(0.005 * 150)  # spec §2.18: embed and head 150, VE 5
-    assert groups["value_embeds.0.weight"].wd == pytest.approx(0.005 * 5)
-    assert groups["embed.weight"].lr == groups["lm_head.weight"].lr == 0.008  # §2.19: tied, then alike
-    assert groups["value_embeds.0.weight"].lr == groups["bigram.weight"].lr == 0.6  # lr_mul 75 (§2.28)
-    assert groups["bigram.weight"].wd == pytest.approx(0.005 * 5)
-    assert groups["scalars"].wd == 0 and groups["scalars"].betas == (0.9, 0.99)
-    assert groups["embed.weight"].betas == (0.65, 0.95)
+    for name, (lr, betas, wd) in RECORD70_ADAM.items():
+        g = groups[name]
+        assert (g.kind, g.betas) == ("adam", betas) and (g.lr, g.wd) == (pytest.approx(lr), pytest.approx(wd)), name
+    for name, mul in RECORD70_MUON.items():
+        g = groups[name]
+        assert (g.kind, g.lr, g.wd, g.lr_muls[g.names.index(name)]) == ("muon", 0.023, 1.2, mul), name
+    assert {n for n, g in groups.items() if g.kind == "muon"} == {n for n in groups if n.endswith(("qkvo_w", "c_fc",
+                                                                                                    "c_proj"))}
+    assert cfg.adam_eps == 1e-10 and cfg.adam_every == 2 and cfg.adam_state_fp32
+    r28 = T.parse_config(["--preset=tiny"])  # record #28: the gates in Muon, one pair of betas for every Adam group
+    groups = {n: g for g in T.build_param_groups(T.GPT(r28, use_flex=False, fp8_head=False), r28) for n in g.names}
+    assert groups["blocks.0.attn.gate_w"].kind == "muon"
+    assert {g.betas for g in groups.values() if g.kind == "adam"} == {(0.8, 0.95)}
 
 
-def test_v2_schedule_stages_extension_floor_momentum_cooldown_and_adam_steps():
-    cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10",  # 90 scheduled steps
-                          "--muon_momentum_warmup_steps=10", "--lr_stages=", "--final_val_windows="])
-    s = [T.schedule(step, cfg) for step in range(101)]
-    assert [(x.short_window, x.long_window) for x in (s[0], s[29], s[30], s[59], s[60], s[89], s[90], s[100])] == [
-        (1, 3), (1, 3), (3, 7), (3, 7), (5, 11), (5, 11), (6, 13), (6, 13)]
-    cd_start = 90 * (1 - 0.55)
-    assert s[40].lr_mult == 1.0
-    assert s[70].lr_mult == pytest.approx(0.15 + 0.85 * (90 - 70) / (90 - cd_start))
-    assert all(x.lr_mult == pytest.approx(0.15) for x in s[90:])
-    # momentum: 0.85 -> 0.95 over the first 10 steps, back to 0.85 over the last 50
-    assert s[0].muon_momentum == pytest.approx(0.85) and s[5].muon_momentum == pytest.approx(0.90)
-    assert s[10].muon_momentum == s[50].muon_momentum == pytest.approx(0.95)
-    assert s[75].muon_momentum == pytest.approx(0.85 + 0.1 * 25 / 50)
-    assert [x.adam_step for x in s[:4]] == [False, True, False, True]  # odd steps: the sum of two steps' gradients
+def record70_schedule(step: int, n: int = 1507, e: int = 40) -> dict:
+    """Record #70's schedule at a step, written from its spec (§6.1) in float64: stage ends round(kN/3) as cumulative
+    float sums of 1/3 with Python's round, the cooldown from int(0.45 N) to 0.1, momentum 0.85 -> 0.95 over 300
+    steps and back over the last 50, MTP weights linear in the stage's progress, untied after step e_2 | 1."""
+    ends = [0, round(1 / 3 * n), round((1 / 3 + 1 / 3) * n), n, n + e]
+    stage = next((k for k in range(4) if step < ends[k + 1]), 3)
+    t = (step - ends[stage]) / (ends[stage + 1] - ends[stage]) if step < n + e else 1.0
+    lr = [1.0, 1.52, 1.73, 1.0][stage]
+    cd = int(n * (1 - 0.55))
+    if step >= cd:
+        tc = min(1.0, (step - cd) / (n - cd))
+        lr = lr * (1 - tc) + 0.1 * tc
+    if step < 300:
+        mu = 0.85 + step / 300 * 0.1
+    elif step > n + e - 50:
+        mu = 0.95 - (step - (n + e - 50)) / 50 * 0.1
+    else:
+        mu = 0.95
+    mtp = [[1.0, 0.5, 0.25 + (0.0 - 0.25) * t], [1.0, 0.5 + (0.0 - 0.5) * t], [1.0], [1.0]][stage]
+    windows = [(1, 3), (3, 7), (5, 11), (6, 13)][stage] if step < n + e else (6, 20)
+    return dict(stage=stage, lr=lr, momentum=mu, mtp=mtp + [0.0] * (3 - len(mtp)), windows=windows,
+                tokens=[16384, 32768, 49152, 49152][stage], tied=step <= (ends[2] | 1), adam=step % 2 == 1)
+
+
+def test_v2_schedule_is_record_70s_at_every_step():
+    cfg = T.parse_config(["--preset=v2"])
+    assert (cfg.num_steps, cfg.extension_steps) == (1547, 40) and T.stage_starts(cfg) == [0, 502, 1005, 1507, 1547]
+    for step in range(cfg.num_steps + 1):
+        got, want = T.schedule(step, cfg), record70_schedule(step)
+        assert got.lr_mult == pytest.approx(want["lr"], rel=1e-15, abs=0), step
+        assert got.muon_momentum == pytest.approx(want["momentum"], rel=1e-15, abs=0), step
+        assert list(got.mtp_weights) == pytest.approx(want["mtp"], rel=1e-15, abs=0), step
+        assert (got.short_window, got.long_window) == want["windows"], step
+        assert (got.seq_len, got.tied, got.adam_step) == (want["tokens"], want["tied"], want["adam"]), step
+    # The spec's sample rows (§6.2): lr multiplier, momentum and the falling MTP weight at those steps.
+    s = T.schedule_table(cfg)
+    for step, lr, mu in [(800, 1.311025, 0.95), (1004, 0.961592, 0.95), (1005, 1.087045, 0.95),
+                         (1497, 0.119662, 0.95), (1498, 0.117696, 0.948), (1506, 0.101966, 0.932), (1546, 0.1, 0.852)]:
+        assert (s[step].lr_mult, s[step].muon_momentum) == (pytest.approx(lr, abs=1e-6), pytest.approx(mu)), step
+    assert [s[k].mtp_weights[2] for k in (1, 300, 501)] == pytest.approx([0.249502, 0.100598, 0.000498], abs=1e-6)
+    assert [s[k].mtp_weights[1] for k in (677, 800, 1004)] == pytest.approx([0.326044, 0.203777, 0.000994], abs=1e-6)
+    assert [k for k in range(cfg.num_steps) if s[k].tied][-1] == 1005 and s[678].lr_mult == 1.52  # cooldown start
+
+
+def test_stage_starts_round_a_third_of_the_scheduled_steps_ties_to_even():
+    # round(k N / 3) with Python's round: at N = 1507 step 502 starts stage 1 (int(3 x 502 / 1507) would say 0).
+    assert T.stage_starts(T.parse_config(["--preset=v2"]))[1] == 502
+    for n in (6, 7, 8, 38, 1505, 1506, 1508, 1555):
+        cfg = T.parse_config(["--preset=v2", f"--num_steps={n + 40}"])
+        assert T.stage_starts(cfg) == [0, round(n / 3), round(2 / 3 * n), n, n + 40], n
+        assert [T.schedule(k, cfg).seq_len for k in (round(n / 3) - 1, round(n / 3))] == [16384, 32768], n
+    cfg = T.parse_config(["--preset=tiny,v2", "--num_steps=40", "--extension_steps=2"])  # 38 scheduled: 25 | 1
+    assert [k for k in range(cfg.num_steps) if T.schedule(k, cfg).tied][-1] == 25
 
 
 def test_record_28_defaults_step_adam_every_step_with_the_linear_windows():
@@ -202,18 +253,12 @@ def test_record_28_defaults_step_adam_every_step_with_the_linear_windows():
     assert s[-1].long_window == math.ceil(1728 * 1000 / 1695 / 128) and s[-1].short_window == s[-1].long_window // 2
 
 
-def test_batch_stages_lift_the_lr_and_the_cooldown_falls_from_the_stage_multiplier():
+def test_batch_stages_set_the_sequence_lengths_and_the_warmup_replays_each():
     cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10"])  # 90 scheduled: thirds of 30
     s = [T.schedule(step, cfg) for step in range(101)]
     assert [(x.seq_len, x.max_doc_len) for x in (s[0], s[29], s[30], s[60], s[90], s[100])] == [
         (16384, 896), (16384, 896), (32768, 2048), (49152, 2048), (49152, 2048), (49152, 2048)]
-    # spec §2.15: lr = m * w + floor * (1 - w), w = (1 - x) / cooldown_frac, x = step / N_sched, m the stage's
-    floor, cd = 0.15, 0.55
-    for step, m in [(10, 1.0), (35, 1.52), (50, 1.52), (59, 1.52), (60, 1.73), (85, 1.73)]:
-        w = min((1 - step / 90) / cd, 1.0)
-        assert s[step].lr_mult == pytest.approx(m * w + floor * (1 - w)), step
     assert s[60].lr_mult > s[59].lr_mult  # the jump at the third stage, inside the cooldown
-    assert s[95].lr_mult == pytest.approx(floor)
     assert T.warmup_plan(T.parse_config(["--preset=v2", "--warmup_steps=2"]), [T.schedule(k, cfg) for k in
                                                                                  range(101)]) == [0, 0, 30, 30, 60, 60]
 
@@ -359,7 +404,8 @@ def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
     (["--num_steps=5", "--extension_steps=3", "--window_stages=0/1,1/2,1/3,1/3"], "3 stages need at least"),
     (["--window_stages=3/1,1/2"], r"the short window exceeds the long one in 3/1"),
     (["--final_val_windows=9/4"], r"--final_val_windows=9/4: the short window exceeds the long one"),
-    (["--untie_frac=0.5"], r"--untie_frac=0.5 unties a tied embedding: it needs --tie_embed=true"),
+    (["--untie_stage=2"], r"--untie_stage=2 unties a tied embedding: it needs --tie_embed=true"),
+    (["--preset=v2", "--untie_stage=5"], r"--untie_stage=5: the stages are 1 to 3 \(the last: the extension\)"),
 ])
 def test_bad_v2_settings_are_refused_in_one_line(args, message):
     with pytest.raises(T.UsageError, match=message):

@@ -57,8 +57,8 @@ V2_OPTIMIZER = dict(orthogonalizer="polar_express", normuon_beta2=0.9, mlp_up_lr
                     muon_wd=1.2, adam_wd=0.005, adam_every=2, adam_state_fp32=True, scalar_beta1=0.9, scalar_beta2=0.99,
                     # and part 2's parameters: VE gates (Muon), the skip's and smear's gates (their own Adam groups)
                     num_layers=5, attn_pattern="SL-SL", value_embeds="-0-12", skip="1:2", ve_gates=True,
-                    fold_lambdas=True, smear=True, backout_layer=3, key_offset=True, bigram_rows=1031, bigram_dim=32,
-                    bigram_signs=64, paired_layers="0,3")
+                    fold_lambdas=True, smear=True, backout_layer=3, key_offset=True, bigram_rows=1031,
+                    paired_layers="0,3")
 
 
 def small_config(variant: str = "recipe", **overrides: object) -> T.Config:

@@ -16,7 +16,9 @@ WINDOWS = (3, 1)  # long, short in blocks: both leave out some blocks of the 8
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True))
+    """RMSNorm with the records' eps: none given, so torch's, fp32's machine epsilon (it counts where a row is
+    small, e.g. q and k under a lambda near 0)."""
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
 
 
 def rope(x: torch.Tensor) -> torch.Tensor:
@@ -33,7 +35,7 @@ def spec_loss(p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of the spec's forward, every parameter taken by its role from the model's names."""
     cfg, L = CFG, CFG.num_layers
     inp, tgt = tokens[:-1], tokens[1:]
-    skip, mix, lam = p["scalars"][: L // 2], p["scalars"][L // 2: 5 * L // 2], p["scalars"][5 * L // 2:]
+    skip, resid, lam = p["scalars"][: L // 2], p["scalars"][L // 2: 3 * L // 2], p["scalars"][3 * L // 2:]
     masks = {w: reference_mask(tokens[:-1], cfg.block_size, w) for w in WINDOWS}
     ve_layers = {i: int(t) for i, t in enumerate(cfg.value_embeds) if t != "-"}  # layer -> its table
     x = x0 = rms(p["embed.weight"][inp])
@@ -41,7 +43,7 @@ def spec_loss(p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     for i, kind in enumerate(cfg.attn_pattern):
         if i >= L // 2:  # U-net: layer L/2 + j adds skip_j times the output of layer L/2 - 1 - j
             x = x + skip[i - L // 2] * stack.pop()
-        x = mix[2 * i] * x + mix[2 * i + 1] * x0
+        x = resid[i] * x + p["x0_lambdas"][i] * x0
         if kind != "-":
             h = rms(x)
             w = p[f"blocks.{i}.attn.qkvo_w"]
@@ -126,7 +128,8 @@ def test_two_optimizer_steps_equal_the_spec():
                 # 2x8 gates (their result moves that much when only the input's rounding changes).
                 tol = 0.05 if min(rows, cols) >= 32 else 0.15
             else:  # Adam with bias correction; eps on the raw sqrt(v)
-                lr = {"lm_head.weight": CFG.head_lr, "scalars": CFG.scalar_lr}.get(name, CFG.embed_lr) * s.lr_mult
+                lr = {"lm_head.weight": CFG.head_lr, "scalars": CFG.scalar_lr, "x0_lambdas": CFG.scalar_lr}.get(
+                    name, CFG.embed_lr) * s.lr_mult
                 b1, b2, t = CFG.adam_beta1, CFG.adam_beta2, step + 1
                 st["m"] = b1 * st.get("m", torch.zeros_like(g)) + (1 - b1) * g
                 st["v"] = b2 * st.get("v", torch.zeros_like(g)) + (1 - b2) * g * g

@@ -172,8 +172,8 @@ def test_sizes_beyond_the_device_and_an_overflowing_lr_stop_in_one_line_and_free
                                                                                           capsys):
     # Refused before anything trains (sizes: before anything is allocated, from a meta-device build). The log of
     # a run that recorded nothing is set aside as <run_id>.failed.txt, so a rerun with its run id is not refused.
-    for args, message in [(["--bigram_rows=10000000000", "--bigram_dim=32"], "bigram.weight: 1,280.0 GB"),
-                          (["--bigram_rows=1000", "--bigram_dim=32", "--bigram_signs=999999999"], "bigram_sign: 128"),
+    for args, message in [(["--bigram_rows=10000000000"], "bigram.weight: 5,120.0 GB"),
+                          (["--vocab_size=2000000000"], "GB"),
                           (["--muon_lr=1e200"], "reaches 1e+200 (lr 1e+200 x stage multiplier 1): its update "
                                                 "overflows fp32")]:
         code, _, err = main_in_process(tiny_args(tmp_path, run_id="again") + args, monkeypatch, capsys)
