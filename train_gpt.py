@@ -137,7 +137,7 @@ class Config:
     window_stages: str = ""  # "S/L,...": short/long windows (blocks) per equal stage, then the extension's (#46)
     seq_len_stages: str = ""  # "T,...": tokens per sequence per equal stage (#46); the extension keeps the last
     lr_stages: str = ""  # "M,...": lr multiplier per equal stage (#46: 1,1.52,1.73); the cooldown falls from it
-    doc_len_stages: str = ""  # "D,...": documents cut to D tokens per equal stage (#29, #72: 896,2048,2048); 0 = whole
+    doc_len_stages: str = ""  # "D,...": documents cut to D tokens per equal stage (#29, #70: 2048,2048,2048); 0 = whole
     mtp_stages: str = ""  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0 (#53)
     yarn: bool = False  # at each staged long-window change, YaRN-rescale RoPE and grow the attention scale (#31)
     final_val_windows: str = ""  # "S/L": the last validation's windows in blocks (#35, #62: 6/20); default: as trained
@@ -223,7 +223,7 @@ PRESETS: dict[str, dict[str, object]] = {
         window_stages="1/3,3/7,5/11,6/13",
         seq_len_stages="16384,32768,49152",
         lr_stages="1,1.52,1.73",
-        doc_len_stages="896,2048,2048",
+        doc_len_stages="2048,2048,2048",
         yarn=True,
         attn_scale=0.1,
         final_val_windows="6/20",
@@ -805,10 +805,9 @@ class TrainTokenStream:
     Step k takes global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len); seq_len + 1 tokens
     each (inputs and shifted targets). A sequence starts at a BOS and packs the documents from there in order,
     each cut to its first max_doc_len tokens (0: whole, #28), the last one cut to fit; the next sequence
-    starts at the first BOS at or after the previous one's last token. Uncut, a sequence is the contiguous
-    seq_len + 1 tokens from its BOS (#28's rule). A step is taken from one shard: when fewer than
-    2 * global_batch_seqs * seq_len tokens are left after the position, or a sequence would need a BOS the
-    shard does not have, the next shard is loaded and the rest dropped.
+    starts at the next document (_take says which, by #70's rule or #28's). Uncut, a sequence is the contiguous
+    seq_len + 1 tokens from its BOS (#28's rule). A step is taken from one shard: when the shard cannot supply
+    it, the next shard is loaded and the rest dropped.
     """
 
     def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int, epochs: int = 1,
@@ -873,8 +872,12 @@ class TrainTokenStream:
         return pieces
 
     def _take(self, seq_len: int, max_doc_len: int) -> list[Pieces] | None:
-        """The step's sequences from self.pos within the shard, or None when the shard cannot supply them."""
-        if self.pos + 2 * self.batch_seqs * seq_len + 1 >= len(self.tokens):
+        """The step's sequences from self.pos within the shard, or None when the shard cannot supply them. Cut
+        (#70): a sequence goes on at the document after the previous one's last, skipped even when only its BOS
+        was taken (a sequence that ends on a BOS), and a shard serves until a sequence needs a BOS it lacks.
+        Uncut (#28): it goes on at the first BOS at or after the previous one's last token, and a step needs
+        2 * batch_seqs * seq_len tokens left in the shard."""
+        if not max_doc_len and self.pos + 2 * self.batch_seqs * seq_len + 1 >= len(self.tokens):
             return None
         i = int(np.searchsorted(self.bos, self.pos))
         step: list[Pieces] = []
@@ -882,11 +885,11 @@ class TrainTokenStream:
             pieces = self._pack(i, seq_len + 1, max_doc_len)
             if pieces is None:
                 return None
-            i = int(np.searchsorted(self.bos, pieces[-1][1] - 1))  # the first BOS at or after the last token
-            if i == len(self.bos):
+            i = int(np.searchsorted(self.bos, pieces[-1][1] - 1, side="right" if max_doc_len else "left"))
+            if i == len(self.bos) and not max_doc_len:
                 return None
             step.append(pieces)
-        self.pos = int(self.bos[i])
+        self.pos = int(self.bos[i]) if i < len(self.bos) else len(self.tokens)
         return step
 
     def next_step(self) -> list[Pieces]:

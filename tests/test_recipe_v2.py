@@ -257,33 +257,48 @@ def test_batch_stages_set_the_sequence_lengths_and_the_warmup_replays_each():
     cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10"])  # 90 scheduled: thirds of 30
     s = [T.schedule(step, cfg) for step in range(101)]
     assert [(x.seq_len, x.max_doc_len) for x in (s[0], s[29], s[30], s[60], s[90], s[100])] == [
-        (16384, 896), (16384, 896), (32768, 2048), (49152, 2048), (49152, 2048), (49152, 2048)]
+        (16384, 2048), (16384, 2048), (32768, 2048), (49152, 2048), (49152, 2048), (49152, 2048)]
     assert s[60].lr_mult > s[59].lr_mult  # the jump at the third stage, inside the cooldown
     assert T.warmup_plan(T.parse_config(["--preset=v2", "--warmup_steps=2"]), [T.schedule(k, cfg) for k in
                                                                                  range(101)]) == [0, 0, 30, 30, 60, 60]
 
 
-def packed_reference(tokens: np.ndarray, shapes: list[tuple[int, int]], batch_seqs: int = 8) -> list[np.ndarray]:
-    """Spec §2.1 written out on one shard: a sequence walks the documents from a BOS, appending each one's
-    first min(its length, max_doc_len, tokens still needed) tokens until it holds seq_len + 1; the next
-    sequence starts at the first BOS at or after the previous one's last token."""
-    bos = [i for i, t in enumerate(tokens) if t == T.BOS_ID]
-    out, pos = [], 0
+def packed_reference(shards: list[np.ndarray], shapes: list[tuple[int, int]], batch_seqs: int = 8
+                     ) -> list[np.ndarray]:
+    """The packing rules written out from the specs. Cut (record #70 §3.2): from document i on, each chunk is the
+    document's first min(its length, max_doc_len, tokens still needed) tokens, until the sequence holds seq_len + 1;
+    the next sequence starts at document i + 1 after its last chunk's document; a step that would need a document
+    the shard does not have is dropped and built from the next shard's start. Uncut (#28): the seq_len + 1
+    contiguous tokens from a BOS, the next sequence at the first BOS at or after the last token, a new shard when
+    fewer than 2 x batch_seqs x seq_len tokens are left."""
+    shard, k, out = 0, 0, []
     for seq_len, max_doc_len in shapes:
-        assert pos + 2 * batch_seqs * seq_len + 1 < len(tokens)  # the test stays inside one shard
-        k = next(k for k, b in enumerate(bos) if b >= pos)
-        rows = []
-        for _ in range(batch_seqs):
-            row: list[int] = []
-            while len(row) < seq_len + 1:
-                doc_end = bos[k + 1] if k + 1 < len(bos) else len(tokens)
-                end = min(doc_end, bos[k] + (max_doc_len or doc_end), bos[k] + seq_len + 1 - len(row))
-                row += tokens[bos[k]:end].tolist()
-                k += 1
-            k = next(k for k, b in enumerate(bos) if b >= end - 1)
-            rows.append(row)
-        pos = bos[k]
-        out.append(np.array(rows, dtype=np.int32))
+        while True:
+            tokens = shards[shard]
+            bos = [i for i, t in enumerate(tokens) if t == T.BOS_ID]
+            i, rows = k, []
+            while len(rows) < batch_seqs and i < len(bos):
+                if not max_doc_len:
+                    if bos[k] + 2 * batch_seqs * seq_len + 1 >= len(tokens):
+                        break
+                    row = tokens[bos[i]:bos[i] + seq_len + 1].tolist()
+                    i = next((j for j, b in enumerate(bos) if b >= bos[i] + seq_len), len(bos))
+                    if i == len(bos):
+                        break
+                    rows.append(row)
+                    continue
+                row = []
+                while len(row) < seq_len + 1 and i < len(bos):
+                    doc_end = bos[i + 1] if i + 1 < len(bos) else len(tokens)
+                    row += tokens[bos[i]:min(doc_end, bos[i] + max_doc_len, bos[i] + seq_len + 1 - len(row))].tolist()
+                    i += 1
+                if len(row) == seq_len + 1:
+                    rows.append(row)
+            if len(rows) == batch_seqs:
+                out.append(np.array(rows, dtype=np.int32))
+                k = i
+                break
+            shard, k = shard + 1, 0
     return out
 
 
@@ -303,7 +318,7 @@ def staged_batches(files, shapes, world_size: int, depth: int) -> list[np.ndarra
 def test_clipped_documents_and_staged_lengths_follow_the_packing_rule_at_every_world_size(tmp_path):
     files = synthetic_shards(tmp_path, n=1, tokens=60000)  # documents of 2..301 tokens
     shapes = [(128, 100), (128, 100), (256, 200), (256, 50), (384, 0), (384, 100), (128, 0)]
-    want = packed_reference(T.load_shard(files[0], 50304), shapes)
+    want = packed_reference([T.load_shard(files[0], 50304)], shapes)
     got = staged_batches(files, shapes, 1, depth=0)
     assert [g.shape for g in got] == [(8, n + 1) for n, _ in shapes]
     for a, b in zip(want, got):
@@ -317,6 +332,21 @@ def test_clipped_documents_and_staged_lengths_follow_the_packing_rule_at_every_w
                                                                  steps=3), 0, torch.device("cpu"))]
     for a, b in zip(whole, plain):
         np.testing.assert_array_equal(a, b)
+
+
+def test_record_70s_packing_skips_a_document_whose_bos_ended_a_sequence_and_drops_a_shards_unfinished_step(
+        tmp_path):
+    files = synthetic_shards(tmp_path, n=3, tokens=40000)  # documents of 2..300 tokens
+    shapes = [(128, 64), (256, 96), (384, 128)] * 8  # into the third shard, documents cut
+    shards = [T.load_shard(f, 50304) for f in files]
+    want = packed_reference(shards, shapes)
+    assert sum(row[-1] == T.BOS_ID for step in want for row in step) >= 3  # sequences that end on a lone BOS
+    got = staged_batches(files, shapes, 1, depth=0)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for shard in shards[1:]:  # the steps reach every shard, a new shard's first step at its first document
+        m = min(int(np.flatnonzero(shard == T.BOS_ID)[1]), 64)
+        assert any(np.array_equal(step[0, :m], shard[:m]) for step in got)
 
 
 def yarn_reference(block: int, windows: list[int], base: torch.Tensor) -> tuple[torch.Tensor, float]:
