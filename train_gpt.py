@@ -96,7 +96,7 @@ class Config:
     key_offset: bool = False  # long-window layers' keys take their un-rotated dims from the previous position (#49)
     tie_embed: bool = False  # the embedding is a lookup into the head's weight, init N(0, 0.005), lr head_lr (#51)
     untie_stage: int = 0  # tie_embed ends after the first Adam step of this stage (#70: 2); 0: tied throughout
-    paired_layers: str = ""  # "I,J,..": short-window layers whose heads attend in interleaved pairs (#58: 0,2,5,9)
+    paired_layers: str = ""  # "I,J,..": short-window layers whose heads j, j + H/2 attend as pairs (#58, #70: 0,2,5,9)
     bigram_rows: int = 0  # rows of the bigram hash embedding added at every block (#62, #70: 251520); 0 off
     bigram_lambda_init: float = 0.1  # initial weight of the bigram vector at each block (#62, #70: 0.1)
     # optimizer
@@ -1542,8 +1542,14 @@ class Rotary(nn.Module):
         self.cos.copy_(theta.cos())
         self.sin.copy_(theta.sin())
 
-    def forward(self, x: Tensor) -> Tensor:  # (1, T, H, D)
-        cos, sin = self.cos[None, : x.size(-3), None, :], self.sin[None, : x.size(-3), None, :]
+    def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
+        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 turns
+        its paired heads (heads 0, 2, 4 at 2t and 1, 3, 5 at 2t + 1, whichever slot of the pair they sit in)."""
+        T, H = x.size(-3), x.size(-2)
+        if paired:
+            cos, sin = (t[: 2 * T].view(1, T, 2, -1).repeat(1, 1, H // 2, 1) for t in (self.cos, self.sin))
+        else:
+            cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
 
@@ -1556,7 +1562,7 @@ class CausalSelfAttention(nn.Module):
         self.window = {"L": "long", "S": "short"}[cfg.attn_pattern[layer]]
         self.flex = flex  # flex_attention, or a compiled copy when the model itself is not compiled
         self.fold_lambdas = cfg.fold_lambdas
-        # Paired heads (#58): heads 2j and 2j+1 attend as one over 2T interleaved positions (t: 2t and 2t+1).
+        # Paired heads (#58, #70's layout): head j and head j + H/2 attend as one over 2T positions (t: 2t, 2t+1).
         self.paired = layer in paired_layers(cfg)
         self.key_offset = cfg.key_offset and self.window == "long"
         has_ve = value_embed_layout(cfg)[layer] != "-"
@@ -1597,9 +1603,9 @@ class CausalSelfAttention(nn.Module):
                            torch.cat([x[..., :half], ve[None, :, :half].type_as(x)], dim=-1))
                 ve_heads = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve_heads
             v = v + (ve_heads if self.fold_lambdas else lambdas[1] * ve_heads)
-        if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D); RoPE then turns head 2j by 2t, head 2j+1 by 2t+1
-            q, k, v = (t.view(1, T, H // 2, 2, D).transpose(2, 3).reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
-        q, k = self.rotary(q) * self.q_gain, self.rotary(k)
+        q, k = self.rotary(q, self.paired) * self.q_gain, self.rotary(k, self.paired)
+        if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
+            q, k, v = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
         if self.key_offset:  # the un-rotated dims of each key from the previous position (#49; across documents)
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -1609,7 +1615,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         y = y.transpose(1, 2)
         if self.paired:  # back to (1, T, H, D)
-            y = y.reshape(1, T, 2, H // 2, D).transpose(2, 3).reshape(1, T, H, D)
+            y = y.reshape(1, T, H, D)
         gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w.type_as(x)))
         y = y * gate.unsqueeze(-1)
         w_o = lambdas[1] * self.qkvo_w[3] if self.fold_lambdas else self.qkvo_w[3]

@@ -5,6 +5,7 @@ from the file's code; their initial values; multi-token prediction's loss and we
 scales (§2.19); the FLOP count of the new shape; one-line refusals."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -45,8 +46,8 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -
     masks = {w: reference_mask(inp, cfg.block_size, w) for w in WINDOWS}
     paired = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
 
-    def interleave(t: torch.Tensor) -> torch.Tensor:  # §2.25: (T, H, D) -> (2T, H/2, D), row 2t+m of pair j: head 2j+m
-        return torch.stack([torch.stack([t[:, 2 * j], t[:, 2 * j + 1]], 1).reshape(-1, D) for j in range(H // 2)], 1)
+    def interleave(t: torch.Tensor) -> torch.Tensor:  # #70 §4.4: (T, H, D) -> (2T, H/2, D), row 2t+m of head j:
+        return torch.stack([t[:, : H // 2], t[:, H // 2:]], 1).reshape(-1, H // 2, D)  # token t's head j + m H/2
 
     e = p["lm_head.weight" if cfg.tie_embed else "embed.weight"][inp]  # §2.19: tied, the embedding is the head
     if cfg.smear:  # §2.6: for t >= 1, e_t += lambda * sigmoid(w . e_t[:12]) * e_(t-1), from the unsmeared rows
@@ -73,9 +74,11 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -
                 w_qkv, w_o = lam[2 * i] * w_qkv, lam[2 * i + 1] * w_o
             q, k, v = ((h @ w_qkv[j].T).view(-1, H, D) for j in range(3))
             q, k = rms(q), rms(k)
-            if i in paired:  # and RoPE at 2t for head 2j, 2t+1 for head 2j+1
-                q, k = interleave(q), interleave(k)
-            q, k = rope(q), rope(k)
+            if i in paired:  # #70 §4.4: head h of token t turns by position 2t + h % 2, whichever row it sits in
+                pos = 2 * torch.arange(q.size(0))[:, None] + torch.arange(H)[None, :] % 2
+                q, k = interleave(rope(q, pos)), interleave(rope(k, pos))
+            else:
+                q, k = rope(q), rope(k)
             if cfg.key_offset and kind == "L":  # §2.17: the un-rotated dims (w_j = 0) of key t from key t-1
                 still = torch.zeros(D, dtype=torch.bool)
                 still[D // 4: D // 2] = still[D // 4 + D // 2:] = True
@@ -103,8 +106,8 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -
                 allowed = masks[WINDOWS[0] if kind == "L" else WINDOWS[1]]
             att = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
             y = torch.einsum("hqk,khd->qhd", att, v)
-            if i in paired:  # head 2j+m at token t is row 2t+m of pair j
-                y = torch.stack([y[m::2, j] for j in range(H // 2) for m in (0, 1)], 1)
+            if i in paired:  # head j + m H/2 of token t is row 2t+m of head j
+                y = torch.cat([y[0::2], y[1::2]], 1)
             head_gate = sigmoid(h[:, :g] @ p[f"blocks.{i}.attn.gate_w"].T)
             x = x + (y * head_gate[..., None]).flatten(1) @ w_o.T
         h = rms(x)
@@ -168,6 +171,23 @@ def test_v2_forward_and_gradients_equal_the_spec(items):
                 assert name == "embed.weight" and not p.grad.any()
                 continue
             assert (p.grad.double() - ref).norm() < grad_tolerance(name, dtype) * ref.norm(), (name, dtype)
+
+
+def test_paired_heads_pair_head_j_with_j_plus_half_the_heads_turned_by_parity_as_record_70():
+    # Six heads, as #70: pairs (0, 3), (1, 4), (2, 5); heads 1 and 4 turned by the other slot's position. (With two
+    # heads #58's pairs (2j, 2j+1) and these coincide.)
+    cfg = config("paired_heads")
+    cfg = dataclasses.replace(cfg, model_dim=96, num_heads=6, head_dim=16)
+    model, tokens = perturbed_model(cfg).float(), mask_tokens(4, length=cfg.train_seq_len + 1)
+    params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
+    spec = spec_loss(cfg, params, tokens)
+    spec.backward()
+    loss = model(tokens[:-1], tokens[1:].long(), torch.tensor(WINDOWS))
+    loss.backward()
+    assert abs(loss.item() - spec.item()) < 1e-6 * spec.item()
+    for name, p in model.named_parameters():
+        ref = params[name].grad
+        assert (p.grad.double() - ref).norm() < grad_tolerance(name, torch.float32) * ref.norm(), name
 
 
 def test_each_item_moves_the_gradients_beyond_the_tolerance():

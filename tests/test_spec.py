@@ -21,12 +21,14 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
 
 
-def rope(x: torch.Tensor) -> torch.Tensor:
-    """(T, H, D): pairs (x[j], x[j + D/2]) turn by pos * w_j, w_j = (1/1024)^(j / (D/4 - 1)) for j < D/4, else 0."""
+def rope(x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, H, D): pairs (x[j], x[j + D/2]) turn by pos * w_j, w_j = (1/1024)^(j / (D/4 - 1)) for j < D/4, else 0;
+    pos: (T, H) positions, by default token t's t."""
     n, d = x.size(0), x.size(-1)
     w = torch.zeros(d // 2, dtype=torch.float64)
     w[: d // 4] = (1 / 1024) ** (torch.arange(d // 4, dtype=torch.float64) / (d // 4 - 1))
-    theta = torch.arange(n, dtype=torch.float64)[:, None, None] * w
+    pos = torch.arange(n, dtype=torch.float64)[:, None] if pos is None else pos.double()
+    theta = pos[..., None] * w
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([x1 * theta.cos() + x2 * theta.sin(), -x1 * theta.sin() + x2 * theta.cos()], -1)
 
