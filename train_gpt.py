@@ -96,6 +96,8 @@ class Config:
     key_offset: bool = False  # long-window layers' keys take their un-rotated dims from the previous position (#49)
     tie_embed: bool = False  # the embedding is a lookup into the head's weight, init N(0, 0.005), lr head_lr (#51)
     untie_stage: int = 0  # tie_embed ends after the first Adam step of this stage (#70: 2); 0: tied throughout
+    token_windows: bool = False  # a query sees the window x block_size keys before it in its document (FA3's
+    #                              window, #70); off: the nearest window blocks (#28)
     paired_layers: str = ""  # "I,J,..": short-window layers whose heads j, j + H/2 attend as pairs (#58, #70: 0,2,5,9)
     bigram_rows: int = 0  # rows of the bigram hash embedding added at every block (#62, #70: 251520); 0 off
     bigram_lambda_init: float = 0.1  # initial weight of the bigram vector at each block (#62, #70: 0.1)
@@ -245,6 +247,7 @@ PRESETS: dict[str, dict[str, object]] = {
         backout_layer=7,
         key_offset=True,
         paired_layers="0,2,5,9",
+        token_windows=True,
         tie_embed=True,
         untie_stage=2,
         bigram_rows=5 * 50304,
@@ -1452,20 +1455,25 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor, paired: bool = False) -> Tensor:
-    """Token rule: causal and within one document. paired: positions of the interleaved 2T sequence of
-    paired-head attention (#58), position i being token i // 2's."""
-    if paired:
-        return (q_idx >= kv_idx) & (docs[q_idx // 2] == docs[kv_idx // 2])
-    return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor, paired: bool = False, reach: Tensor | None = None
+               ) -> Tensor:
+    """Token rule: causal and within one document, and with reach (token windows, #70) at most reach positions
+    back: FA3's window (reach, 0), reach + 1 keys. paired: positions of the interleaved 2T sequence of paired-head
+    attention (#58), position i being token i // 2's."""
+    same_doc = docs[q_idx // 2] == docs[kv_idx // 2] if paired else docs[q_idx] == docs[kv_idx]
+    allowed = (q_idx >= kv_idx) & same_doc
+    return allowed if reach is None else allowed & (q_idx - kv_idx <= reach)
 
 
-def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def block_window_selection(docs: Tensor, block_size: int, window: Tensor, token_window: bool = False
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
 
     A key block is visible when it is not after the query block and their document ranges overlap;
-    it is full (no per-token mask) when strictly earlier and both lie in one document. The window
+    it is full (no per-token mask) when strictly earlier and both lie in one document. #28's window
     keeps at most max(window - 1, 0) full blocks and max(window - all full blocks, 1) partial ones.
+    token_window (#70): every visible block at most `window` blocks back, those fewer than `window` back full
+    (every key within window x block_size tokens of every query), the farthest partial (may_attend's reach).
     `window` is a 0-dim tensor so a new size never triggers a recompile; window 0 (short layers while the
     long window is one block) keeps the diagonal block alone.
     """
@@ -1476,6 +1484,8 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
     k = torch.arange(nb, device=docs.device)[None, :]
     visible = (q >= k) & (first[:, None] <= last[None, :])
     full = (q > k) & (last[:, None] == first[None, :])
+    if token_window:
+        visible, full = visible & (q - k <= window), full & (q - k < window)
     partial = visible & ~full
 
     def nearest_first(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -1484,33 +1494,41 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
 
     partial_n, partial_idx = nearest_first(partial)
     full_n, full_idx = nearest_first(full)
+    if token_window:
+        return partial_n, partial_idx, full_n, full_idx
     partial_n = torch.minimum(partial_n, torch.clamp_min(window - full_n, 1))
     full_n = torch.minimum(full_n, torch.clamp_min(window - 1, 0))  # a count: never -1 (kernels loop on it)
     return partial_n, partial_idx, full_n, full_idx
 
 
-def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool
+def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool, token_window: bool
                     ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
     """The tokens' document ids (a BOS count) and block_window_selection over the attended positions: the
     tokens, or (paired) the 2T interleaved positions, where position i is token i // 2's. The token rule reads
     the tokens' ids in both cases (the compiled flex kernel needs them as a buffer of its own inputs)."""
     docs = (input_seq == BOS_ID).cumsum(0)
-    return docs, block_window_selection(docs.repeat_interleave(2) if paired else docs, block_size, window)
+    return docs, block_window_selection(docs.repeat_interleave(2) if paired else docs, block_size, window,
+                                        token_window)
 
 
-def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
-    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False, token_window: bool = False
+               ) -> BlockMask:
+    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
+                                                                       token_window)
+    reach = window * block_size if token_window else None
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return may_attend(q_idx, kv_idx, docs, paired)
+        return may_attend(q_idx, kv_idx, docs, paired, reach)
 
     return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
                                     full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
 
-def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
+def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False, token_window: bool = False
+               ) -> Tensor:
     """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
-    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
+                                                                       token_window)
     nb = partial_n.numel()
     rank = torch.arange(nb, device=docs.device)[None, :]
     chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
@@ -1518,7 +1536,8 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
     pos = torch.arange(nb * block_size, device=docs.device)
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
-    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, paired)
+    reach = window * block_size if token_window else None
+    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, paired, reach)
 
 
 class Rotary(nn.Module):
@@ -1787,11 +1806,11 @@ class GPT(nn.Module):
         # Each scalar is read 0-dim (sc[name][k]): a (1,) fp32 tensor times a bf16 activation would be fp32.
         sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
         ves = [table(input_seq) for table in self.value_embeds]
-        build = block_mask if self.use_flex else dense_mask
-        masks = {"long": build(input_seq, cfg.block_size, windows[0]),
-                 "short": build(input_seq, cfg.block_size, windows[1])}
-        if cfg.paired_layers:  # the short window, in blocks of the interleaved sequence
-            masks["paired"] = build(input_seq, cfg.block_size, windows[1], paired=True)
+        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, cfg.block_size,
+                                  token_window=cfg.token_windows)
+        masks = {"long": build(windows[0]), "short": build(windows[1])}
+        if cfg.paired_layers:  # the short window, in blocks (or block_size positions) of the interleaved sequence
+            masks["paired"] = build(windows[1], paired=True)
         e = self.embed(input_seq)
         if self.embed_tied is not None:  # both lookups, weighted by the flag: the same graph tied and untied
             e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight).type_as(e) + (1 - self.embed_tied) * e

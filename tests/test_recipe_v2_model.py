@@ -10,9 +10,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 import train_gpt as T
-from test_model import mask_tokens, reference_mask, saturated
+from test_model import block_mask_as_dense, mask_tokens, reference_mask, saturated
 from test_spec import rms, rope  # the anchor spec's RMSNorm and half-truncated RoPE, written out in float64
 
 # The v2 model at a test's size: five layers shaped like the spec's eleven (a long layer feeding the
@@ -23,12 +25,25 @@ SHAPE = ["--preset=tiny", "--model_dim=64", "--num_heads=2", "--head_dim=32", "-
 ITEMS = {"ve_gates": ["--ve_gates=true"], "fold_lambdas": ["--fold_lambdas=true"], "smear": ["--smear=true"],
          "backout": ["--backout_layer=3"], "key_offset": ["--key_offset=true"],
          "bigram": ["--bigram_rows=4099"],
-         "paired_heads": ["--paired_layers=0,3"], "tied_embed": ["--tie_embed=true"]}
+         "paired_heads": ["--paired_layers=0,3"], "tied_embed": ["--tie_embed=true"],
+         "token_windows": ["--token_windows=true"]}
 WINDOWS = (3, 1)  # long, short in blocks
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1 / (1 + torch.exp(-x))
+
+
+def token_mask(tokens: torch.Tensor, reach: int, paired: bool = False) -> torch.Tensor:
+    """Record #70's attention rule (§4.4): the query at in-document position p sees the keys at p - reach .. p of
+    its document. paired: over the 2T stream, stream position i in token i // 2's document, reach in stream
+    positions."""
+    doc = [0] * len(tokens)
+    for t in range(1, len(tokens)):
+        doc[t] = doc[t - 1] + int(tokens[t] == T.BOS_ID)
+    n = len(tokens) * (2 if paired else 1)
+    owner = [i // 2 if paired else i for i in range(n)]
+    return torch.tensor([[doc[owner[q]] == doc[owner[k]] and 0 <= q - k <= reach for k in range(n)] for q in range(n)])
 
 
 def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
@@ -43,7 +58,10 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -
     lam_back = rest.pop(0) if cfg.backout_layer >= 0 else None
     lam_bigram = rest[:L]  # one per block
     src, dst = (int(v) for v in cfg.skip.split(":"))
-    masks = {w: reference_mask(inp, cfg.block_size, w) for w in WINDOWS}
+    if cfg.token_windows:  # #70 §4.4: FA3's window (W x 128, 0) per document, W in blocks
+        masks = {w: token_mask(inp, w * cfg.block_size) for w in WINDOWS}
+    else:
+        masks = {w: reference_mask(inp, cfg.block_size, w) for w in WINDOWS}
     paired = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
 
     def interleave(t: torch.Tensor) -> torch.Tensor:  # #70 §4.4: (T, H, D) -> (2T, H/2, D), row 2t+m of head j:
@@ -101,7 +119,8 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor) -
                 v = interleave(v)
             scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.attn_scale
             if i in paired:  # the short window in blocks of the 2T sequence, documents doubled
-                allowed = reference_mask(inp, cfg.block_size, WINDOWS[1], paired=True)
+                allowed = (token_mask(inp, WINDOWS[1] * cfg.block_size, paired=True) if cfg.token_windows else
+                           reference_mask(inp, cfg.block_size, WINDOWS[1], paired=True))
             else:
                 allowed = masks[WINDOWS[0] if kind == "L" else WINDOWS[1]]
             att = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
@@ -188,6 +207,36 @@ def test_paired_heads_pair_head_j_with_j_plus_half_the_heads_turned_by_parity_as
     for name, p in model.named_parameters():
         ref = params[name].grad
         assert (p.grad.double() - ref).norm() < grad_tolerance(name, torch.float32) * ref.norm(), name
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["tokens", "paired"])
+@pytest.mark.parametrize("window", [0, 1, 2, 3, 8])
+def test_token_windows_let_through_what_fa3s_window_does_at_every_size(window, paired):
+    # Documents start mid-block, on a block edge, span blocks; the block masks still skip what no query reaches.
+    block, tokens = 16, mask_tokens(window)
+    expected = token_mask(tokens, window * block, paired)
+    size = torch.tensor(window)
+    assert torch.equal(T.dense_mask(tokens, block, size, paired, token_window=True), expected)
+    bm = T.block_mask(tokens, block, size, paired, token_window=True)
+    assert torch.equal(block_mask_as_dense(bm, len(expected)), expected)
+    for counts, indices in [(bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)]:
+        for qb in range(len(expected) // block):  # no block farther back than the window reaches is read
+            assert all(0 <= qb - kb <= window for kb in indices[0, 0, qb, : counts[0, 0, qb]].tolist())
+
+
+def test_compiled_flex_attention_with_token_windows_equals_sdpa_with_record_70s_rule():
+    # The compiled kernel honours block sparsity (eager CPU flex does not), as on the GPU; reach is a tensor the
+    # mask reads, so every window shares one graph.
+    flex = torch.compile(flex_attention, dynamic=False)
+    block, tokens = 16, mask_tokens(0, length=192)
+    tokens[[120, 150]] = T.BOS_ID
+    for window, paired in [(0, False), (1, False), (3, False), (2, True), (5, True)]:
+        n = len(tokens) * (2 if paired else 1)
+        q, k, v = torch.randn(3, 1, 2, n, 8).unbind(0)
+        mask = T.block_mask(tokens, block, torch.tensor(window), paired, token_window=True)
+        out = flex(q, k, v, block_mask=mask, scale=0.12)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=token_mask(tokens, window * block, paired), scale=0.12)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_each_item_moves_the_gradients_beyond_the_tolerance():
