@@ -4,14 +4,18 @@ the trainer's invariants with every item of parts 1 and 2 on: W = 1 and 2 agree,
 resume is exact."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import train_gpt as T
-from conftest import SMALL, run_world, tiny_args
+from conftest import REPO, SMALL, run_world, tiny_args
 from test_data import synthetic_shards
+
+sys.path.insert(0, str(REPO / "records"))
+import gpu_check  # noqa: E402  (TINY_V2: the README's CPU command of v2)
 
 # Every item of part 1 at once, at the tiny run's scale: 8 steps, 3 stages of 2 and an extension of 2.
 V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
@@ -475,6 +479,31 @@ def test_adam_every_other_step_applies_the_summed_gradients_of_two_steps():
 
 def v2_args(tmp_path, **overrides):
     return tiny_args(tmp_path, **{**SMALL, **V2_PART1, **V2_PART2, "num_steps": 8, "val_every": 4, **overrides})
+
+
+def scaled_v2_args(tmp_path, **overrides) -> list[str]:
+    """The v2 preset itself at the README's tiny shapes (gpu_check.TINY_V2), shortened to 12 scheduled steps (stages
+    from steps 4 and 8, untied after 9) and the 2-step extension: every boundary in 14 steps."""
+    return (tiny_args(tmp_path, preset="tiny,v2", train_seq_len=512) + gpu_check.TINY_V2_FLAGS
+            + [f"--{k}={v}" for k, v in {"num_steps": 14, "val_every": 4, **overrides}.items()])
+
+
+@pytest.mark.slow  # five runs of the scaled-down recipe
+def test_scaled_down_v2_crosses_every_stage_and_resumes_bit_for_bit_inside_each(tmp_path):
+    cfg = T.parse_config(scaled_v2_args(tmp_path))
+    assert T.stage_starts(cfg) == [0, 4, 8, 12, 14]
+    assert [k for k in range(cfg.num_steps) if T.schedule(k, cfg).tied][-1] == 9
+    full = T.run(scaled_v2_args(tmp_path, run_id="full", save_every=2))
+    log = (tmp_path / "logs" / "full.txt").read_text()
+    assert [line.split(":")[1] for line in log.splitlines() if line.startswith("stage:")] == [
+        " steps 0-3", " steps 4-7", " steps 8-13"]  # the extension keeps stage 2's shapes and windows here
+    for step in (2, 6, 10, 12):  # inside stages 0, 1 and 2 (after the untie), and the extension's start
+        resumed = T.run(scaled_v2_args(tmp_path, run_id=f"from{step}",
+                                       resume=tmp_path / "logs" / "full" / f"ckpt_{step}"))
+        assert resumed.val_losses == [v for v in full.val_losses if v[0] >= step], step
+        for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+            assert torch.equal(a, b), (step, name)
+    assert full.val_losses[-1][1] < full.val_losses[0][1] - 0.5
 
 
 @pytest.mark.slow
