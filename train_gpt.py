@@ -84,7 +84,7 @@ class Config:
     logit_temp: float = 7.5  # see logit_cap
     logit_shift: float = 0.0  # see logit_cap (#54, the asymmetric rescale: 5)
     block_size: int = 128  # attention block granularity (FlexAttention tile; a multiple of 128 on CUDA)
-    # model, recipe v2 (each off by default: record #28)
+    # model, record #70's items (each off by default: record #28; --preset=record70 turns them on)
     skip: str = "unet"  # unet: layer i's output into layer L-1-i (#28; even layers) | A:B one gated skip (#45/#55: 3:6)
     mix_init: float = 1.0  # initial a of each layer's x <- a x + b x0 (#45: 1.1); b, the x0 lambdas, from 0
     ve_gates: bool = False  # value embeddings added under per-head gates 2 sigmoid(W [x, ve]: leading dims) (#55/#70)
@@ -96,8 +96,7 @@ class Config:
     key_offset: bool = False  # long-window layers' keys take their un-rotated dims from the previous position (#49)
     tie_embed: bool = False  # the embedding is a lookup into the head's weight, init N(0, 0.005), lr head_lr (#51)
     untie_stage: int = 0  # tie_embed ends after the first Adam step of this stage (#70: 2); 0: tied throughout
-    token_windows: bool = False  # a query sees the window x block_size keys before it in its document (FA3's
-    #                              window, #70); off: the nearest window blocks (#28)
+    token_windows: bool = False  # a query sees the W x block_size keys before it in its document (FA3, #70); off: #28's
     paired_layers: str = ""  # "I,J,..": short-window layers whose heads j, j + H/2 attend as pairs (#58, #70: 0,2,5,9)
     bigram_rows: int = 0  # rows of the bigram hash embedding added at every block (#62, #70: 251520); 0 off
     bigram_lambda_init: float = 0.1  # initial weight of the bigram vector at each block (#62, #70: 0.1)
@@ -111,7 +110,7 @@ class Config:
     adam_beta1: float = 0.8  # Adam's first-moment decay (#40: 0.65)
     adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-10  # Adam's epsilon (added to the raw sqrt(v))
-    # optimizer, recipe v2 (each off by default: record #28; --preset=v2 turns them on; README "Recipes")
+    # optimizer, record #70's items (each off by default: record #28; --preset=record70 turns them on; README "Recipes")
     orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (#28's quintic) | polar_express (#38)
     normuon_beta2: float = 0.0  # NorMuon (#41): decay of the per-row/column second moment of the update; 0 = off
     mlp_up_lr_mul: float = 1.0  # Muon lr multiplier of the MLPs' c_fc (#42/#48: 2)
@@ -149,8 +148,8 @@ class Config:
     device: str = "auto"  # auto | cuda | cpu
     compile: bool | None = None  # torch.compile the model and Newton-Schulz; auto: on for CUDA, off for CPU
     fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
-    relu2_kernel: bool = False  # the MLP up-projection and ReLU^2 as one Triton kernel (#59, #87); CUDA or interpreter
-    fused_head: bool = False  # head + (MTP) cross-entropy by row chunks, loss and gradient in one Triton kernel (#60)
+    relu2_kernel: bool | None = False  # MLP up-projection + ReLU^2 in one Triton kernel (#59, #70); auto: with CUDA
+    fused_head: bool | None = False  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
     fp8_x_scale: float = 0.0  # the FP8 head's input scale (value = fp8 x scale); 0: sqrt(model_dim)/448 (#51: 100/448)
     fp8_w_scale: float = 2**-9  # ... of its weight (#55: 1.6/448)
     fp8_grad_scale: float = 1 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51: 0.75/448)
@@ -200,10 +199,10 @@ PRESETS: dict[str, dict[str, object]] = {
         val_every=20,
         warmup_steps=2,
     ),
-    # Recipe v2 so far: the optimizer, data, schedule and model of records #29-#72 (spec recipe_v2 §4.4) at #28's
-    # step count until a GPU run re-tunes it. On tiny (--preset=tiny,v2) give the token- and step-counted fields
-    # and the shape tiny values too: README "Recipes".
-    "v2": dict(
+    # Record #70 (2026-02-03_VeTuned): its optimizer, data, schedule and model, FlexAttention in place of FA3. On
+    # tiny (--preset=tiny,record70) give the token- and step-counted fields and the shape tiny values too: README
+    # "Recipes".
+    "record70": dict(
         orthogonalizer="polar_express",
         muon_lr=0.023,
         normuon_beta2=0.95,
@@ -248,6 +247,9 @@ PRESETS: dict[str, dict[str, object]] = {
         key_offset=True,
         paired_layers="0,2,5,9",
         token_windows=True,
+        relu2_kernel=None,  # #70's Triton kernels on CUDA
+        fused_head=None,
+        val_every=250,  # as #70 logs
         tie_embed=True,
         untie_stage=2,
         bigram_rows=5 * 50304,
@@ -334,7 +336,7 @@ def config_help() -> str:
             lines.append(f"{flag:<44}{comment}" if len(flag) < 44 else f"{flag}\n{'':<44}{comment}")
     lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
     for name, fields in PRESETS.items():
-        lines.append(textwrap.fill(", ".join(f"--{k}={v}" for k, v in fields.items()), width=116,
+        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
                                    initial_indent=f"  {name}: ", subsequent_indent="    "))
     return "\n".join(lines)
 
@@ -606,8 +608,8 @@ FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible
 
 
 def resolve_for_device(cfg: Config, cuda: bool) -> None:
-    """Replace auto (None) in --compile and --fp8_head by the device's choice and apply DISABLE_FP8, so that
-    from here on the config (and its copy in the log) says what the run does; then check what depends on
+    """Replace auto (None) in --compile, --fp8_head and the kernels by the device's choice and apply DISABLE_FP8, so
+    that from here on the config (and its copy in the log) says what the run does; then check what depends on
     the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
     rehearsal of the GPU path refuses what the GPU would)."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
@@ -620,6 +622,8 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
         raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
                          f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
     for name in ("relu2_kernel", "fused_head"):
+        if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
+            setattr(cfg, name, cuda and importlib.util.find_spec("triton") is not None)
         if getattr(cfg, name) and (importlib.util.find_spec("triton") is None or
                                    not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
             raise UsageError(f"--{name} runs a Triton kernel: it needs triton installed and a CUDA device (or "
@@ -1145,13 +1149,13 @@ class PrefetchLoader:
 # -----------------------------------------------------------------------------
 # Kernels
 # The model's custom ops, each a torch.library op with a fake kernel (what torch.compile traces) and an
-# autograd rule: the FP8 head's matmuls (cuBLAS), and behind flags the Triton kernels of recipe v2 part 3. The
+# autograd rule: the FP8 head's matmuls (cuBLAS), and behind flags the Triton kernels of record #70. The
 # torch path each one replaces stays in the model as the reference.
 
 # FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
 # bf16; backward casts the output gradient to float8_e5m2. The scales are Config fields, #28's by default: x is
 # RMS-normed, so |x| <= sqrt(d) maps onto e4m3's largest value, 448; |W| <= 448 * 2^-9 = 0.875; gradients up to
-# 57344 / 448 (v2 takes #51/#55's retune).
+# 57344 / 448 (record70 takes #51/#55's retune).
 # Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
 # backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
 # dtype torch.library.opcheck can compare). A value past a format's range saturates to its largest, as the
@@ -1729,7 +1733,7 @@ class GPT(nn.Module):
         # The bigram hash table (#62), zero-initialized.
         table = torch.zeros(cfg.bigram_rows, d, dtype=torch.bfloat16)
         self.bigram = nn.Embedding.from_pretrained(table, freeze=False) if cfg.bigram_rows else None
-        # One RoPE table per length (paired layers: 2T positions), shared: ten layers' own fp32 tables at v2's
+        # One RoPE table per length (paired layers: 2T positions), shared: ten layers' own fp32 tables at record70's
         # 262,144 positions would be 1.75 GiB a GPU.
         rotary_for = functools.cache(lambda paired: Rotary(cfg.head_dim, 2 * max_len if paired else max_len))
         self.blocks = nn.ModuleList(Block(cfg, layer, rotary_for, flex) for layer in range(L))

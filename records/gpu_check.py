@@ -10,14 +10,14 @@ first, each under its own time limit:
 1. kernels: the Triton kernels in bf16 at the recipe's shapes (autotuned on the GPU) and the FP8 ops (opcheck,
    saturation, the head at the recipe's shape), through cuBLAS; the CPU suite's FP8 tests.
 2. model: the rest of tests/test_cuda.py (compiled FlexAttention against dense attention, the prefetch loader
-   against a slowed stream, the compiled GPT's graphs, v2's matmuls and attention in bf16, a tiny run with
-   checkpoints, v2 compiled) and the no-host-sync test. Without a GPU the CUDA tests are skipped with their reason
-   and the CPU rehearsal of the compiled path (tests/test_compiled.py) runs instead.
-3. v2: train_gpt.py --bench --preset=v2 at its last stage's real shape (paired FlexAttention over 2T = 98,304
-   positions, the bigram table, the multi-token loss), its peak memory against records/memory_estimate.py's
-   estimate for one GPU (PASS within 15% above it).
+   against a slowed stream, the compiled GPT's graphs, record70's matmuls and attention in bf16, a tiny run
+   with checkpoints, record70 compiled) and the no-host-sync test. Without a GPU the CUDA tests are skipped with
+   their reason and the CPU rehearsal of the compiled path (tests/test_compiled.py) runs instead.
+3. record70: train_gpt.py --bench --preset=record70 at its last stage's real shape (paired FlexAttention over
+   2T = 98,304 positions, the bigram table, the multi-token loss, the Triton kernels), its peak memory against
+   records/memory_estimate.py's estimate for one GPU (PASS within 15% above it).
 4. bench: the same at #28's shape (8 micro-steps of 49,152 tokens). Without a GPU, stages 3 and 4 run the tiny
-   preset (v2's last stage, then #28) compiled with the FP8 head on the CPU, and the memory check is skipped.
+   preset (record70's last stage, then #28) compiled with the FP8 head on the CPU, and the memory check is skipped.
 
 A stage killed at its limit keeps the outcome of every test that finished (read from pytest's verbose log).
 Every check prints PASS, FAIL or SKIP with its figures, and the script goes on past a failure (exit code 1 if
@@ -60,16 +60,16 @@ MODEL_TESTS = ["tests/test_model.py::test_compiled_flex_attention_equals_sdpa_wi
                "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py",
                *(f"--deselect={t}" for t in KERNEL_TESTS if t.startswith("tests/test_cuda.py"))]
 REHEARSAL_TESTS = ["tests/test_compiled.py"]
-# Seconds per stage (kernels, model, v2, bench): with start-up, v2's memory estimate (~40 s on the host) and the
-# report, inside ten minutes on a cold cache.
-LIMITS_S = {"kernels": 110, "model": 180, "v2": 140, "bench": 110}
+# Seconds per stage (kernels, model, record70, bench): with start-up, record70's memory estimate (~40 s on the
+# host) and the report, inside ten minutes on a cold cache.
+LIMITS_S = {"kernels": 110, "model": 180, "record70": 140, "bench": 110}
 MEMORY_MARGIN = 1.15  # measured peak allocated over the estimate that still passes
-# v2 on the tiny preset, README's CPU command: the CPU rehearsal of the v2 stage (at its last stage).
-TINY_V2_FLAGS = ["--num_steps=40", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",
+# record70 on the tiny preset, README's CPU command: the CPU rehearsal of the record70 stage (at its last stage).
+TINY_RECORD70_FLAGS = ["--num_steps=40", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",
                  "--window_stages=0/1,1/2,1/3,1/3", "--seq_len_stages=256,384,512", "--doc_len_stages=256,512,512",
                  "--final_val_windows=1/4", "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1",
                  "--skip=0:2", "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608"]
-TINY_V2 = ["--preset=tiny,v2", *TINY_V2_FLAGS]
+TINY_RECORD70 = ["--preset=tiny,record70", *TINY_RECORD70_FLAGS]
 BENCH_FIGURES = [("ms_per_step_median", "ms/step", "{:.1f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
                  ("mfu_pct", "MFU", "{:.1f}%"), ("peak_memory_allocated_mib", "peak alloc MiB", "{:,.0f}"),
                  ("peak_memory_reserved_mib", "peak reserved MiB", "{:,.0f}"), ("gpu_idle_frac", "GPU idle", "{:.2%}"),
@@ -211,8 +211,8 @@ def bench_run(out: Path, cuda: bool, stage: str, preset: str, cpu_args: list[str
 
 
 def memory_row(report: dict | None, cuda: bool) -> dict:
-    """v2's measured peak allocated against records/memory_estimate.py's figure for one GPU at the same shape."""
-    row = {"check": "v2: peak memory within the estimate", "result": "SKIP", "seconds": 0.0, "figures": {},
+    """record70's measured peak allocated against records/memory_estimate.py's figure for one GPU at the same shape."""
+    row = {"check": "record70: peak memory within the estimate", "result": "SKIP", "seconds": 0.0, "figures": {},
            "note": "needs a CUDA GPU" if not cuda else "no bench report"}
     if not cuda or report is None or report.get("peak_memory_allocated_mib") is None:
         return row
@@ -220,7 +220,8 @@ def memory_row(report: dict | None, cuda: bool) -> dict:
     import memory_estimate
 
     t0 = time.monotonic()
-    estimate = next(r for r in memory_estimate.estimate("v2", ["--preset=v2"]) if r["gpus"] == 1)["total"] / 2**20
+    estimates = memory_estimate.estimate("record70", ["--preset=record70"])
+    estimate = next(r for r in estimates if r["gpus"] == 1)["total"] / 2**20
     measured = report["peak_memory_allocated_mib"]
     ok = measured <= MEMORY_MARGIN * estimate
     return {**row, "result": "PASS" if ok else "FAIL", "seconds": time.monotonic() - t0,
@@ -235,8 +236,9 @@ def stages(out: Path, cuda: bool) -> list[dict]:
 
 
 def benches(out: Path, cuda: bool) -> list[dict]:
-    v2, report = bench_run(out, cuda, "v2", "v2", [*TINY_V2, *last_stage_args("tiny,v2", *TINY_V2_FLAGS)])
-    return [v2, memory_row(report, cuda), bench_run(out, cuda, "bench", "", ["--preset=tiny"])[0]]
+    r70, report = bench_run(out, cuda, "record70", "record70",
+                            [*TINY_RECORD70, *last_stage_args("tiny,record70", *TINY_RECORD70_FLAGS)])
+    return [r70, memory_row(report, cuda), bench_run(out, cuda, "bench", "", ["--preset=tiny"])[0]]
 
 
 def table(rows: list[dict]) -> str:

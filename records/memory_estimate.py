@@ -35,7 +35,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as T  # noqa: E402
 
-PRESETS = {"#28": [], "v2": ["--preset=v2"], "v2 kernels": ["--preset=v2", "--relu2_kernel=true", "--fused_head=true"]}
+PRESETS = {"#28": [], "record70 torch path": ["--preset=record70", "--relu2_kernel=false", "--fused_head=false"],
+           "record70": ["--preset=record70"]}  # its Triton kernels on, as on a GPU
 LIMIT_BYTES = 80 * 10**9
 GiB = 2**30
 
@@ -43,7 +44,7 @@ GiB = 2**30
 def recipe_config(args: list[str]) -> T.Config:
     """A preset's config as a GPU run resolves it (compiled, FP8 head on), at its real shapes."""
     cfg = T.parse_config(args)
-    kernels = {name: getattr(cfg, name) for name in ("relu2_kernel", "fused_head")}
+    kernels = {name: getattr(cfg, name) in (None, True) for name in ("relu2_kernel", "fused_head")}  # auto: CUDA's
     cfg.relu2_kernel = cfg.fused_head = False  # resolve_for_device refuses them without a GPU; their fakes trace
     T.resolve_for_device(cfg, cuda=False)
     cfg.compile, cfg.fp8_head = True, True

@@ -137,7 +137,7 @@ def test_softcap_ce_kernel_in_half_precision_follows_the_reference(dtype):
 def test_softcap_ce_with_fp8_scales_follows_the_fp8_head_path():
     # --fused_head with the FP8 head: the same e4m3 operands and e5m2 gradient as fp8_mm followed by the
     # softcapped cross-entropy in torch (its gradient scale then carries the loss scale; here 1/8).
-    cfg = T.parse_config(["--preset=v2"])
+    cfg = T.parse_config(["--preset=record70"])
     x, w, targets = ce_operands(96, d=32)
     x = x.bfloat16()
     loss, gx, gw = torch.ops.speedrun.softcap_ce(x, w, targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5,
@@ -246,7 +246,7 @@ def test_the_benchmarks_fp8_mlp_computes_the_bf16_mlps_gradients_in_fp8():
     # gradients: ~4% and ~6% per GEMM, ~9% through both and the square), and really in FP8 (bf16's is ~0.4%).
     sys.path.insert(0, str(T.HERE / "records"))
     import kernel_bench as bench
-    cfg = T.parse_config(["--preset=v2", "--model_dim=64", "--head_dim=32"])
+    cfg = T.parse_config(["--preset=record70", "--model_dim=64", "--head_dim=32"])
     (x, w), cases = bench.fp8_mlp_cases(cfg, 96, torch.bfloat16, torch.device("cpu"), lambda fn: fn)
     grads = {}
     for path, fn in cases.items():

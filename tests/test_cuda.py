@@ -259,7 +259,7 @@ def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logit
     # fused head never holds whole (times: the benchmark's).
     sys.path.insert(0, str(T.HERE / "records"))
     import kernel_bench as bench
-    cfg = T.parse_config(["--preset=v2"])
+    cfg = T.parse_config(["--preset=record70"])
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
     (x, w), cases = bench.head_cases(cfg, cfg.train_seq_len, torch.bfloat16, CUDA, compile_, fp8=True)
     results = {}
@@ -292,7 +292,7 @@ def test_recipe_v2_runs_every_matmul_and_flex_attention_in_bf16_on_cuda(record_p
     # v2's model with FlexAttention (compiled alone) at 8,192 tokens, one forward and backward, FP8 head on.
     from test_gpu_path import InputDtypes
 
-    cfg = T.parse_config(["--preset=v2"])
+    cfg = T.parse_config(["--preset=record70"])
     cfg.fp8_head = True
     model = T.GPT(cfg, use_flex=True, fp8_head=True, compile_flex=True).cuda()
     s = T.schedule_table(cfg)[-2]

@@ -76,7 +76,7 @@ def test_stages_run_kernels_first_then_the_model_then_v2_at_its_last_stage_insid
         calls.append((stage, preset)) or ({"check": stage}, None)))
     gpu_check.stages(tmp_path, cuda=True)
     gpu_check.benches(tmp_path, cuda=True)
-    assert [c[0] for c in calls] == ["kernels", "model", "v2", "bench"] and calls[2][1] == "v2"
+    assert [c[0] for c in calls] == ["kernels", "model", "record70", "bench"] and calls[2][1] == "record70"
     kernels, model = calls[0][1], calls[1][1]
     cuda_kernel_tests = [t for t in kernels if t.startswith("tests/test_cuda.py::")]
     assert {t.split("::")[1] for t in cuda_kernel_tests} >= {"test_relu2_kernel_in_bf16_at_the_recipes_shape_follows"
@@ -90,10 +90,10 @@ def test_stages_run_kernels_first_then_the_model_then_v2_at_its_last_stage_insid
 
 def test_the_v2_stage_benches_v2_at_its_last_and_largest_shape():
     import train_gpt as T
-    args = gpu_check.last_stage_args("v2")
-    cfg = T.parse_config(["--preset=v2", *args, "--bench"])
+    args = gpu_check.last_stage_args("record70")
+    cfg = T.parse_config(["--preset=record70", *args, "--bench"])
     T.validate_config(cfg, 1)
-    v2 = T.parse_config(["--preset=v2"])
+    v2 = T.parse_config(["--preset=record70"])
     first, last = T.schedule_table(cfg)[0], T.schedule_table(v2)[v2.num_steps - v2.extension_steps - 1]
     shape = lambda s: (s.seq_len, s.long_window, s.short_window, s.max_doc_len, s.lr_mult)  # noqa: E731
     assert shape(first) == (49152, 11, 5, 2048, 1.73)

@@ -15,7 +15,7 @@ import train_gpt as T
 from conftest import MATMULS, REPO
 
 sys.path.insert(0, str(REPO / "records"))
-import gpu_check  # noqa: E402  (TINY_V2: the README's CPU command of v2)
+import gpu_check  # noqa: E402  (TINY_RECORD70: the README's CPU command of v2)
 import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU run resolves, real shapes)
 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
@@ -81,7 +81,7 @@ def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(args)
         assert "fp8_mm" in names, names
 
 
-@pytest.mark.parametrize("preset,tables", [("", 1), ("v2", 2)], ids=["r28", "v2"])
+@pytest.mark.parametrize("preset,tables", [("", 1), ("record70", 2)], ids=["r28", "record70"])
 def test_rope_tables_are_one_per_length_and_built_on_their_device(preset, tables):
     cfg = T.parse_config([f"--preset={preset}"] if preset else [])
     with torch.device("meta"):  # the real shapes, nothing allocated
@@ -108,8 +108,8 @@ def test_rope_tables_are_one_per_length_and_built_on_their_device(preset, tables
     assert not host.made, host.made[:3]
 
 
-@pytest.mark.parametrize("args", [[], ["--preset=v2"], ["--preset=tiny"], gpu_check.TINY_V2],
-                         ids=["r28", "v2", "tiny", "tiny_v2"])
+@pytest.mark.parametrize("args", [[], ["--preset=record70"], ["--preset=tiny"], gpu_check.TINY_RECORD70],
+                         ids=["r28", "record70", "tiny", "tiny_record70"])
 @pytest.mark.parametrize("world_size", [1, 8])
 def test_each_compiled_function_of_a_full_run_stays_within_dynamos_default_recompile_limit(args, world_size):
     # From the schedule and the optimizer's buckets at the real shapes (meta device): the model's graphs (one

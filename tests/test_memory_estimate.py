@@ -43,5 +43,5 @@ def test_every_preset_fits_an_80_gb_gpu_and_record28s_estimate_is_near_its_logge
     assert by["#28", 1]["optimizer"] > 4 * by["#28", 8]["optimizer"]  # sharded over 8 ranks
     logged = RECORD28_ALLOCATED_MIB[0] * 2**20
     assert 0.85 * logged <= by["#28", 8]["total"] <= 1.1 * logged, by["#28", 8]["total"] / logged
-    # The fused head never holds the (T, vocab) logits: the kernels preset peaks well below v2's.
-    assert by["v2 kernels", 8]["train_peak"] < 0.6 * by["v2", 8]["train_peak"]
+    # The fused head never holds the (T, vocab) logits: the preset with its kernels peaks well below its torch path.
+    assert by["record70", 8]["train_peak"] < 0.6 * by["record70 torch path", 8]["train_peak"]

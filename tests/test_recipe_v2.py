@@ -15,7 +15,7 @@ from conftest import REPO, SMALL, run_world, tiny_args
 from test_data import synthetic_shards
 
 sys.path.insert(0, str(REPO / "records"))
-import gpu_check  # noqa: E402  (TINY_V2: the README's CPU command of v2)
+import gpu_check  # noqa: E402  (TINY_RECORD70: the README's CPU command of v2)
 
 # Every item of part 1 at once, at the tiny run's scale: 8 steps, 3 stages of 2 and an extension of 2.
 V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
@@ -178,7 +178,7 @@ RECORD70_MUON = {"blocks.0.attn.qkvo_w": 1.0, "blocks.0.mlp.c_fc": 2.0, "blocks.
 
 
 def test_v2_optimizer_table_is_record_70s_for_every_role():
-    cfg = T.parse_config(["--preset=tiny,v2", "--bigram_rows=1000"])
+    cfg = T.parse_config(["--preset=tiny,record70", "--bigram_rows=1000"])
     groups = {n: g for g in T.build_param_groups(T.GPT(cfg, use_flex=False, fp8_head=False), cfg) for n in g.names}
     for name, (lr, betas, wd) in RECORD70_ADAM.items():
         g = groups[name]
@@ -220,7 +220,7 @@ def record70_schedule(step: int, n: int = 1507, e: int = 40) -> dict:
 
 
 def test_v2_schedule_is_record_70s_at_every_step():
-    cfg = T.parse_config(["--preset=v2"])
+    cfg = T.parse_config(["--preset=record70"])
     assert (cfg.num_steps, cfg.extension_steps) == (1547, 40) and T.stage_starts(cfg) == [0, 502, 1005, 1507, 1547]
     for step in range(cfg.num_steps + 1):
         got, want = T.schedule(step, cfg), record70_schedule(step)
@@ -241,12 +241,12 @@ def test_v2_schedule_is_record_70s_at_every_step():
 
 def test_stage_starts_round_a_third_of_the_scheduled_steps_ties_to_even():
     # round(k N / 3) with Python's round: at N = 1507 step 502 starts stage 1 (int(3 x 502 / 1507) would say 0).
-    assert T.stage_starts(T.parse_config(["--preset=v2"]))[1] == 502
+    assert T.stage_starts(T.parse_config(["--preset=record70"]))[1] == 502
     for n in (6, 7, 8, 38, 1505, 1506, 1508, 1555):
-        cfg = T.parse_config(["--preset=v2", f"--num_steps={n + 40}"])
+        cfg = T.parse_config(["--preset=record70", f"--num_steps={n + 40}"])
         assert T.stage_starts(cfg) == [0, round(n / 3), round(2 / 3 * n), n, n + 40], n
         assert [T.schedule(k, cfg).seq_len for k in (round(n / 3) - 1, round(n / 3))] == [16384, 32768], n
-    cfg = T.parse_config(["--preset=tiny,v2", "--num_steps=40", "--extension_steps=2"])  # 38 scheduled: 25 | 1
+    cfg = T.parse_config(["--preset=tiny,record70", "--num_steps=40", "--extension_steps=2"])  # 38 scheduled: 25 | 1
     assert [k for k in range(cfg.num_steps) if T.schedule(k, cfg).tied][-1] == 25
 
 
@@ -258,12 +258,12 @@ def test_record_28_defaults_step_adam_every_step_with_the_linear_windows():
 
 
 def test_batch_stages_set_the_sequence_lengths_and_the_warmup_replays_each():
-    cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10"])  # 90 scheduled: thirds of 30
+    cfg = T.parse_config(["--preset=record70", "--num_steps=100", "--extension_steps=10"])  # 90 scheduled: thirds of 30
     s = [T.schedule(step, cfg) for step in range(101)]
     assert [(x.seq_len, x.max_doc_len) for x in (s[0], s[29], s[30], s[60], s[90], s[100])] == [
         (16384, 2048), (16384, 2048), (32768, 2048), (49152, 2048), (49152, 2048), (49152, 2048)]
     assert s[60].lr_mult > s[59].lr_mult  # the jump at the third stage, inside the cooldown
-    assert T.warmup_plan(T.parse_config(["--preset=v2", "--warmup_steps=2"]), [T.schedule(k, cfg) for k in
+    assert T.warmup_plan(T.parse_config(["--preset=record70", "--warmup_steps=2"]), [T.schedule(k, cfg) for k in
                                                                                  range(101)]) == [0, 0, 30, 30, 60, 60]
 
 
@@ -368,7 +368,7 @@ def yarn_reference(block: int, windows: list[int], base: torch.Tensor) -> tuple[
 
 
 def test_yarn_rescales_rope_and_the_attention_scale_as_the_spec_says():
-    cfg = T.parse_config(["--preset=tiny,v2", "--head_dim=128", "--model_dim=256"])  # 32 rotating frequencies
+    cfg = T.parse_config(["--preset=tiny,record70", "--head_dim=128", "--model_dim=256"])  # 32 rotating frequencies
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     rotary = model.blocks[0].attn.rotary
     base_cos = rotary.cos.clone()
@@ -388,7 +388,7 @@ def test_yarn_rescales_rope_and_the_attention_scale_as_the_spec_says():
 
 
 def test_yarn_follows_the_training_windows_and_the_last_validation_looks_further():
-    cfg = T.parse_config(["--preset=v2", "--num_steps=100", "--extension_steps=10"])
+    cfg = T.parse_config(["--preset=record70", "--num_steps=100", "--extension_steps=10"])
     s = [T.schedule(step, cfg) for step in range(101)]
     assert [s[k].yarn_windows for k in (0, 30, 60, 90, 99, 100)] == [
         (3,), (3, 7), (3, 7, 11), (3, 7, 11, 13), (3, 7, 11, 13), (3, 7, 11, 13)]
@@ -399,8 +399,8 @@ def test_yarn_follows_the_training_windows_and_the_last_validation_looks_further
 def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
     # Spec §2.22 (#54): z' = 23 sigmoid((z + 5) / 7.5) in place of #28's 30 sigmoid(z / 7.5), train and eval.
     small = ["--model_dim=64", "--head_dim=32", "--train_seq_len=256"]
-    v2 = T.parse_config(["--preset=tiny,v2", *small])
-    r28 = T.parse_config(["--preset=tiny,v2", *small, "--logit_cap=30", "--logit_shift=0"])  # #28's rescale
+    v2 = T.parse_config(["--preset=tiny,record70", *small])
+    r28 = T.parse_config(["--preset=tiny,record70", *small, "--logit_cap=30", "--logit_shift=0"])  # #28's rescale
     assert (v2.logit_cap, v2.logit_shift, v2.logit_temp) == (23.0, 5.0, 7.5) and T.Config().logit_shift == 0.0
     torch.manual_seed(0)
     a, b = T.GPT(v2, use_flex=False, fp8_head=False), T.GPT(r28, use_flex=False, fp8_head=False)
@@ -439,7 +439,7 @@ def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
     (["--window_stages=3/1,1/2"], r"the short window exceeds the long one in 3/1"),
     (["--final_val_windows=9/4"], r"--final_val_windows=9/4: the short window exceeds the long one"),
     (["--untie_stage=2"], r"--untie_stage=2 unties a tied embedding: it needs --tie_embed=true"),
-    (["--preset=v2", "--untie_stage=5"], r"--untie_stage=5: the stages are 1 to 3 \(the last: the extension\)"),
+    (["--preset=record70", "--untie_stage=5"], r"--untie_stage=5: the stages are 1 to 3 \(the last: the extension\)"),
 ])
 def test_bad_v2_settings_are_refused_in_one_line(args, message):
     with pytest.raises(T.UsageError, match=message):
@@ -481,24 +481,24 @@ def v2_args(tmp_path, **overrides):
     return tiny_args(tmp_path, **{**SMALL, **V2_PART1, **V2_PART2, "num_steps": 8, "val_every": 4, **overrides})
 
 
-def scaled_v2_args(tmp_path, **overrides) -> list[str]:
-    """The v2 preset itself at the README's tiny shapes (gpu_check.TINY_V2), shortened to 12 scheduled steps (stages
-    from steps 4 and 8, untied after 9) and the 2-step extension: every boundary in 14 steps."""
-    return (tiny_args(tmp_path, preset="tiny,v2", train_seq_len=512) + gpu_check.TINY_V2_FLAGS
+def scaled_record70_args(tmp_path, **overrides) -> list[str]:
+    """The record70 preset itself at the README's tiny shapes (gpu_check.TINY_RECORD70), shortened to 12 scheduled
+    steps (stages from steps 4 and 8, untied after 9) and the 2-step extension: every boundary in 14 steps."""
+    return (tiny_args(tmp_path, preset="tiny,record70", train_seq_len=512) + gpu_check.TINY_RECORD70_FLAGS
             + [f"--{k}={v}" for k, v in {"num_steps": 14, "val_every": 4, **overrides}.items()])
 
 
 @pytest.mark.slow  # five runs of the scaled-down recipe
-def test_scaled_down_v2_crosses_every_stage_and_resumes_bit_for_bit_inside_each(tmp_path):
-    cfg = T.parse_config(scaled_v2_args(tmp_path))
+def test_scaled_down_record70_crosses_every_stage_and_resumes_bit_for_bit_inside_each(tmp_path):
+    cfg = T.parse_config(scaled_record70_args(tmp_path))
     assert T.stage_starts(cfg) == [0, 4, 8, 12, 14]
     assert [k for k in range(cfg.num_steps) if T.schedule(k, cfg).tied][-1] == 9
-    full = T.run(scaled_v2_args(tmp_path, run_id="full", save_every=2))
+    full = T.run(scaled_record70_args(tmp_path, run_id="full", save_every=2))
     log = (tmp_path / "logs" / "full.txt").read_text()
     assert [line.split(":")[1] for line in log.splitlines() if line.startswith("stage:")] == [
         " steps 0-3", " steps 4-7", " steps 8-13"]  # the extension keeps stage 2's shapes and windows here
     for step in (2, 6, 10, 12):  # inside stages 0, 1 and 2 (after the untie), and the extension's start
-        resumed = T.run(scaled_v2_args(tmp_path, run_id=f"from{step}",
+        resumed = T.run(scaled_record70_args(tmp_path, run_id=f"from{step}",
                                        resume=tmp_path / "logs" / "full" / f"ckpt_{step}"))
         assert resumed.val_losses == [v for v in full.val_losses if v[0] >= step], step
         for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):

@@ -285,7 +285,7 @@ def test_record_28_layout_and_v2_layout_place_the_value_embeddings():
                 use_flex=False, fp8_head=False)
     assert r28.ve_tables == [0, None, None, 0] and r28.skip_layers is None and len(r28.scalars) == 2 + 4 + 8
     assert T.value_embed_layout(T.Config()) == "012------012"  # the default: record #28's three tables, twice
-    v2 = T.parse_config(["--preset=v2", "--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32"])
+    v2 = T.parse_config(["--preset=record70", "--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32"])
     model = T.GPT(v2, use_flex=False, fp8_head=False)
     # Spec §2.7 and §2.29: 11 layers, short 0-2, 4, 5, 7-9, long 3 and 10, none at 6; VEs 0-4 on 1, 2, 8, 9, 10.
     assert [b.attn.window if b.attn else None for b in model.blocks] == (
@@ -300,7 +300,7 @@ def test_flops_per_token_counts_the_v2_shape():
     gates add theirs (the bigram table is a lookup); the attention term counts the 10 attention layers."""
     dims = ["--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32"]
     r28 = T.GPT(T.parse_config(dims), use_flex=False, fp8_head=False)
-    v2cfg = T.parse_config(["--preset=v2", *dims])
+    v2cfg = T.parse_config(["--preset=record70", *dims])
     v2 = T.GPT(v2cfg, use_flex=False, fp8_head=False)
     d, H, g, V = 64, 2, v2cfg.gate_channels, 256
     gates = 5 * H * g + 2 * g  # five VE gates, the skip's and the smear's
@@ -387,7 +387,7 @@ def test_multi_token_loss_is_the_weighted_sum_of_shifted_cross_entropies():
 
 def test_tied_until_the_first_adam_step_of_stage_two_then_the_embedding_is_the_heads_copy():
     # #70: untied after the first Adam step of stage 2 (odd with Adam every other step): 1001 | 1 at N = 1501.
-    cfg = T.parse_config(["--preset=v2", "--num_steps=1541", "--extension_steps=40"])
+    cfg = T.parse_config(["--preset=record70", "--num_steps=1541", "--extension_steps=40"])
     assert [s for s in range(cfg.num_steps + 1) if T.schedule(s, cfg).tied][-1] == 1001
     assert T.schedule(1002, cfg).tied is False and T.schedule(3, T.Config()).tied is False
     cfg = config("tied_embed")
