@@ -66,9 +66,9 @@ LIMITS_S = {"kernels": 110, "model": 180, "record70": 140, "bench": 110}
 MEMORY_MARGIN = 1.15  # measured peak allocated over the estimate that still passes
 # record70 on the tiny preset, README's CPU command: the CPU rehearsal of the record70 stage (at its last stage).
 TINY_RECORD70_FLAGS = ["--num_steps=40", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",
-                 "--window_stages=0/1,1/2,1/3,1/3", "--seq_len_stages=256,384,512", "--doc_len_stages=256,512,512",
-                 "--final_val_windows=1/4", "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1",
-                 "--skip=0:2", "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608"]
+                       "--window_stages=0/1,1/2,1/3,1/3", "--seq_len_stages=256,384,512", "--final_val_windows=1/4",
+                       "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1", "--skip=0:2",
+                       "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608", "--val_every=20"]
 TINY_RECORD70 = ["--preset=tiny,record70", *TINY_RECORD70_FLAGS]
 BENCH_FIGURES = [("ms_per_step_median", "ms/step", "{:.1f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
                  ("mfu_pct", "MFU", "{:.1f}%"), ("peak_memory_allocated_mib", "peak alloc MiB", "{:,.0f}"),
