@@ -98,3 +98,10 @@ def test_the_v2_stage_benches_v2_at_its_last_and_largest_shape():
     shape = lambda s: (s.seq_len, s.long_window, s.short_window, s.max_doc_len, s.lr_mult)  # noqa: E731
     assert shape(first) == (49152, 11, 5, 2048, 1.73)
     assert shape(last)[:4] == shape(first)[:4]  # the last stage's (its lr has cooled down by then)
+
+
+def test_the_tiny_record70_flags_are_the_readmes_cpu_command():
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("python train_gpt.py --preset=tiny,record70")
+    command = readme[start:readme.index("```", start)].replace("\\\n", " ").split()
+    assert command[2:] == gpu_check.TINY_RECORD70

@@ -15,7 +15,7 @@ import train_gpt as T
 from conftest import MATMULS, REPO
 
 sys.path.insert(0, str(REPO / "records"))
-import gpu_check  # noqa: E402  (TINY_RECORD70: the README's CPU command of v2)
+import gpu_check  # noqa: E402  (TINY_RECORD70: the README's CPU command of record70)
 import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU run resolves, real shapes)
 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",

@@ -15,7 +15,7 @@ from conftest import REPO, SMALL, run_world, tiny_args
 from test_data import synthetic_shards
 
 sys.path.insert(0, str(REPO / "records"))
-import gpu_check  # noqa: E402  (TINY_RECORD70: the README's CPU command of v2)
+import gpu_check  # noqa: E402  (TINY_RECORD70: the README's CPU command of record70)
 
 # Every item of part 1 at once, at the tiny run's scale: 8 steps, 3 stages of 2 and an extension of 2.
 V2_PART1 = dict(orthogonalizer="polar_express", normuon_beta2=0.95, mlp_up_lr_mul=2.0, mlp_down_lr_mul=4.0,
