@@ -1568,13 +1568,15 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
         """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 turns
         its paired heads (heads 0, 2, 4 at 2t and 1, 3, 5 at 2t + 1, whichever slot of the pair they sit in)."""
-        T, H = x.size(-3), x.size(-2)
-        if paired:
-            cos, sin = (t[: 2 * T].view(1, T, 2, -1).repeat(1, 1, H // 2, 1) for t in (self.cos, self.sin))
+        T = x.size(-3)
+        if paired:  # heads as (H/2, 2): the parity broadcasts over rows 2t and 2t + 1 of the table, no copy
+            cos, sin = (t[: 2 * T].view(1, T, 1, 2, -1) for t in (self.cos, self.sin))
+            x = x.unflatten(-2, (-1, 2))
         else:
             cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+        y = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+        return y.flatten(-3, -2) if paired else y
 
 
 class CausalSelfAttention(nn.Module):
