@@ -336,10 +336,10 @@ def test_bad_v2_model_settings_are_refused_in_one_line(args, message):
 
 @pytest.mark.slow  # compiles the FP8 op bodies
 def test_fp8_head_takes_the_configured_scales(monkeypatch):
-    """v2's FP8 head scales (#51, #55: x 100/448, W 1.6/448) reach the matmul: its logits are the product of x and
+    """record70's FP8 head scales (#51, #55: x 100/448, W 1.6/448) reach the matmul: its logits are the product of x and
     W rounded to float8_e4m3 at those scales, not at #28's (sqrt(d)/448, 2^-9: |W| saturates at 0.875)."""
     scales = ("fp8_x_scale", "fp8_w_scale", "fp8_grad_scale")
-    v2 = T.parse_config(SHAPE + [f"--{k}={T.PRESETS['v2'][k]}" for k in scales])
+    v2 = T.parse_config(SHAPE + [f"--{k}={T.PRESETS['record70'][k]}" for k in scales])
     assert [getattr(v2, k) * 448 for k in scales] == pytest.approx([100, 1.6, 0.75])
     torch.manual_seed(0)
     model = T.GPT(v2, use_flex=False, fp8_head=True)
