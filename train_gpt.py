@@ -1506,20 +1506,21 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor, token_
 
 
 def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool, token_window: bool
-                    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """The tokens' document ids (a BOS count) and block_window_selection over the attended positions: the
-    tokens, or (paired) the 2T interleaved positions, where position i is token i // 2's. The token rule reads
-    the tokens' ids in both cases (the compiled flex kernel needs them as a buffer of its own inputs)."""
+                    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The tokens' document ids (a BOS count), may_attend's reach (token windows; None: #28's block rule) and
+    block_window_selection over the attended positions: the tokens, or (paired) the 2T interleaved positions,
+    where position i is token i // 2's. The token rule reads the tokens' ids in both cases (the compiled flex
+    kernel needs them as a buffer of its own inputs)."""
     docs = (input_seq == BOS_ID).cumsum(0)
-    return docs, block_window_selection(docs.repeat_interleave(2) if paired else docs, block_size, window,
-                                        token_window)
+    reach = window * block_size if token_window else None
+    return docs, reach, block_window_selection(docs.repeat_interleave(2) if paired else docs, block_size, window,
+                                               token_window)
 
 
 def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False, token_window: bool = False
                ) -> BlockMask:
-    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
-                                                                       token_window)
-    reach = window * block_size if token_window else None
+    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
+                                                                              token_window)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return may_attend(q_idx, kv_idx, docs, paired, reach)
@@ -1531,8 +1532,8 @@ def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
 def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False, token_window: bool = False
                ) -> Tensor:
     """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
-    docs, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
-                                                                       token_window)
+    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
+                                                                              token_window)
     nb = partial_n.numel()
     rank = torch.arange(nb, device=docs.device)[None, :]
     chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
@@ -1540,7 +1541,6 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
     pos = torch.arange(nb * block_size, device=docs.device)
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
-    reach = window * block_size if token_window else None
     return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, paired, reach)
 
 
@@ -1936,7 +1936,7 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     elif cfg.muon_momentum_cooldown_steps and step > cooldown_start:
         momentum = cfg.muon_momentum_end - (step - cooldown_start) / cfg.muon_momentum_cooldown_steps * momentum_range
     else:
-        momentum = cfg.muon_momentum_start + momentum_range
+        momentum = cfg.muon_momentum_end
     if cfg.final_val_windows and step == cfg.num_steps:  # no training step: the last validation's
         short, long = window_stages(cfg.final_val_windows)[0]
     elif cfg.window_stages:  # with an extension, the last pair is its own
@@ -1953,7 +1953,7 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
         weights = mtp_stages(cfg.mtp_stages)
         mtp = list(weights[min(stage, len(weights) - 1)])
         if len(mtp) > 1:
-            mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress
+            mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #70 interpolates, a + (b - a) t, bit for bit
         mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
     tied = cfg.tie_embed
     if tied and cfg.untie_stage:  # the last tied step is the first Adam step at or after the stage's start
