@@ -1,11 +1,12 @@
-"""Speedrun GPT trainer: the whole recipe in one file, in data-flow order.
+"""Speedrun GPT trainer: record #70 of the NanoGPT speedrun in one file, the recipe first.
 
-config -> data -> kernels -> model -> schedule -> optimizer -> metrics -> profiler -> checkpoints -> training ->
-main().
+hyperparameters -> model -> schedule -> optimizer -> data, then the plumbing: command line -> metrics ->
+profiler -> checkpoints -> training -> main(). The FP8 head's ops and the Triton kernels live beside it in
+gpt_kernels.py; without that file the run takes the torch path.
 Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
 (N in 1, 2, 4, 8) or plain `python train_gpt.py --preset=tiny` on a CPU.
 Importing this module has no side effects; the tests import it. Analysis that need not run inside
-training (trace reports, run comparison, load balance) lives in records/.
+training (trace reports, run comparison, load balance) and the earlier recipes live in records/.
 """
 
 from __future__ import annotations
@@ -52,11 +53,23 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
+try:  # the FP8 head's ops and the Triton kernels (custom ops under torch.ops.speedrun), beside this file
+    import gpt_kernels
+except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for_device turns them off)
+    if e.name != "gpt_kernels":
+        raise
+    gpt_kernels = None
+
+
+class UsageError(Exception):
+    """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
+
+
 # -----------------------------------------------------------------------------
-# Config
-# One dataclass holds every knob; each field is overridable as --field=value. The defaults are the
-# 8xH100 recipe (record #28 of the NanoGPT speedrun); presets are named sets of fields applied before
-# the explicit overrides. validate_config refuses, in one line, any value the run cannot use.
+# Hyperparameters
+# Record #70 (2026-02-03_VeTuned) on 8xH100, FlexAttention in place of FA3. One dataclass holds every number a
+# user tunes and every systems switch, each overridable as --field=value; a recipe change is an edit here and
+# in the model. Earlier recipes run from their snapshots under records/ (#28: records/2026-11-25_record28/).
 
 
 @dataclass
@@ -65,94 +78,78 @@ class Config:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # training shards (glob; relative: also under this folder)
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # validation shards (glob)
     train_epochs: int = 1  # passes over the training files, in order
-    train_seq_len: int = 48 * 1024  # tokens per sequence; one sequence per micro-step, starting at a document
+    train_seq_len: int = 48 * 1024  # the longest training sequence (--seq_len_stages' longest); buffers fit it
     global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence (contiguous, not document-aligned)
     val_tokens: int = 10_485_760  # validation tokens: the first ones of the val shards
     # model
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
-    num_layers: int = 12  # transformer blocks
+    num_layers: int = 11  # transformer blocks
     model_dim: int = 768  # residual width; num_heads x head_dim
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # width of a head
     mlp_ratio: int = 4  # MLP hidden width / model_dim
-    attn_pattern: str = "LSSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
-    value_embeds: str = ""  # per layer: the value-embedding table (0-9) its values add, - none; "": #28's 012---012
-    attn_scale: float = 0.12  # attention logit scale (in place of 1/sqrt(head_dim))
-    gate_channels: int = 12  # leading channels of the attention input that drive the head gates
-    logit_cap: float = 30.0  # logits are logit_cap * sigmoid((z + logit_shift) / logit_temp) (#54: 23)
+    attn_pattern: str = "SSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
+    paired_layers: str = "0,2,5,9"  # short-window layers whose heads j, j + H/2 attend as pairs (#58); "": none
+    value_embeds: str = "-01-----234"  # per layer: the value-embedding table (0-9) its values add, - none (#63)
+    skip: str = "3:6"  # A:B: block A's output joins block B's input under a gate (#45/#55)
+    backout_layer: int = 7  # before the head, subtract lambda (init 0.5) x this layer's output (#40)
+    bigram_rows: int = 5 * 50304  # rows of the bigram hash embedding added at every block (#62)
+    attn_scale: float = 0.1  # attention logit scale (in place of 1/sqrt(head_dim))
+    gate_channels: int = 12  # leading channels of the attention input that drive the head and VE gates
+    logit_cap: float = 23.0  # logits are logit_cap * sigmoid((z + logit_shift) / logit_temp) (#54)
     logit_temp: float = 7.5  # see logit_cap
-    logit_shift: float = 0.0  # see logit_cap (#54, the asymmetric rescale: 5)
+    logit_shift: float = 5.0  # see logit_cap
     block_size: int = 128  # attention block granularity (FlexAttention tile; a multiple of 128 on CUDA)
-    # model, record #70's items (each off by default: record #28; --preset=record70 turns them on)
-    skip: str = "unet"  # unet: layer i's output into layer L-1-i (#28; even layers) | A:B one gated skip (#45/#55: 3:6)
-    mix_init: float = 1.0  # initial a of each layer's x <- a x + b x0 (#45: 1.1); b, the x0 lambdas, from 0
-    ve_gates: bool = False  # value embeddings added under per-head gates 2 sigmoid(W [x, ve]: leading dims) (#55/#70)
-    fold_lambdas: bool = False  # lambda_qkv scales W_qkv, lambda_o W_o (init 0.5, 1); no lambda on the VE (#47/#48)
-    uniform_attn_out: bool = False  # W_o initialized like W_q, W_k, W_v instead of zero (#64, as HEAD)
-    value_embed_std: float = 1.0  # initial std of the value-embedding tables (#70: 0.01)
-    smear: bool = False  # each token's embedding adds a gated share of the previous token's (#34)
-    backout_layer: int = -1  # before the head, subtract lambda (init 0.5) x this layer's output (#40: 7); -1 off
-    key_offset: bool = False  # long-window layers' keys take their un-rotated dims from the previous position (#49)
-    tie_embed: bool = False  # the embedding is a lookup into the head's weight, init N(0, 0.005), lr head_lr (#51)
-    untie_stage: int = 0  # tie_embed ends after the first Adam step of this stage (#70: 2); 0: tied throughout
-    token_windows: bool = False  # a query sees the W x block_size keys before it in its document (FA3, #70); off: #28's
-    paired_layers: str = ""  # "I,J,..": short-window layers whose heads j, j + H/2 attend as pairs (#58, #70: 0,2,5,9)
-    bigram_rows: int = 0  # rows of the bigram hash embedding added at every block (#62, #70: 251520); 0 off
-    bigram_lambda_init: float = 0.1  # initial weight of the bigram vector at each block (#62, #70: 0.1)
     # optimizer
-    muon_lr: float = 0.05  # Muon (block matrices)
+    muon_lr: float = 0.023  # Muon (block matrices), Polar Express orthogonalization (#38)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # ... after muon_momentum_warmup_steps
-    embed_lr: float = 0.6  # Adam: token and value embeddings
-    head_lr: float = 0.008  # Adam: LM head
-    scalar_lr: float = 0.04  # Adam: the scalar vector (skip weights, mixing, value lambdas)
-    adam_beta1: float = 0.8  # Adam's first-moment decay (#40: 0.65)
-    adam_beta2: float = 0.95  # Adam's second-moment decay
-    adam_eps: float = 1e-10  # Adam's epsilon (added to the raw sqrt(v))
-    # optimizer, record #70's items (each off by default: record #28; --preset=record70 turns them on; README "Recipes")
-    orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (#28's quintic) | polar_express (#38)
-    normuon_beta2: float = 0.0  # NorMuon (#41): decay of the per-row/column second moment of the update; 0 = off
-    mlp_up_lr_mul: float = 1.0  # Muon lr multiplier of the MLPs' c_fc (#42/#48: 2)
-    mlp_down_lr_mul: float = 1.0  # ... of their c_proj (#48: 4)
-    muon_wd: float = 0.0  # cautious weight decay (#43): wd*lr*(lr*lr_mul) where update and weight agree in sign
-    adam_wd: float = 0.0  # cautious weight decay for Adam (#50): (lr)^2*adam_wd*wd_mul where step and weight agree
-    embed_wd_mul: float = 150.0  # adam_wd multiplier of the token embedding (#55; the scalars never decay)
-    value_embed_wd_mul: float = 5.0  # ... of the value embeddings (#55)
-    head_wd_mul: float = 150.0  # ... of the LM head
-    adam_every: int = 1  # Adam steps every N steps, on the gradients summed since its last step (#39: 2)
-    adam_state_fp32: bool = False  # Adam's m and v in fp32 for the bf16 embeddings, the update rounded once (#56)
-    scalar_beta1: float = 0.8  # Adam's beta1 for the scalar vector (#52, smoothed scalars: 0.9)
-    scalar_beta2: float = 0.95  # ... and its beta2 (#52: 0.99)
-    x0_beta1: float = 0.8  # Adam's beta1 for the x0 lambdas (the b of x <- a x + b x0; #70: 0.65), beta2 adam_beta2
-    head_beta1: float = 0.8  # ... for the LM head, and the embedding while tie_embed (#70: 0.5), beta2 adam_beta2
-    gate_lr: float = 0.0  # Adam lr of the attention and VE gates, with the scalars' betas (#70: 0.008); 0: in Muon
-    skip_gate_lr: float = 4e-4  # Adam: the gated skip's input gate (#55: 0.008 x 0.05), with the scalars' betas
+    normuon_beta2: float = 0.95  # NorMuon (#41): decay of the per-row (W_o: per-column) second moment of the update
+    mlp_up_lr_mul: float = 2.0  # Muon lr multiplier of the MLPs' c_fc (#42/#48)
+    mlp_down_lr_mul: float = 4.0  # ... of their c_proj (#48)
+    muon_wd: float = 1.2  # cautious weight decay (#43): wd*lr*(lr*lr_mul) where update and weight agree in sign
+    embed_lr: float = 0.6  # Adam: value embeddings and the bigram table
+    head_lr: float = 0.008  # Adam: LM head, and the embedding (tied to it, then its own)
+    scalar_lr: float = 0.04  # Adam: the scalar vector (skip, mixing, lambdas) and the x0 lambdas
+    gate_lr: float = 0.008  # Adam: the attention and VE gates, with the scalars' betas
+    skip_gate_lr: float = 4e-4  # Adam: the skip's input gate (#55: 0.008 x 0.05), with the scalars' betas
     smear_gate_lr: float = 8e-5  # Adam: the smear's gate (#52: 0.008 x 0.01), with the scalars' betas
+    adam_beta1: float = 0.75  # Adam's first-moment decay (value embeddings, bigram table)
+    adam_beta2: float = 0.95  # Adam's second-moment decay
+    head_beta1: float = 0.5  # ... beta1 of the LM head and the embedding
+    x0_beta1: float = 0.65  # ... of the x0 lambdas (the b of x <- a x + b x0)
+    scalar_beta1: float = 0.9  # ... of the scalar vector and the gates (#52)
+    scalar_beta2: float = 0.99  # ... and their beta2
+    adam_eps: float = 1e-10  # Adam's epsilon (added to the raw sqrt(v))
+    adam_wd: float = 0.005  # cautious weight decay for Adam (#50): (lr)^2*adam_wd*wd_mul where step and weight agree
+    embed_wd_mul: float = 150.0  # adam_wd multiplier of the token embedding (#55; the scalars never decay)
+    value_embed_wd_mul: float = 5.0  # ... of the value embeddings and the bigram table
+    head_wd_mul: float = 150.0  # ... of the LM head
+    adam_every: int = 2  # Adam steps every N steps, on the gradients summed since its last step (#39)
     # schedule
-    num_steps: int = 1695  # optimizer steps
-    cooldown_frac: float = 0.45  # the last fraction of the scheduled steps (before any extension): lr falls linearly
+    num_steps: int = 1547  # optimizer steps: the scheduled ones, then the extension
+    extension_steps: int = 40  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46)
+    cooldown_frac: float = 0.55  # of the scheduled steps: lr falls linearly from the stage's to final_lr_frac
     final_lr_frac: float = 0.1  # lr multiplier at the end of the cooldown
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
-    final_window_tokens: int = 1728  # the long attention window grows linearly to this over the run
-    window_stages: str = ""  # "S/L,...": short/long windows (blocks) per equal stage, then the extension's (#46)
-    seq_len_stages: str = ""  # "T,...": tokens per sequence per equal stage (#46); the extension keeps the last
-    lr_stages: str = ""  # "M,...": lr multiplier per equal stage (#46: 1,1.52,1.73); the cooldown falls from it
-    doc_len_stages: str = ""  # "D,...": documents cut to D tokens per equal stage (#29, #70: 2048,2048,2048); 0 = whole
-    mtp_stages: str = ""  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0 (#53)
-    yarn: bool = False  # at each staged long-window change, YaRN-rescale RoPE and grow the attention scale (#31)
-    final_val_windows: str = ""  # "S/L": the last validation's windows in blocks (#35, #62: 6/20); default: as trained
-    extension_steps: int = 0  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46: 40)
-    muon_momentum_cooldown_steps: int = 0  # Muon momentum falls back to its start over the last N steps (#39: 50)
+    muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
+    window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows (blocks) per stage, then the extension's
+    seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
+    lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
+    doc_len_stages: str = "2048,2048,2048"  # "D,...": documents cut to D tokens per stage (#29)
+    mtp_stages: str = "1/0.5/0.25,1/0.5,1"  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0
+    final_val_windows: str = "6/20"  # "S/L": the last validation's windows in blocks (#35, #62)
+    untie_stage: int = 2  # the embedding, a lookup into the head until then, unties after this stage's first Adam step
     # systems
     device: str = "auto"  # auto | cuda | cpu
-    compile: bool | None = None  # torch.compile the model and Newton-Schulz; auto: on for CUDA, off for CPU
+    compile: bool | None = None  # torch.compile the model and the orthogonalization; auto: on for CUDA, off for CPU
     fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
-    relu2_kernel: bool | None = False  # MLP up-projection + ReLU^2 in one Triton kernel (#59, #70); auto: with CUDA
-    fused_head: bool | None = False  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
-    fp8_x_scale: float = 0.0  # the FP8 head's input scale (value = fp8 x scale); 0: sqrt(model_dim)/448 (#51: 100/448)
-    fp8_w_scale: float = 2**-9  # ... of its weight (#55: 1.6/448)
-    fp8_grad_scale: float = 1 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51: 0.75/448)
+    relu2_kernel: bool | None = None  # MLP up-projection + ReLU^2 in one Triton kernel (#59); auto: on for CUDA
+    fused_head: bool | None = None  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
+    fp8_x_scale: float = 100 / 448  # the FP8 head's input scale (value = fp8 x scale) (#51)
+    fp8_w_scale: float = 1.6 / 448  # ... of its weight (#55)
+    fp8_grad_scale: float = 0.75 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51)
     prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, main thread
     bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
     comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
@@ -164,7 +161,7 @@ class Config:
     run_id: str = ""  # default: a fresh one; an id whose log exists is refused
     overwrite: bool = False  # reuse a --run_id: replace that run's log and summary (never its checkpoints)
     log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints)
-    val_every: int = 125  # validate every N steps; 0: only at the start and the end
+    val_every: int = 250  # validate every N steps; 0: only at the start and the end
     warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
     log_every: int = 1  # train metrics every N steps (and the last); N never changes training
     profile: str = ""  # START:END traces training steps START..END-1 to <log_dir>/<run_id>/trace_rank<R>.json.gz
@@ -176,8 +173,9 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, object]] = {
-    # A CPU-sized model on the bundled sample: the whole pipeline in under two minutes on 2 cores.
-    # On the CPU the vocabulary-sized logits dominate the cost, so few large steps learn the most per second.
+    # The recipe scaled down to a CPU on the bundled sample, through every stage, the untie and the extension in
+    # about a minute on 2 cores. On the CPU the vocabulary-sized logits dominate the cost, so few large steps learn
+    # the most per second.
     "tiny": dict(
         seed=1337,  # fixed, so that the README's numbers reproduce
         train_files="data/sample/sample_train_*.bin",
@@ -190,513 +188,935 @@ PRESETS: dict[str, dict[str, object]] = {
         num_heads=2,
         head_dim=64,
         attn_pattern="LS-L",
-        value_embeds="0--0",
+        paired_layers="1",
+        value_embeds="0--1",
+        skip="0:2",
+        backout_layer=2,
+        bigram_rows=2 * 50304,
         gate_channels=8,
         block_size=128,  # FlexAttention's smallest tile on H100: the same preset runs on CPU and GPU
-        final_window_tokens=384,
         num_steps=40,
+        extension_steps=2,
         muon_momentum_warmup_steps=10,
+        muon_momentum_cooldown_steps=5,
+        window_stages="0/1,1/2,1/3,1/3",
+        seq_len_stages="256,384,512",
+        final_val_windows="1/4",
         val_every=20,
         warmup_steps=2,
     ),
-    # Record #70 (2026-02-03_VeTuned): its optimizer, data, schedule and model, FlexAttention in place of FA3. On
-    # tiny (--preset=tiny,record70) give the token- and step-counted fields and the shape tiny values too: README
-    # "Recipes".
-    "record70": dict(
-        orthogonalizer="polar_express",
-        muon_lr=0.023,
-        normuon_beta2=0.95,
-        mlp_up_lr_mul=2.0,
-        mlp_down_lr_mul=4.0,
-        muon_wd=1.2,
-        adam_wd=0.005,
-        adam_every=2,
-        adam_beta1=0.75,  # #70: the value embeddings and the bigram table
-        head_beta1=0.5,
-        x0_beta1=0.65,
-        gate_lr=0.008,
-        adam_state_fp32=True,
-        scalar_beta1=0.9,
-        scalar_beta2=0.99,
-        num_steps=1547,  # #70: 1507 scheduled + 40 extension
-        cooldown_frac=0.55,
-        final_lr_frac=0.1,
-        window_stages="1/3,3/7,5/11,6/13",
-        seq_len_stages="16384,32768,49152",
-        lr_stages="1,1.52,1.73",
-        doc_len_stages="2048,2048,2048",
-        yarn=True,
-        attn_scale=0.1,
-        final_val_windows="6/20",
-        logit_cap=23.0,
-        logit_shift=5.0,
-        fp8_x_scale=100 / 448,
-        fp8_w_scale=1.6 / 448,
-        fp8_grad_scale=0.75 / 448,
-        num_layers=11,  # #28's layer 0 dropped (#30, #35): the spec's 11-layer indexing from here on
-        attn_pattern="SSSLSS-SSSL",
-        value_embeds="-01-----234",  # five untied tables on layers 1, 2 and 8, 9, 10 (#63, #70)
-        skip="3:6",
-        mix_init=1.1,
-        ve_gates=True,
-        fold_lambdas=True,
-        uniform_attn_out=True,
-        value_embed_std=0.01,
-        smear=True,
-        backout_layer=7,
-        key_offset=True,
-        paired_layers="0,2,5,9",
-        token_windows=True,
-        relu2_kernel=None,  # #70's Triton kernels on CUDA
-        fused_head=None,
-        val_every=250,  # as #70 logs
-        tie_embed=True,
-        untie_stage=2,
-        bigram_rows=5 * 50304,
-        extension_steps=40,
-        muon_momentum_cooldown_steps=50,
-        mtp_stages="1/0.5/0.25,1/0.5,1",
-    ),
 }
 
 
-COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
-BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
+# -----------------------------------------------------------------------------
+# Model
+# Record #70's GPT: token, value and bigram embeddings, one gated skip, per-block mixing with x0, QK-norm,
+# half-truncated RoPE with YaRN, head gates, paired-head and key-offset attention, ReLU^2 MLP, backout,
+# soft-capped logits. One mask rule (FA3's token windows within documents), two kernels: FlexAttention block
+# masks on CUDA, a dense SDPA mask on CPU (FlexAttention has no CPU backward). The windows come in as a tensor.
+
+BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
+YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
 
 
-class UsageError(Exception):
-    """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
 
 
-AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
+def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor, reach: Tensor, paired: bool = False) -> Tensor:
+    """Token rule: causal, within one document and at most reach positions back (FA3's window (reach, 0): reach + 1
+    keys). paired: positions of the interleaved 2T sequence of paired-head attention, position i token i // 2's."""
+    same_doc = docs[q_idx // 2] == docs[kv_idx // 2] if paired else docs[q_idx] == docs[kv_idx]
+    return (q_idx >= kv_idx) & same_doc & (q_idx - kv_idx <= reach)
 
 
-def _parse_value(name: str, kind: type | str, text: str) -> object:
-    if kind in (bool, "bool | None"):
-        low = text.lower()
-        if kind != bool and low == AUTO:
-            return None
-        if low in ("1", "true", "yes", "on", ""):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise UsageError(f"--{name} expects true or false{'' if kind is bool else ' or auto'}, got {text!r}")
-    try:
-        return kind(text)
-    except ValueError:
-        raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
+def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
+
+    A key block is visible when it is at most `window` blocks before the query block and their document ranges
+    overlap; it is full (no per-token mask) when fewer than `window` back and both lie in one document, so every
+    key within window x block_size tokens of a query is read, the farthest block partially (may_attend's reach).
+    `window` is a 0-dim tensor so a new size never triggers a recompile; window 0 keeps the diagonal block alone.
+    """
+    nb = docs.numel() // block_size
+    blocks = docs.view(nb, block_size)
+    first, last = blocks[:, 0], blocks[:, -1]
+    q = torch.arange(nb, device=docs.device)[:, None]
+    k = torch.arange(nb, device=docs.device)[None, :]
+    visible = (q >= k) & (first[:, None] <= last[None, :]) & (q - k <= window)
+    full = (q > k) & (last[:, None] == first[None, :]) & (q - k < window)
+    partial = visible & ~full
+
+    def nearest_first(mask: Tensor) -> tuple[Tensor, Tensor]:
+        order = torch.argsort(torch.where(mask, k, -1), dim=-1, descending=True, stable=True)
+        return mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    return *nearest_first(partial), *nearest_first(full)
 
 
-def parse_config(argv: list[str]) -> Config:
-    """Defaults, then the presets' fields, then explicit --field=value overrides."""
-    types = {"int": int, "float": float, "bool": bool, "str": str, "bool | None": "bool | None"}
-    kinds = {f.name: types[f.type] for f in dataclasses.fields(Config)}
-    overrides: dict[str, object] = {}
-    for arg in argv:
-        if not arg.startswith("--"):
-            raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
-        name, _, text = arg[2:].partition("=")
-        if name not in kinds:  # the closest spelling, else the fields that share a word with it (--lr: the lrs)
-            near = difflib.get_close_matches(name, kinds, n=1) or [
-                k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6]
-            hint = f"; did you mean --{' or --'.join(near)}?" if near else ""
-            raise UsageError(f"unknown option --{name}{hint} (see --help)")
-        if kinds[name] not in (bool, "bool | None") and "=" not in arg:
-            raise UsageError(f"--{name} needs a value: --{name}=VALUE")
-        overrides[name] = _parse_value(name, kinds[name], text)
-    fields: dict[str, object] = {}
-    for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
-        if preset not in PRESETS:
-            raise UsageError(f"unknown preset {preset!r}; choose from: {', '.join(PRESETS)} (several: --preset=A,B)")
-        fields.update(PRESETS[preset])
-    return Config(**{**fields, **overrides})
+def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool
+                    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The tokens' document ids (a BOS count), may_attend's reach and block_window_selection over the attended
+    positions: the tokens, or (paired) the 2T interleaved positions, where position i is token i // 2's. The token
+    rule reads the tokens' ids in both cases (the compiled flex kernel needs them as a buffer of its own inputs)."""
+    docs = (input_seq == BOS_ID).cumsum(0)
+    return docs, window * block_size, block_window_selection(docs.repeat_interleave(2) if paired else docs,
+                                                             block_size, window)
 
 
-def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
-    """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
-    a field is its documentation (--help prints it)."""
-    groups: list[tuple[str, list[tuple[str, str]]]] = []
-    for line in inspect.getsource(Config).splitlines()[2:]:
-        code, _, comment = line.strip().partition("  # ")
-        if code.startswith("# "):
-            groups.append((code[2:], []))
-        elif ":" in code:
-            groups[-1][1].append((code.split(":")[0], comment))
-    return groups
+def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
+    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return may_attend(q_idx, kv_idx, docs, reach, paired)
+
+    return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
+                                    full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
 
-def config_help() -> str:
-    lines = ["usage: train_gpt.py [--field=value ...]     (on N GPUs: torchrun --standalone --nproc_per_node=N "
-             "train_gpt.py ..., or ./run.sh ...)", "Every field of the Config dataclass, with its default:"]
-    defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
-    for group, fields in field_groups():
-        lines.append(f"\n{group}:")
-        for name, comment in fields:
-            flag = f"  --{name}={defaults[name]}"
-            lines.append(f"{flag:<44}{comment}" if len(flag) < 44 else f"{flag}\n{'':<44}{comment}")
-    lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
-    for name, fields in PRESETS.items():
-        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
-                                   initial_indent=f"  {name}: ", subsequent_indent="    "))
-    return "\n".join(lines)
+def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
+    """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
+    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+    nb = partial_n.numel()
+    rank = torch.arange(nb, device=docs.device)[None, :]
+    chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
+    chosen.scatter_(1, partial_idx.long(), rank < partial_n[:, None])
+    chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
+    pos = torch.arange(nb * block_size, device=docs.device)
+    blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, reach, paired)
 
 
-def profile_steps(spec: str, num_steps: int) -> range:
-    """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
-    start, sep, end = spec.partition(":")
-    try:
-        a, b = int(start), int(end)
-    except ValueError:
-        raise UsageError(f"--profile expects START:END (0-based training steps, e.g. --profile=10:15), "
-                         f"got {spec!r}") from None
-    if not sep or not 0 <= a < b:
-        raise UsageError(f"--profile={spec}: needs 0 <= START < END (it traces steps START..END-1)")
-    if b > num_steps:
-        raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
-    return range(a, b)
+class Rotary(nn.Module):
+    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all.
+    set_frequencies rewrites the tables in place (YaRN): a compiled model reads the new values, no recompile."""
+
+    def __init__(self, head_dim: int, max_len: int):
+        super().__init__()
+        n_rot = head_dim // 4
+        self.base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n_rot), torch.zeros(head_dim // 2 - n_rot)])
+        self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("stationary", torch.cat([self.base == 0] * 2), persistent=False)  # the dims never turned
+        self.set_frequencies(self.base)
+
+    @torch.no_grad()
+    def set_frequencies(self, freqs: Tensor) -> None:
+        # Built where the tables live: only the head_dim/2 frequencies cross from the host, not the tables.
+        positions = torch.arange(self.cos.size(0), dtype=torch.float32, device=self.cos.device)
+        theta = torch.outer(positions, freqs.to(self.cos.device, torch.float32))
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+
+    def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
+        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 turns
+        its paired heads (heads 0, 2, 4 at 2t and 1, 3, 5 at 2t + 1, whichever slot of the pair they sit in)."""
+        T = x.size(-3)
+        if paired:  # heads as (H/2, 2): the parity broadcasts over rows 2t and 2t + 1 of the table, no copy
+            cos, sin = (t[: 2 * T].view(1, T, 1, 2, -1) for t in (self.cos, self.sin))
+            x = x.unflatten(-2, (-1, 2))
+        else:
+            cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        y = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+        return y.flatten(-3, -2) if paired else y
 
 
-def window_stages(spec: str, flag: str = "window_stages") -> list[tuple[int, int]]:
-    """--window_stages=S/L,S/L,... (or --final_val_windows=S/L) as (short, long) windows in blocks; UsageError when
-    malformed or a short window is longer than its long one."""
-    try:
-        stages = [tuple(int(w) for w in pair.split("/")) for pair in spec.split(",")]
-    except ValueError:
-        stages = []
-    if not stages or any(len(st) != 2 or min(st) < 0 for st in stages):
-        shape = " per stage, comma-separated (e.g. 1/3,3/7,5/11,6/13)" if flag == "window_stages" else " (e.g. 6/20)"
-        raise UsageError(f"--{flag} expects SHORT/LONG blocks{shape}, got {spec!r}")
-    wrong = [f"{a}/{b}" for a, b in stages if a > b]
-    if wrong:
-        raise UsageError(f"--{flag}={spec}: the short window exceeds the long one in {', '.join(wrong)} "
-                         f"(SHORT/LONG, in blocks)")
-    return stages  # type: ignore[return-value]
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable = flex_attention):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
+        # "long" or "short": which of the step's two windows this layer attends within
+        self.window = {"L": "long", "S": "short"}[cfg.attn_pattern[layer]]
+        self.flex = flex  # flex_attention, or a compiled copy when the model itself is not compiled
+        # Paired heads (#58, #70's layout): head j and head j + H/2 attend as one over 2T positions (t: 2t, 2t+1).
+        self.paired = layer in paired_layers(cfg)
+        self.key_offset = self.window == "long"  # #49: the long layers' keys
+        hdim = cfg.num_heads * cfg.head_dim
+        # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
+        # transposed (applied as y @ W_o) so the four share one shape; Muon treats W and W^T alike.
+        self.qkvo_w = nn.Parameter(torch.empty(4, hdim, cfg.model_dim))
+        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
+        with torch.no_grad():
+            self.qkvo_w.uniform_(-bound, bound)
+        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
+        # Per head, 2 sigmoid(W [x, ve]) on the value embedding, 1 at init (#55, #70's input); paired-head layers
+        # read x alone (x[:gate_channels]).
+        has_ve = cfg.value_embeds[layer] != "-"
+        self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if has_ve else None
+        self.rotary = rotary_for(self.paired)  # shared by the layers of its length
+        # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
+        self.register_buffer("q_gain", torch.ones(()), persistent=False)
+
+    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask: BlockMask | Tensor) -> Tensor:
+        """lambdas: (lambda_qkv, lambda_o), folded into W_qkv and W_o (#47/#48)."""
+        T, H, D = x.size(1), self.num_heads, self.head_dim
+        qkv = F.linear(x, (lambdas[0] * self.qkvo_w[:3].flatten(0, 1)).type_as(x))
+        q, k, v = qkv.view(1, T, 3 * H, D).chunk(3, dim=-2)
+        q, k = norm(q), norm(k)
+        if ve is not None:
+            half = self.ve_gate_w.size(1) // 2
+            gate_in = x[..., : 2 * half] if self.paired else torch.cat([x[..., :half], ve[None, :, :half].type_as(x)],
+                                                                      dim=-1)
+            v = v + 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve.view_as(v)
+        q, k = self.rotary(q, self.paired) * self.q_gain, self.rotary(k, self.paired)
+        if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
+            q, k, v = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
+        if self.key_offset:  # the un-rotated dims of each key from the previous position (#49; across documents)
+            k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if isinstance(mask, BlockMask):
+            y = self.flex(q, k, v, block_mask=mask, scale=self.scale)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        y = y.transpose(1, 2)
+        if self.paired:  # back to (1, T, H, D)
+            y = y.reshape(1, T, H, D)
+        gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w.type_as(x)))
+        y = y * gate.unsqueeze(-1)
+        return F.linear(y.flatten(-2), (lambdas[1] * self.qkvo_w[3]).T.type_as(y))
 
 
-def stage_values(name: str, spec: str, kind: type) -> list:
-    """--seq_len_stages / --lr_stages / --doc_len_stages: one value per equal stage; UsageError when malformed."""
-    try:
-        values = [kind(v) for v in spec.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(not (math.isfinite(v) and v >= 0) for v in values):
-        raise UsageError(f"--{name} expects one non-negative {kind.__name__} per stage, comma-separated, got {spec!r}")
-    low, high = STAGE_RANGES.get(name, (-1, math.inf))
-    if any(not low < v <= high for v in values):
-        raise UsageError(f"--{name}={spec}: each stage's value must be above {low:g} and at most {high:g}")
-    return values
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.fused = cfg.relu2_kernel
+        hidden = cfg.mlp_ratio * cfg.model_dim
+        # Both stored (dim, hidden) so they share a Muon shape group.
+        self.c_fc = nn.Parameter(torch.empty(cfg.model_dim, hidden))
+        self.c_proj = nn.Parameter(torch.zeros(cfg.model_dim, hidden))
+        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
+        with torch.no_grad():
+            self.c_fc.uniform_(-bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            h = torch.ops.speedrun.relu2_mm(x.flatten(0, -2), self.c_fc).view(*x.shape[:-1], -1)
+        else:
+            h = F.relu(x @ self.c_fc.type_as(x)).square()
+        return F.linear(h, self.c_proj.type_as(h))
 
 
-def mtp_stages(spec: str) -> list[tuple[float, ...]]:
-    """--mtp_stages=W/W/...,...: per stage the loss weights of the next 1, 2, ... tokens; UsageError when malformed."""
-    try:
-        stages = [tuple(float(w) for w in weights.split("/")) for weights in spec.split(",")]
-    except ValueError:
-        stages = []
-    if not stages or any(not all(math.isfinite(w) and 0 <= w <= 100 for w in st) for st in stages):
-        raise UsageError(f"--mtp_stages expects weights W/W/... from 0 to 100 per stage, comma-separated (e.g. "
-                         f"1/0.5/0.25,1/0.5,1), got {spec!r}")
-    if any(st[0] == 0 for st in stages):
-        raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
-                         f"without it the stage trains on nothing")
-    return stages
+class Block(nn.Module):
+    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable):
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg, layer, rotary_for, flex) if cfg.attn_pattern[layer] != "-" else None
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: tuple[Tensor, Tensor], sa_lambdas: Tensor,
+                masks: dict[str, BlockMask | Tensor], bigram: Tensor) -> Tensor:
+        x = mix[0] * x + mix[1] * x0 + bigram
+        if self.attn is not None:
+            x = x + self.attn(norm(x), ve, sa_lambdas, masks["paired" if self.attn.paired else self.attn.window])
+        return x + self.mlp(norm(x))
 
 
-# The (exclusive low, high) range of a staged value where non-negative is not enough: lengths of at least one
-# token, and an lr multiplier of every group's lr (the records use 1 to 1.73) far from an fp32 update's overflow.
-STAGE_RANGES = {"seq_len_stages": (0, math.inf), "lr_stages": (0, 100)}
-
-# The staged fields besides --window_stages (whose count may include the extension's pair): one entry per stage.
-STAGED: dict[str, Callable[[str], list]] = {
-    "seq_len_stages": lambda spec: stage_values("seq_len_stages", spec, int),
-    "lr_stages": lambda spec: stage_values("lr_stages", spec, float),
-    "doc_len_stages": lambda spec: stage_values("doc_len_stages", spec, int),
-    "mtp_stages": mtp_stages,
-}
+def train_loss_scale(cfg: Config) -> float:
+    """train() scales each micro-step's summed loss by this before backward: the gradients summed over
+    micro-steps and ranks are then the mean over the step's sequences, the same at every world size."""
+    return 1.0 / cfg.global_batch_seqs
 
 
-def num_stages(cfg: Config) -> int:
-    """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
-    the extension's pair when there is one); 1 when none is set. UsageError when they disagree."""
-    counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED if getattr(cfg, name)}
-    if cfg.window_stages:
-        counts["--window_stages"] = len(window_stages(cfg.window_stages)) - (1 if cfg.extension_steps else 0)
-    if len(set(counts.values())) > 1:
-        raise UsageError(f"the staged fields must list the same number of stages, got "
-                         f"{', '.join(f'{k}: {v}' for k, v in counts.items())} (--window_stages also lists the "
-                         f"extension's windows when --extension_steps > 0)")
-    return max([1, *counts.values()])
+def softcap(logits: Tensor, cfg: Config) -> Tensor:
+    """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
+    return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
 
-def value_embed_layout(cfg: Config) -> str:
-    """--value_embeds, or by default #28's placement: tables 0, 1, 2 on the first three layers and again on the
-    last three (fewer when there are fewer than six layers)."""
-    if cfg.value_embeds:
-        return cfg.value_embeds
-    n = min(3, cfg.num_layers // 2)
-    return "".join(map(str, range(n))) + "-" * (cfg.num_layers - 2 * n) + "".join(map(str, range(n)))
+def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor) -> Tensor:
+    """Multi-token cross-entropy (#53), mtp a (K,) tensor of weights: sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the
+    terms past the sequence's end left out (and no document boundary respected, as upstream), one logsumexp per
+    position for every k."""
+    lse, T = torch.logsumexp(logits, dim=-1), targets.size(0)
+    loss = logits.new_zeros(())
+    for k in range(mtp.size(0)):
+        picked = logits[: T - k].gather(1, targets[k:, None]).squeeze(1)
+        loss = loss + mtp[k] * (lse[: T - k] - picked).sum()
+    return loss
 
 
-def paired_layers(cfg: Config) -> set[int]:
-    """--paired_layers=I,J,... as a set of layers; UsageError unless each is a short-window layer (and heads pair)."""
-    try:
-        layers = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
-    except ValueError:
-        layers = {-1}
-    if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] != "S" for i in layers) or layers and cfg.num_heads % 2:
-        raise UsageError(f"--paired_layers={cfg.paired_layers!r} must list short-window (S) layers of --attn_pattern="
-                         f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
-    return layers
+def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
+    """The FP8 head's (x, W, gradient) scales, the gradient's for a loss multiplied by loss_scale: folded in,
+    the e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed)."""
+    return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
 
-def skip_layers(cfg: Config) -> tuple[int, int] | None:
-    """--skip=A:B as (A, B): block A's output joins block B's input; None for the U-net. UsageError when malformed."""
-    if cfg.skip == "unet":
-        return None
-    try:
-        a, b = (int(x) for x in cfg.skip.split(":"))
-    except ValueError:
-        a = b = -1
-    if not 0 <= a < b < cfg.num_layers:
-        raise UsageError(f"--skip expects unet or A:B with 0 <= A < B < num_layers={cfg.num_layers} (block A's "
-                         f"output into block B's input, e.g. 3:6), got {cfg.skip!r}")
-    return a, b
+class GPT(nn.Module):
+    """use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; fp8_head: the FP8 head in
+    training; compile_flex: compile flex_attention on its own (an uncompiled model on CUDA: unfused, flex
+    would materialize the whole score matrix)."""
+
+    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False):
+        super().__init__()
+        self.cfg, self.use_flex, self.fp8_head = cfg, use_flex, fp8_head
+        L, d = cfg.num_layers, cfg.model_dim
+        max_len = max(cfg.train_seq_len, cfg.val_seq_len)
+        flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
+        self.embed = nn.Embedding(cfg.vocab_size, d).bfloat16()
+        self.ve_tables = [None if c == "-" else int(c) for c in cfg.value_embeds]  # per layer
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d) for _ in set(cfg.value_embeds) - {"-"})
+        with torch.no_grad():
+            for table in self.value_embeds:
+                table.weight.mul_(0.01)  # N(0, 0.01^2) from nn.Embedding's N(0, 1), no other draw
+        self.value_embeds.bfloat16()
+        # The bigram hash table (#62), zero-initialized.
+        self.bigram = nn.Embedding.from_pretrained(torch.zeros(cfg.bigram_rows, d, dtype=torch.bfloat16), freeze=False)
+        # One RoPE table per length (paired layers: 2T positions), shared: ten layers' own fp32 tables at the
+        # recipe's 262,144 positions would be 1.75 GiB a GPU.
+        rotary_for = functools.cache(lambda paired: Rotary(cfg.head_dim, 2 * max_len if paired else max_len))
+        self.blocks = nn.ModuleList(Block(cfg, layer, rotary_for, flex) for layer in range(L))
+        self.has_paired = any(b.attn is not None and b.attn.paired for b in self.blocks)
+        # The head is also the embedding until the untie (#51), so it starts away from zero.
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=0.005)
+        # 1 while the embedding is a lookup into the head (until the schedule unties it): a buffer the loop writes
+        # in place (tie_embedding), so untying never recompiles.
+        self.register_buffer("embed_tied", torch.ones(()), persistent=False)
+        self.embed_tied_now = True  # what tie_embedding last wrote into embed_tied
+        self.skip_from, self.skip_to = skip_layers(cfg)
+        # Input gates of the skip (2 sigmoid(w x0[:gate_channels]), #55) and of the smear (#34): zero, open.
+        self.skip_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels))
+        self.smear_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels))
+        self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
+        # One vector of every learned scalar, by name: the skip's s of sigmoid(s) (init -1.5, #32), per-block a of
+        # x <- a x + b x0 (init 1.1, #45), per-layer (lambda_qkv, lambda_o), the smear's lambda, backout's, and
+        # the bigram vector's per block. The b's, x0's weights, are a vector of their own: #70 steps them with
+        # other betas.
+        parts = {"skip": torch.tensor([-1.5]), "resid": torch.full((L,), 1.1),
+                 "lambdas": torch.tensor((0.5, 1.0)).repeat(L), "smear": torch.zeros(1),
+                 "backout": torch.full((1,), 0.5), "bigram": torch.full((L,), 0.1)}
+        ends = np.cumsum([len(t) for t in parts.values()]).tolist()
+        self.scalar_slices = {k: slice(e - len(t), e) for (k, t), e in zip(parts.items(), ends)}
+        self.scalars = nn.Parameter(torch.cat(list(parts.values())))
+        self.x0_lambdas = nn.Parameter(torch.zeros(L))
+
+    @torch.no_grad()
+    def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
+        """RoPE frequencies and attention scale after YaRN (#31) at each change of the long window, in blocks,
+        from the first to the last of long_windows; with one (or none), the base ones. A block of B tokens and
+        a window change W -> W': r = B W w / 2pi turns of frequency w in the old window, g = clamp((r - 1) / 31,
+        0, 1), w <- w (s + g (1 - s)) with s = W / W' (high frequencies kept, low ones interpolated); the
+        attention scale grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
+        if long_windows[1:] == self.yarn_windows[1:]:
+            return
+        freqs = next(b.attn.rotary.base for b in self.blocks if b.attn is not None).double()
+        scale = 1.0
+        for old, new in zip(long_windows, long_windows[1:]):
+            turns = self.cfg.block_size * old * freqs / (2 * math.pi)
+            g = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+            freqs = freqs * (old / new + g * (1 - old / new))
+            scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
+        attns = [b.attn for b in self.blocks if b.attn is not None]
+        for rotary in {id(a.rotary): a.rotary for a in attns}.values():  # each shared table once
+            rotary.set_frequencies(freqs)
+        for attn in attns:
+            attn.q_gain.fill_(scale)
+        self.yarn_windows = long_windows
+
+    @torch.no_grad()
+    def tie_embedding(self, tied: bool) -> None:
+        """Whether the embedding reads the head's weight from now on; written only on a change."""
+        if self.embed_tied_now != tied:
+            self.embed_tied.fill_(float(tied))
+            self.embed_tied_now = tied
+
+    def bigram_vectors(self, input_seq: Tensor) -> Tensor:
+        """(1, T, model_dim): per position the bigram table's row for (previous token, token) (#62): row
+        ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), the last row at position 0; across documents, as upstream."""
+        x, rows = input_seq.long(), self.cfg.bigram_rows
+        prev, cur = x[:-1], x[1:]
+        return self.bigram(torch.cat([x.new_full((1,), rows - 1), ((BIGRAM_MUL[0] * cur) ^ (BIGRAM_MUL[1] * prev))
+                                      % (rows - 1)]))[None]
+
+    def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
+        """The head's input, (T, model_dim), for one packed (T,) sequence; windows is (long, short) in blocks, an int
+        tensor (a new value never recompiles)."""
+        cfg = self.cfg
+        # Each scalar is read 0-dim (sc[name][k]): a (1,) fp32 tensor times a bf16 activation would be fp32.
+        sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
+        ves = [table(input_seq) for table in self.value_embeds]
+        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, cfg.block_size)
+        masks = {"long": build(windows[0]), "short": build(windows[1])}
+        if self.has_paired:  # the short window, in blocks (or block_size positions) of the interleaved sequence
+            masks["paired"] = build(windows[1], paired=True)
+        # Both lookups, weighted by the tie flag: the same graph tied and untied.
+        e = self.embed(input_seq)
+        e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight).type_as(e) + (1 - self.embed_tied) * e
+        # The smear (#34): e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents.
+        gate = sc["smear"][0] * torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate.type_as(e)))
+        e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
+        x = x0 = norm(e[None])
+        bigram = self.bigram_vectors(input_seq)
+        skip = backout = None
+        for i, block in enumerate(self.blocks):
+            if i == self.skip_to:
+                gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate.type_as(x0)))
+                x = x + torch.sigmoid(sc["skip"][0]) * gate * skip
+            t = self.ve_tables[i]
+            x = block(x, x0, None if t is None else ves[t], (sc["resid"][i], self.x0_lambdas[i]),
+                      sc["lambdas"][2 * i: 2 * i + 2], masks, sc["bigram"][i] * bigram)
+            if i == self.skip_from:
+                skip = x
+            if i == cfg.backout_layer:
+                backout = x
+        # #40: the middle layers' output, useful downstream but not for the prediction
+        return norm(x - sc["backout"][0] * backout).flatten(0, 1)
+
+    def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
+        """Soft-capped fp32 logits, (T, vocab). The FP8 head serves training only."""
+        cfg, x = self.cfg, self.hidden(input_seq, windows)
+        if self.training and self.fp8_head:  # the gradient reaching the head carries train_loss_scale
+            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(cfg, train_loss_scale(cfg)))
+        else:
+            logits = F.linear(x, self.lm_head.weight.type_as(x))
+        return softcap(logits, cfg)
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
+        """Summed multi_token_loss in training (mtp: the step's (K,) weights), mean cross-entropy in eval. With
+        --fused_head both losses come from softcap_ce (no logits tensor), with the same terms."""
+        cfg = self.cfg
+        if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
+            weights = mtp if self.training else target_seq.new_ones(1, dtype=torch.float32)
+            loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
+                                                 weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
+                                                 fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],
+                                                 self.training)[0]
+            return loss if self.training else loss / target_seq.numel()
+        logits = self.logits(input_seq, windows)
+        return multi_token_loss(logits, target_seq, mtp) if self.training else F.cross_entropy(logits, target_seq)
 
 
-ORTHOGONALIZERS = ("newton_schulz", "polar_express")
+# -----------------------------------------------------------------------------
+# Schedule
+# Everything that varies with the step, in one place, rounded as #70 rounds it: the training loop sets the
+# optimizer from it and hands the windows and multi-token weights to the model (rows of device tables, so a new
+# value never recompiles), and the FLOP model and the metrics read the same values.
 
 
-def bench_length(cfg: Config) -> int:
-    """The steps a --bench run trains: settle, timed, one profiler warmup, traced."""
-    return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
+@dataclass(frozen=True)
+class StepSchedule:
+    lr_mult: float  # of every group's lr: the stage's, then a linear cooldown from it to final_lr_frac over the
+    #                 last cooldown_frac of the scheduled steps (num_steps - extension_steps), then final_lr_frac
+    #                 through the extension
+    muon_momentum: float  # start -> end over muon_momentum_warmup_steps; back over muon_momentum_cooldown_steps
+    long_window: int  # attention window of the long layers, in blocks
+    short_window: int  # of the short layers
+    adam_step: bool  # Adam updates at the end of this step (every adam_every-th step), on the summed gradients
+    seq_len: int  # tokens per training sequence (global_batch_seqs of them per step)
+    max_doc_len: int  # documents are cut to this many tokens in training
+    yarn_windows: tuple[int, ...]  # the long windows trained at so far, in order (GPT.apply_yarn)
+    mtp_weights: tuple[float, ...]  # loss weights of the next 1, 2, ... tokens (as many every step)
+    tied: bool  # the embedding still reads the head (untied after the last tied step's update)
 
 
-def run_length(cfg: Config) -> int:
-    """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
-    return bench_length(cfg) if cfg.bench else cfg.num_steps
+def stage_starts(cfg: Config) -> list[int]:
+    """The first step of each equal stage, then of the extension, then num_steps, rounded as #70 rounds them:
+    stage k of n starts at round(N (1/n + ... + 1/n)), k float terms and Python's round (ties to even), N the
+    scheduled steps (num_steps - extension_steps)."""
+    n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
+    return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
 
 
-# The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning
-# rate or a beta of 1.5 stops the run at start-up with one line instead of training on it.
-RULES: dict[str, Callable[[float], bool]] = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
-                                             ">= -1": lambda v: v >= -1, "in [0, 1]": lambda v: 0 <= v <= 1,
-                                             "in [0, 1)": lambda v: 0 <= v < 1}
-FIELD_RULES: dict[str, str] = {
-    **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
-                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_scale", "logit_cap",
-                     "logit_temp", "block_size", "final_window_tokens", "num_steps", "muon_lr", "embed_lr", "head_lr",
-                     "scalar_lr", "adam_eps", "bucket_mb", "log_every", "bench_steps", "mlp_up_lr_mul",
-                     "mlp_down_lr_mul", "adam_every", "value_embed_std", "skip_gate_lr", "smear_gate_lr", "fp8_w_scale",
-                     "fp8_grad_scale"], "> 0"),
-    **dict.fromkeys(["prefetch_depth", "mix_init", "fp8_x_scale", "gate_channels", "muon_momentum_warmup_steps",
-                     "val_every", "warmup_steps", "peak_tflops", "save_every", "muon_wd", "adam_wd", "embed_wd_mul",
-                     "head_wd_mul", "value_embed_wd_mul", "extension_steps", "muon_momentum_cooldown_steps",
-                     "bigram_rows", "bigram_lambda_init", "gate_lr"], ">= 0"),
-    **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
-    **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "normuon_beta2",
-                     "scalar_beta1", "scalar_beta2", "x0_beta1", "head_beta1"], "in [0, 1)"),
-    **dict.fromkeys(["seed", "backout_layer"], ">= -1"),
-}
+def schedule(step: int, cfg: Config) -> StepSchedule:
+    """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
+    scheduled = cfg.num_steps - cfg.extension_steps
+    stages, starts = num_stages(cfg), stage_starts(cfg)
+    stage = min(bisect.bisect_right(starts, step) - 1, stages)  # of the equal stages; the extension's is `stages`
+    progress = 1.0 if stage >= stages else (step - starts[stage]) / (starts[stage + 1] - starts[stage])
+
+    def staged(name: str) -> Any:  # a staged field's value now; the extension keeps the last (or has its own pair)
+        values = window_stages(cfg.window_stages) if name == "window_stages" else STAGED[name](getattr(cfg, name))
+        return values[min(stage, len(values) - 1)]
+
+    # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #70's does.
+    cooldown_start = int(scheduled * (1 - cfg.cooldown_frac))
+    t = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
+    peak = staged("lr_stages")
+    lr_mult = peak * (1 - t) + cfg.final_lr_frac * t if step >= cooldown_start else peak
+    momentum_range = cfg.muon_momentum_end - cfg.muon_momentum_start
+    momentum_fall = cfg.num_steps - cfg.muon_momentum_cooldown_steps
+    if step < cfg.muon_momentum_warmup_steps:
+        momentum = cfg.muon_momentum_start + step / cfg.muon_momentum_warmup_steps * momentum_range
+    elif cfg.muon_momentum_cooldown_steps and step > momentum_fall:
+        momentum = cfg.muon_momentum_end - (step - momentum_fall) / cfg.muon_momentum_cooldown_steps * momentum_range
+    else:
+        momentum = cfg.muon_momentum_end
+    # The last validation (step num_steps, no training step) has its own windows; YaRN follows the training ones.
+    short, long = window_stages(cfg.final_val_windows)[0] if step == cfg.num_steps else staged("window_stages")
+    yarn_windows = tuple(dict.fromkeys(long for _, long in window_stages(cfg.window_stages)[: stage + 1]))
+    # A stage's last multi-token weight of several falls to 0 across it; padded with zeros to the most.
+    weights = mtp_stages(cfg.mtp_stages)
+    mtp = list(weights[min(stage, len(weights) - 1)])
+    if len(mtp) > 1:
+        mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #70 interpolates, a + (b - a) t, bit for bit
+    mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
+    # The last tied step is the first Adam step at or after the untie stage's start.
+    split = starts[cfg.untie_stage]
+    tied = step <= split + (-(split + 1) % cfg.adam_every)
+    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, staged("seq_len_stages"),
+                        staged("doc_len_stages"), yarn_windows, mtp, tied)
 
 
-def validate_config(cfg: Config, world_size: int) -> int:
-    """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
-    for name, rule in FIELD_RULES.items():
-        value = getattr(cfg, name)
-        if not (math.isfinite(value) and RULES[rule](value)):
-            raise UsageError(f"--{name} must be {rule}, got {value}")
-    if cfg.global_batch_seqs % world_size:
-        raise UsageError(f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the world size "
-                         f"{world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)")
-    if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
-        raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
-                         f"({cfg.num_layers} layers)")
-    layout = value_embed_layout(cfg)
-    tables = sorted(set(layout) - {"-"})
-    if len(layout) != cfg.num_layers or not all(c.isdigit() for c in tables) or tables != [
-            str(i) for i in range(len(tables))]:
-        raise UsageError(f"--value_embeds={cfg.value_embeds!r} needs one character per layer ({cfg.num_layers}): the "
-                         f"table it adds (tables 0, 1, ... each used) or - for none, e.g. 012------012")
-    if skip_layers(cfg) is None and cfg.num_layers % 2:
-        raise UsageError(f"--num_layers={cfg.num_layers} must be even for --skip=unet (layer i feeds layer "
-                         f"num_layers-1-i); or use one skip, --skip=A:B")
-    if cfg.backout_layer >= cfg.num_layers:
-        raise UsageError(f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}")
-    paired_layers(cfg)
-    if cfg.bigram_rows == 1:
-        raise UsageError("--bigram_rows=1: the table needs at least 2 rows (one is reserved for position 0), or 0 "
-                         "for none")
-    if cfg.ve_gates and cfg.gate_channels % 2:
-        raise UsageError(f"--ve_gates reads half of --gate_channels={cfg.gate_channels} from x, half from the VE: "
-                         f"make it even")
-    if cfg.head_dim % 4:
-        raise UsageError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)")
-    if cfg.gate_channels > cfg.model_dim:
-        raise UsageError(f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}")
-    if cfg.num_heads * cfg.head_dim != cfg.model_dim:
-        raise UsageError(f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} must equal --model_dim="
-                         f"{cfg.model_dim} (value embeddings and skips add model_dim vectors to the heads' values)")
-    for name in ["train_seq_len", "val_seq_len"]:
-        if getattr(cfg, name) % cfg.block_size:
-            raise UsageError(f"--{name}={getattr(cfg, name)} must be a multiple of --block_size={cfg.block_size}")
-    if cfg.val_tokens % cfg.val_seq_len:
-        raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
-    if cfg.comm_overlap not in COMM_OVERLAP:
-        raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
-    if cfg.orthogonalizer not in ORTHOGONALIZERS:
-        raise UsageError(f"--orthogonalizer must be {' or '.join(ORTHOGONALIZERS)}, got {cfg.orthogonalizer!r}")
-    for name, parse in STAGED.items():
-        if getattr(cfg, name):
-            parse(getattr(cfg, name))
-    if cfg.yarn and not cfg.window_stages:
-        raise UsageError("--yarn rescales at each staged window change: it needs --window_stages")
-    if cfg.final_val_windows and len(window_stages(cfg.final_val_windows, "final_val_windows")) != 1:
-        raise UsageError(f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}")
-    if num_stages(cfg) < 1:
-        raise UsageError("--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension")
-    for seq_len in stage_values("seq_len_stages", cfg.seq_len_stages, int) if cfg.seq_len_stages else []:
-        if not 0 < seq_len <= cfg.train_seq_len or seq_len % cfg.block_size:
-            raise UsageError(f"--seq_len_stages: {seq_len} must be a multiple of --block_size={cfg.block_size} "
-                             f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)")
-    if cfg.extension_steps >= cfg.num_steps:
-        raise UsageError(f"--extension_steps={cfg.extension_steps} must be below --num_steps={cfg.num_steps} "
-                         f"(the extension is the end of the run)")
-    if num_stages(cfg) > cfg.num_steps - cfg.extension_steps:
-        raise UsageError(f"{num_stages(cfg)} stages need at least as many scheduled steps, got --num_steps="
-                         f"{cfg.num_steps} with --extension_steps={cfg.extension_steps}: a stage would get no step; "
-                         f"raise --num_steps or list fewer stages")
-    if cfg.untie_stage and not cfg.tie_embed:
-        raise UsageError(f"--untie_stage={cfg.untie_stage} unties a tied embedding: it needs --tie_embed=true (or "
-                         f"drop it)")
-    if not 0 <= cfg.untie_stage <= num_stages(cfg):
-        raise UsageError(f"--untie_stage={cfg.untie_stage}: the stages are 1 to {num_stages(cfg)} (the last: the "
-                         f"extension), or 0 to stay tied")
-    # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
-    if cfg.save_every % cfg.adam_every:
-        raise UsageError(f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}")
-    if cfg.save_final and cfg.num_steps % cfg.adam_every:
-        raise UsageError(f"--save_final needs --num_steps={cfg.num_steps} to be a multiple of --adam_every="
-                         f"{cfg.adam_every}")
-    if cfg.device not in ("auto", "cuda", "cpu"):
-        raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
-    if cfg.cpu_bf16_gemm not in CPU_BF16_GEMMS:
-        raise UsageError(f"--cpu_bf16_gemm must be {', '.join(CPU_BF16_GEMMS)}, got {cfg.cpu_bf16_gemm!r}")
-    if cfg.profile:
-        profile_steps(cfg.profile, cfg.num_steps)
-    if cfg.bench:
-        if cfg.profile:
-            raise UsageError("--bench traces its own steps; leave out --profile")
-        if bench_length(cfg) > cfg.num_steps:
-            raise UsageError(f"--bench with --bench_steps={cfg.bench_steps} runs {bench_length(cfg)} steps but "
-                             f"--num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps")
-        if cfg.save_every or cfg.save_final or cfg.resume:
-            raise UsageError("--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume")
-    return cfg.global_batch_seqs // world_size
+def schedule_table(cfg: Config) -> list[StepSchedule]:
+    """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
+    return [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
+
+
+def window_table(schedules: list[StepSchedule], device: torch.device) -> Tensor:
+    """(steps, 2) int32 on the device: row s is step s's (long, short) window for the model."""
+    return torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
+
+
+def step_knobs(schedules: list[StepSchedule], device: torch.device) -> Callable[[int], tuple[Tensor, Tensor]]:
+    """Step -> what the model reads of its schedule, as rows of device tables made once (a new value never
+    recompiles): the (long, short) windows and the multi-token loss weights."""
+    windows = window_table(schedules, device)
+    mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
+    return lambda step: (windows[step], mtp[step])
+
+
+# -----------------------------------------------------------------------------
+# Optimizer
+# Muon (momentum, Polar Express orthogonalization, NorMuon) for the block matrices, Adam for
+# embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as
+# backward finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
+# functions, and the shards are all-gathered back into the parameters, awaited only where next read.
+
+
+# Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
+# 2% safety factor on the normalization.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+
+
+def polar_express(G: Tensor) -> Tensor:
+    """Approximately orthogonalize each matrix of G (batched over leading dims) in bf16.
+
+    After X <- X / (1.02 |X|_F + 1e-6), each iteration is X <- a X + (b A + c A^2) X with A = X X^T,
+    written as two baddbmm: the products accumulate in fp32 and a*X + B@X (and b*A + c*A@A) round to bf16
+    once, as the record's kernels do; rounding after every operation would double the error against an
+    exact (fp64) iteration.
+    """
+    X = G.bfloat16()
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    shape = X.shape
+    X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dimension
+    for a, b, c in POLAR_EXPRESS:
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    X = X.view(shape)
+    return X.mT if transposed else X
+
+
+def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
+    rows, cols = shape[-2:]
+    return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
+
+
+def normuon_(O: Tensor, v: Tensor, beta2: float, columns: Tensor | None = None) -> Tensor:
+    """NorMuon (#41): divide the orthogonalized update by the running RMS of its rows (or columns), kept in v
+    (fp32, updated in place), then give it back its own Frobenius norm. columns: per (square) matrix of a batch,
+    whether its statistic runs per column instead (a matrix stored transposed: #70 takes W_o's per output
+    channel, the columns of the W_o^T kept here)."""
+    O = O.float()
+    if columns is not None:
+        O = torch.where(columns.view(-1, 1, 1), O.mT, O)
+    v.lerp_(O.square().mean(dim=-1 if v.size(-1) == 1 else -2, keepdim=True), 1 - beta2)
+    scaled = O * v.clamp_min(1e-10).rsqrt()
+    out = scaled * (O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    return out if columns is None else torch.where(columns.view(-1, 1, 1), out.mT, out)
+
+
+def normuon_columns(name: str, units: int) -> list[bool]:
+    """Which of a parameter's matrices take NorMuon's statistic per column: the attention's W_o, kept transposed
+    as the fourth of (q, k, v, o)."""
+    return [name.endswith("attn.qkvo_w") and unit == 3 for unit in range(units)]
+
+
+def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
+                 orthogonalize: Callable[[Tensor], Tensor] = polar_express, lr_mul: float | Tensor = 1.0,
+                 wd: float = 0.0, columns: Tensor | None = None) -> None:
+    """Nesterov momentum, orthogonalization, NorMuon's scaling (state["v"], decay normuon_beta2), then a step of
+    lr * lr_mul * sqrt(max(1, rows/cols)); lr_mul is a float or a per-matrix tensor broadcasting over p.
+    Cautious weight decay (wd): p shrinks by wd * lr * (that step's lr) where the update has p's sign."""
+    buf = state["momentum"]
+    buf.lerp_(grad, 1 - momentum)
+    update = normuon_(orthogonalize(grad.lerp(buf, momentum)), state["v"], normuon_beta2, columns)
+    update = update.type_as(p) * lr_mul
+    step_lr = lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
+    if wd:
+        p.sub_((update * p >= 0) * p * (wd * lr * step_lr * lr_mul))
+    p.add_(update, alpha=-step_lr)
+
+
+def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, wd: float = 0.0) -> None:
+    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v). Cautious weight decay (wd): p also
+    shrinks by lr^2 * wd where the step has p's sign (#50). The state is fp32 (#56): for the bf16 embeddings
+    the step is computed in fp32 and rounded into p once."""
+    grad = grad.to(m.dtype)
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    if wd:
+        u = m / v.sqrt().add_(eps) * step_size
+        p.sub_(u + (u * p > 0) * p * (lr * lr * wd))
+    else:
+        p.addcdiv_(m, v.sqrt().add_(eps), value=-step_size)
 
 
 @dataclass
-class Runtime:
-    """Where this process runs: its rank, the world size and its device (set up in main())."""
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
+class ParamGroup:
+    kind: str  # "muon" or "adam"
+    lr: float
+    params: list[nn.Parameter]
+    names: list[str] = field(default_factory=list)
+    lr_muls: list[float] = field(default_factory=list)  # per parameter (Muon); Adam groups have one lr each
+    wd: float = 0.0  # cautious weight decay
+    betas: tuple[float, float] = (0.0, 0.0)  # Adam's
 
 
-FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
-FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
+def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
+    """Muon takes every block matrix but the gates; Adam the embedding (with the head's lr and betas: tied to it,
+    then its copy), the value embeddings and bigram table, the head, the scalars, the x0 lambdas and the gates."""
+    named = dict(model.named_parameters())
+    value_embeds = [n for n in named if n.startswith("value_embeds.") or n == "bigram.weight"]  # lr, wd alike
+    gates = [n for n in named if n.endswith(("attn.gate_w", "attn.ve_gate_w"))]
+    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2 and n not in gates]
+    mul = {"c_fc": cfg.mlp_up_lr_mul, "c_proj": cfg.mlp_down_lr_mul}
+    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.scalar_beta2)
+    head_betas = (cfg.head_beta1, cfg.adam_beta2)
+
+    def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
+        return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
+
+    groups = [group("muon", cfg.muon_lr, muon, lr_muls=[mul.get(n.split(".")[-1], 1.0) for n in muon],
+                    wd=cfg.muon_wd),
+              group("adam", cfg.head_lr, ["embed.weight"], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas),
+              group("adam", cfg.embed_lr, value_embeds, wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
+              group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
+              group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
+              group("adam", cfg.scalar_lr, ["x0_lambdas"], betas=(cfg.x0_beta1, cfg.adam_beta2)),
+              group("adam", cfg.gate_lr, gates, wd=cfg.adam_wd, betas=scalar_betas),
+              group("adam", cfg.skip_gate_lr, ["skip_gate"], betas=scalar_betas),
+              group("adam", cfg.smear_gate_lr, ["smear_gate"], betas=scalar_betas)]
+    groups = [g for g in groups if g.params]  # no value embeddings: no group
+    assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
+    return groups
 
 
-def resolve_for_device(cfg: Config, cuda: bool) -> None:
-    """Replace auto (None) in --compile, --fp8_head and the kernels by the device's choice and apply DISABLE_FP8, so
-    that from here on the config (and its copy in the log) says what the run does; then check what depends on
-    the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
-    rehearsal of the GPU path refuses what the GPU would)."""
-    cfg.compile = cuda if cfg.compile is None else cfg.compile
-    if cuda and cfg.cpu_bf16_gemm == "fp32":
-        raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
-                         "drop it (or use --device=cpu)")
-    cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
-    cfg.fp8_head = (cuda if cfg.fp8_head is None else cfg.fp8_head) and not os.environ.get("DISABLE_FP8")
-    if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
-        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
-                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
-    for name in ("relu2_kernel", "fused_head"):
-        if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
-            setattr(cfg, name, cuda and importlib.util.find_spec("triton") is not None)
-        if getattr(cfg, name) and (importlib.util.find_spec("triton") is None or
-                                   not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-            raise UsageError(f"--{name} runs a Triton kernel: it needs triton installed and a CUDA device (or "
-                             f"TRITON_INTERPRET=1 on the CPU, slow); or use --{name}=false")
-    dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
-    bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
-    if cfg.fp8_head and bad:
-        raise UsageError(f"the FP8 head needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} "
-                         f"(torch._scaled_mm), got {', '.join(bad)}; change it or use --fp8_head=false")
+def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
+    """Async SUM reduce-scatter: each micro-step's loss is already scaled by 1/global_batch_seqs (gloo has no AVG)."""
+    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single and made the old name warn.
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Work | None:
+    """All-gather into one tensor; inp may be this rank's slice of out (in place)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, async_op=async_op)
 
 
-# CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and
-# through a scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a
-# CPU run's bf16 GEMMs run as fp32 GEMMs of the same bf16 values, rounded once to bf16: a bf16 GEMM with fp32
-# accumulation, as on the GPU, up to summation order. --cpu_bf16_gemm chooses; one dispatch mode serves eager and
-# compiled code.
-CPU_BF16_GEMMS = ("auto", "native", "fp32")
-CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
-                  "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
-GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+def grad_ready_order(model: nn.Module) -> list[str]:
+    """Parameter names in about the order backward finishes their gradients: reverse registration order,
+    except `scalars`, which every layer reads, so its gradient is final only at the very end."""
+    names = [n for n, _ in model.named_parameters()][::-1]
+    return [n for n in names if n != "scalars"] + [n for n in names if n == "scalars"]
 
 
-def native_bf16_gemm() -> bool:
-    """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
-    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def plan_buckets(groups: list[ParamGroup], ready_order: list[str], bucket_mb: float,
+                 world_size: int) -> list[tuple[ParamGroup, list[str]]]:
+    """Split each group into buckets of one dtype (and one matrix shape for Muon), in gradient-ready order.
+
+    A bucket closes at about bucket_mb; a parameter is never split (it stays a view of one buffer), so
+    one larger than that gets a bucket to itself.
+    A Muon bucket takes at least world_size matrices, and a multiple of it where it can, so padding
+    is left to the last bucket of a shape. Buckets are ordered by when backward finishes their last
+    gradient: the fixed order in which every rank launches them.
+    """
+    pos = {n: i for i, n in enumerate(ready_order)}
+    entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
+    open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
+    closed: list[tuple[int, ParamGroup, list[str]]] = []
+    for i, g, name, p in entries:
+        unit = tuple(p.shape[-2:]) if g.kind == "muon" else ()
+        unit_bytes = math.prod(unit) * p.element_size()
+        units = p.numel() // math.prod(unit)
+        limit = max(1, int(bucket_mb * 2**20) // unit_bytes)
+        if g.kind == "muon":
+            limit = max(world_size, limit // world_size * world_size)
+        key = (id(g), p.dtype, unit)
+        _, names, held = open_buckets.pop(key, (g, [], 0))
+        if names and held + units > limit:
+            closed.append((pos[names[-1]], g, names))
+            names, held = [], 0
+        names, held = names + [name], held + units
+        if held >= limit:
+            closed.append((i, g, names))
+        else:
+            open_buckets[key] = (g, names, held)
+    closed += [(pos[names[-1]], g, names) for g, names, _ in open_buckets.values()]
+    return [(g, names) for _, g, names in sorted(closed, key=lambda c: c[0])]
 
 
-class Fp32Gemms(TorchDispatchMode):
-    """Inside it, every bf16 mm/addmm/bmm/baddbmm on the CPU (and its out= form) runs in fp32 and rounds its
-    result to bf16. It ignores compile internals, so torch.compile still compiles under it (it falls back to eager
-    under other modes): compiled code calls its GEMMs as extern kernels, which come through here when they run."""
+class Bucket:
+    """Parameters of one group, dtype and (Muon) matrix shape, living in one flat buffer.
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
+    The buffer is a row of units (a matrix for Muon, an element for Adam) padded with zero units to a
+    multiple of the world size; rank r owns units [r*k, (r+1)*k) and keeps optimizer state for those
+    alone. Parameters and their .grad are views into the buffers, so the reduce-scatter reads the
+    accumulated gradients and the all-gather writes the parameters without copies.
+    """
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func.overloadpacket not in GEMM_OPS or func._overloadname not in ("default", "out")
-                or not any(isinstance(a, Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
-                           for a in args)):
-            return func(*args, **kwargs)
-        wide = [a.float() if isinstance(a, Tensor) and a.dtype == torch.bfloat16 else a for a in args]
-        out = kwargs.pop("out", None)
-        result = func.overloadpacket.default(*wide, **kwargs)
-        return result.bfloat16() if out is None else out.copy_(result)
+    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
+        self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
+        self.wd, self.betas = group.wd, group.betas
+        self.world_size = world_size
+        self.unit = list(params[0].shape[-2:]) if self.kind == "muon" else []
+        unit_numel = math.prod(self.unit)
+        self.counts = [p.numel() // unit_numel for p in params]
+        self.starts = [sum(self.counts[:j]) for j in range(len(params))]
+        self.shard_units = -(-sum(self.counts) // world_size)
+        self.data = torch.zeros(self.shard_units * world_size * unit_numel, dtype=params[0].dtype,
+                                device=params[0].device)
+        self.grad = torch.zeros_like(self.data)
+        self.grad_views: list[Tensor] = []
+        with torch.no_grad():
+            for p, start, count in zip(params, self.starts, self.counts):
+                lo, hi = start * unit_numel, (start + count) * unit_numel
+                self.data[lo:hi].copy_(p.flatten())
+                p.data = self.data[lo:hi].view_as(p)
+                self.grad_views.append(self.grad[lo:hi].view_as(p))
+                p.grad = self.grad_views[-1]
+        self.first_unit = rank * self.shard_units
+        n = self.shard_units * unit_numel
+        shape = (self.shard_units, *self.unit)
+        self.shard = self.data[rank * n:(rank + 1) * n].view(shape)
+        # At W = 1 the whole buffer is the shard; otherwise the reduce-scatter needs its own output.
+        self.grad_shard = self.grad.view(shape) if world_size == 1 else torch.empty(shape, dtype=self.grad.dtype,
+                                                                                     device=self.grad.device)
+        if self.kind == "muon":
+            self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device),
+                          "v": torch.zeros(normuon_state_shape(shape), device=self.data.device)}
+
+            def of_shard(per_param: Callable[[str, int], list], padding: object) -> list:
+                """A value per matrix of this rank's shard, from each parameter's list of them (padding after)."""
+                values = [v for n, count in zip(names, self.counts) for v in per_param(n, count)]
+                values += [padding] * (self.shard_units * world_size - len(values))
+                return values[self.first_unit:self.first_unit + self.shard_units]
+
+            group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier
+            self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0),
+                                       device=self.data.device).view(-1, 1, 1)
+            cols = of_shard(normuon_columns, False)  # NorMuon's per-column matrices (W_o); None: none here
+            self.columns = torch.tensor(cols, device=self.data.device) if any(cols) else None
+        else:
+            self.state = {k: torch.zeros(shape, dtype=torch.float32, device=self.data.device) for k in ("m", "v")}
+        self.pending = len(params)  # gradients not yet final in this step's last micro-step
+        self.reduce_work: dist.Work | None = None
+        self.gather_work: dist.Work | None = None
+
+    def _bind_grads(self) -> None:
+        """Bring back gradients that left the buffer (e.g. model.zero_grad(set_to_none=True)), at the cost of a copy."""
+        for p, view in zip(self.params, self.grad_views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() == view.data_ptr():
+                continue
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def reduce_grads(self) -> None:
+        self._bind_grads()
+        if self.world_size > 1:
+            self.reduce_work = _reduce_scatter(self.grad_shard.view(-1), self.grad)
+
+    def wait_grads(self) -> None:
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
+
+    def gather_params(self) -> None:
+        if self.world_size > 1:
+            self.gather_work = all_gather_into(self.data, self.shard.view(-1), async_op=True)
+
+    def wait_params(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
+    def layout(self) -> dict:
+        """What a checkpoint needs to check that its shard fits this bucket."""
+        return {"kind": self.kind, "dtype": str(self.data.dtype), "unit": self.unit, "names": self.names,
+                "counts": self.counts, "shard_units": self.shard_units}
+
+    def owned(self) -> Iterator[tuple[str, int, int, dict[str, Tensor]]]:
+        """Per parameter with units in this rank's shard: name, its first and end unit, and views of their state."""
+        end_unit = self.first_unit + self.shard_units
+        for name, start, count in zip(self.names, self.starts, self.counts):
+            lo, hi = max(start, self.first_unit), min(start + count, end_unit)
+            if lo < hi:
+                rows = slice(lo - self.first_unit, hi - self.first_unit)
+                yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
 
 
-def bf16_gemm_path(choice: str, cuda: bool) -> str:
-    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
-    return "native" if cuda or choice == "native" or (choice == AUTO and native_bf16_gemm()) else "fp32"
+class ShardedMuonAdam:
+    """Muon + Adam, ZeRO-1 sharded: each rank does the update and keeps the state for 1/W of every bucket.
 
+    Per step: reduce-scatter each bucket's gradients (from backward hooks on the last micro-step, or
+    all after backward), update this rank's shard, all-gather the shards back into the parameters.
+    On steps without an Adam update (adam_every > 1) the Adam buckets do none of this: their gradients
+    keep accumulating in place, on every rank, until the step that reduces and applies their sum.
+    Call wait_for_params() before anything reads the parameters (forward, validation, checkpoint).
+    """
 
-def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
-    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
-    return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
+    def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.orthogonalize = torch.compile(polar_express, dynamic=False, fullgraph=True) if compile_ns else polar_express
+        self.lr_mult, self.momentum, self.adam_step = 1.0, cfg.muon_momentum_start, True  # set_step() sets them
+        self.step_count, self.adam_steps = 0, 0
+        named = dict(model.named_parameters())
+        plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
+        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
+        self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
+        self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
+        if world_size > 1 and cfg.comm_overlap == "hooks":
+            for b in self.buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(lambda _, b=b: self._grad_final(b))
 
+    def set_step(self, s: StepSchedule) -> None:
+        """Take the schedule's values for the step about to be trained (before its first backward)."""
+        self.lr_mult, self.momentum, self.adam_step = s.lr_mult, s.muon_momentum, s.adam_step
 
-def cpu_report() -> str:
-    """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-        model = names[0] if names else model
-    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
-            f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
+    def _updates(self, bucket: Bucket) -> bool:
+        return bucket.kind == "muon" or self.adam_step
+
+    def _grad_final(self, bucket: Bucket) -> None:
+        if not self.final_micro_step:
+            return  # still accumulating: nothing is final before the last micro-step
+        bucket.pending -= 1
+        # Launch in bucket order only: every rank must issue its collectives in the same order.
+        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
+            if self._updates(self.buckets[self.launched]):
+                self.buckets[self.launched].reduce_grads()
+            self.launched += 1
+
+    @torch.no_grad()
+    def step(self) -> None:
+        # after_backward launches everything here; so do hooks for buckets with a gradient that never arrived.
+        for b in self.buckets[self.launched:]:
+            if self._updates(b):
+                b.reduce_grads()
+        self.step_count += 1
+        self.adam_steps += self.adam_step
+        c = self.cfg
+        for b in self.buckets:
+            b.pending = len(b.params)
+            if not self._updates(b):
+                continue
+            b.wait_grads()
+            lr = b.lr * self.lr_mult
+            if b.kind == "muon":
+                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, c.normuon_beta2, self.orthogonalize,
+                             b.lr_mul, b.wd, b.columns)
+            else:
+                adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
+                             c.adam_eps, b.wd)
+            b.gather_params()
+        self.launched, self.final_micro_step = 0, False
+
+    def wait_for_params(self) -> None:
+        """Block until the last step's all-gathers have written every parameter."""
+        for b in self.buckets:
+            b.wait_params()
+
+    @torch.no_grad()
+    def zero_grad(self, everything: bool = False) -> None:
+        """Zero the gradient buffers of the buckets just updated (or all) in place (set_to_none would detach
+        .grad from them)."""
+        for b in self.buckets:
+            if not (everything or self._updates(b)):
+                continue
+            b.grad.zero_()
+            for p, view in zip(b.params, b.grad_views):
+                p.grad = view
+
+    @torch.no_grad()
+    def copy_param(self, src: str, dst: str) -> None:
+        """Make parameter dst a copy of src, its optimizer state too, on every rank (the untie, #53). Each is alone
+        in its buckets (its own group) with as many elements, so each rank owns the same units of both."""
+        self.wait_for_params()
+        params = {n: p for b in self.buckets for n, p in zip(b.names, b.params)}
+        params[dst].copy_(params[src])
+        owned = {name: (lo, hi, state) for b in self.buckets for name, lo, hi, state in b.owned()}
+        if (src in owned) != (dst in owned) or src in owned and owned[src][:2] != owned[dst][:2]:
+            raise ValueError(f"{src} and {dst} are sharded differently: cannot copy the optimizer state")
+        if src in owned:
+            for k, t in owned[dst][2].items():
+                t.copy_(owned[src][2][k].view_as(t))
+
+    def state_tensors(self) -> list[Tensor]:
+        return [t for b in self.buckets for t in b.state.values()]
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
+        """This rank's shard keyed by parameter name, with the bucket layout: the only format of optimizer state.
+
+        params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor}: the state of units lo..hi-1 of that
+        parameter (matrices for Muon, flat elements for Adam); names this rank owns nothing of are absent.
+        Each state tensor is a view of the live state passed through `copy` (a clone by default; the
+        checkpointer's copy goes to a pinned host buffer), so saving one does not save its whole bucket.
+        """
+        params = {}
+        for i, b in enumerate(self.buckets):
+            for name, lo, hi, state in b.owned():
+                params[name] = {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
+        return {"world_size": self.world_size, "rank": self.rank, "step_count": self.step_count,
+                "adam_steps": self.adam_steps, "buckets": [b.layout() for b in self.buckets], "params": params}
+
+    @torch.no_grad()
+    def load_state_dict(self, shards: list[dict]) -> None:
+        """Load the state_dict() of every rank of a saving run, at any world size and bucket layout: each
+        parameter's state is put together from the ranks' pieces (units lo..hi-1 each), then this rank
+        copies the units it owns now. ValueError says what does not fit."""
+        saved = {n: (lay["kind"], lay["unit"], c) for lay in shards[0]["buckets"]
+                 for n, c in zip(lay["names"], lay["counts"])}
+        mine = {n: (b.kind, b.unit, c) for b in self.buckets for n, c in zip(b.names, b.counts)}
+        if saved != mine:
+            raise ValueError("the optimizer state has other parameters or units than this model")
+        pieces: dict[str, list[tuple[int, int, dict[str, Tensor]]]] = {n: [] for n in mine}
+        for shard in shards:
+            for name, entry in shard["params"].items():
+                state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
+                pieces[name].append((*entry["units"], state))
+        kinds = {n: set(state) for b in self.buckets for n, _, _, state in b.owned()}
+        if any(set(parts[0][2]) != kinds[n] for n, parts in pieces.items() if n in kinds and parts):
+            raise ValueError("the optimizer state holds other statistics (e.g. NorMuon's) than this optimizer's")
+        full: dict[str, dict[str, Tensor]] = {}
+        for name, parts in pieces.items():
+            parts.sort(key=lambda p: p[0])
+            edges = [0] + [e for lo, hi, _ in parts for e in (lo, hi)] + [mine[name][2]]
+            if edges[0::2] != edges[1::2]:  # each piece starts where the previous one ended, from 0 to the end
+                raise ValueError(f"the optimizer state does not cover {name} exactly once")
+            full[name] = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        for b in self.buckets:
+            for name, lo, hi, state in b.owned():
+                for k, t in state.items():
+                    t.copy_(full[name][k][lo:hi])
+        self.step_count, self.adam_steps = shards[0]["step_count"], shards[0]["adam_steps"]
 
 
 # -----------------------------------------------------------------------------
@@ -811,17 +1231,16 @@ class TrainTokenStream:
 
     Step k takes global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len); seq_len + 1 tokens
     each (inputs and shifted targets). A sequence starts at a BOS and packs the documents from there in order,
-    each cut to its first max_doc_len tokens (0: whole, #28), the last one cut to fit; the next sequence
-    starts at the next document (_take says which, by #70's rule or #28's). Uncut, a sequence is the contiguous
-    seq_len + 1 tokens from its BOS (#28's rule). A step is taken from one shard: when the shard cannot supply
-    it, the next shard is loaded and the rest dropped.
+    each cut to its first max_doc_len tokens, the last one cut to fit; the next sequence starts at the document
+    after its last one (_take). A step is taken from one shard: when the shard cannot supply it, the next shard
+    is loaded and the rest dropped.
     """
 
-    def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int, epochs: int = 1,
-                 preload: bool = False, step_shape: Callable[[int], tuple[int, int]] | None = None):
+    def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int,
+                 step_shape: Callable[[int], tuple[int, int]], epochs: int = 1, preload: bool = False):
         self.files = files * epochs
         self.seq_len, self.batch_seqs, self.vocab_size = seq_len, batch_seqs, vocab_size  # seq_len: the longest
-        self.step_shape = step_shape or (lambda step: (seq_len, 0))
+        self.step_shape = step_shape
         self.next_file, self.steps_served = 0, 0
         self.tokens = np.zeros(0, dtype=np.uint16)
         self.bos = np.zeros(0, dtype=np.int64)
@@ -858,10 +1277,8 @@ class TrainTokenStream:
             self.preloader.shutdown(wait=True, cancel_futures=True)
 
     def _pack(self, i: int, need: int, max_doc_len: int) -> Pieces | None:
-        """`need` tokens from the document starting at bos[i] on, documents cut to max_doc_len (0: whole), as
-        contiguous pieces (runs of whole documents, each ended by a cut one); None past the shard's last BOS."""
-        if not max_doc_len:
-            return [(int(self.bos[i]), int(self.bos[i]) + need)] if i < len(self.bos) else None
+        """`need` tokens from the document starting at bos[i] on, documents cut to max_doc_len, as contiguous
+        pieces (runs of whole documents, each ended by a cut one); None past the shard's last BOS."""
         if max_doc_len not in self.long_docs:
             lengths = np.diff(self.bos, append=len(self.tokens))
             self.long_docs[max_doc_len] = np.flatnonzero(lengths > max_doc_len)
@@ -879,22 +1296,16 @@ class TrainTokenStream:
         return pieces
 
     def _take(self, seq_len: int, max_doc_len: int) -> list[Pieces] | None:
-        """The step's sequences from self.pos within the shard, or None when the shard cannot supply them. Cut
-        (#70): a sequence goes on at the document after the previous one's last, skipped even when only its BOS
-        was taken (a sequence that ends on a BOS), and a shard serves until a sequence needs a BOS it lacks.
-        Uncut (#28): it goes on at the first BOS at or after the previous one's last token, and a step needs
-        2 * batch_seqs * seq_len tokens left in the shard."""
-        if not max_doc_len and self.pos + 2 * self.batch_seqs * seq_len + 1 >= len(self.tokens):
-            return None
+        """The step's sequences from self.pos within the shard, or None when the shard cannot supply them (#70's
+        rule): a sequence goes on at the document after the previous one's last, skipped even when only its BOS
+        was taken (a sequence that ends on a BOS), and a shard serves until a sequence needs a BOS it lacks."""
         i = int(np.searchsorted(self.bos, self.pos))
         step: list[Pieces] = []
         while len(step) < self.batch_seqs:
             pieces = self._pack(i, seq_len + 1, max_doc_len)
             if pieces is None:
                 return None
-            i = int(np.searchsorted(self.bos, pieces[-1][1] - 1, side="right" if max_doc_len else "left"))
-            if i == len(self.bos) and not max_doc_len:
-                return None
+            i = int(np.searchsorted(self.bos, pieces[-1][1] - 1, side="right"))
             step.append(pieces)
         self.pos = int(self.bos[i]) if i < len(self.bos) else len(self.tokens)
         return step
@@ -1003,8 +1414,8 @@ def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Cal
                      ) -> None:
     """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream
     itself (a long document yields one sequence, the rest of it is skipped), reading shards until enough."""
-    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, cfg.train_epochs,
-                              step_shape=step_shape)
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, step_shape,
+                              cfg.train_epochs)
     supplied = stream.steps_available(steps)
     if supplied < steps:
         raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
@@ -1147,1302 +1558,426 @@ class PrefetchLoader:
 
 
 # -----------------------------------------------------------------------------
-# Kernels
-# The model's custom ops, each a torch.library op with a fake kernel (what torch.compile traces) and an
-# autograd rule: the FP8 head's matmuls (cuBLAS), and behind flags the Triton kernels of record #70. The
-# torch path each one replaces stays in the model as the reference.
-
-# FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
-# bf16; backward casts the output gradient to float8_e5m2. The scales are Config fields, #28's by default: x is
-# RMS-normed, so |x| <= sqrt(d) maps onto e4m3's largest value, 448; |W| <= 448 * 2^-9 = 0.875; gradients up to
-# 57344 / 448 (record70 takes #51/#55's retune).
-# Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
-# backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
-# dtype torch.library.opcheck can compare). A value past a format's range saturates to its largest, as the
-# record's compiled casts do on the GPU (Triton's); torch < 2.12 casts e4m3 overflow to NaN, e5m2's to inf.
-FP8_MAX_E4M3 = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def _to_fp8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    # The quotient in fp32, so it rounds once, into fp8 (a bf16 one would round to bf16 first).
-    limit = torch.finfo(dtype).max
-    return t.float().div(scale).clamp(-limit, limit).to(dtype)
-
-
-def _scales(values: list[float] | tuple[float, ...], like: Tensor) -> list[Tensor]:
-    # Tensors, not floats, into the compiled bodies: a float there is a constant of the graph, a new graph for each
-    # value. Made once per run's scales and device, not per micro-step.
-    return list(_scale_tensors(tuple(values), like.device))
-
-
-@functools.cache
-def _scale_tensors(values: tuple[float, ...], device: torch.device) -> tuple[Tensor, ...]:
-    # Fill kernels, not host-to-device copies: a copy of a Python scalar would synchronize the host.
-    return tuple(torch.full((), v, dtype=torch.float32, device=device) for v in values)
-
-
-def compiled_on_first_call(fn: Callable) -> Callable:
-    """fn under torch.compile (fullgraph, dynamic shapes), built when first called: torch.compile imports dynamo,
-    over a second of every process's start-up that a run without the FP8 head (a CPU run, --help) never needs.
-    Dynamic shapes and tensor arguments only, so a run's staged lengths and a process's many tests share a graph
-    per device and autograd context, far below dynamo's recompile limit (a hard failure)."""
-    build = functools.cache(lambda: torch.compile(fn, dynamic=True, fullgraph=True))
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        return build()(*args)
-    return call
-
-
-@compiled_on_first_call
-def _fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
-    x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
-    w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
-    return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=x_s, scale_b=w_s)
-
-
-@compiled_on_first_call
-def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
-                      ) -> tuple[Tensor, Tensor]:
-    # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
-    g_f8 = _to_fp8(g, grad_s, torch.float8_e5m2)
-    x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
-    w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
-    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                              scale_a=grad_s, scale_b=w_s)
-    # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=x_s, scale_b=grad_s).T
-    return grad_x, grad_w
-
-
-@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
-def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
-    """x @ w.T in bf16, with both operands scaled into float8_e4m3 (grad_s is the backward's gradient scale)."""
-    return _fp8_matmul(x, w, *_scales((x_s, w_s), x))
-
-
-@fp8_mm.register_fake
-def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
-    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """Gradients of fp8_mm: g / grad_s in float8_e5m2; grad_x in bf16, grad_w in fp32 (column-major)."""
-    return _fp8_matmul_grads(g, x, w, *_scales((x_s, w_s, grad_s), g))
-
-
-@fp8_mm_backward.register_fake
-def _(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    # The strides the real op returns: compiled callers check them (grad_w is a transposed row-major result).
-    return x.new_empty(x.shape, dtype=torch.bfloat16), w.new_empty(w.shape[::-1], dtype=torch.float32).T
-
-
-def _fp8_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    ctx.scales = inputs[2:]
-    ctx.save_for_backward(inputs[0], inputs[1])
-
-
-def _fp8_mm_grad(ctx, grad_out: Tensor) -> tuple:
-    x, w = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x, w, *ctx.scales)
-    return grad_x, grad_w, None, None, None
-
-
-fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
-
-
-def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
-    """The FP8 head's (x, W, gradient) scales, the gradient's for a loss multiplied by loss_scale: folded in,
-    the e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed)."""
-    return [cfg.fp8_x_scale or math.sqrt(cfg.model_dim) / FP8_MAX_E4M3, cfg.fp8_w_scale,
-            cfg.fp8_grad_scale * loss_scale]
-
-
-# Fused linear + ReLU^2 (#59, #87), behind --relu2_kernel: one Triton GEMM whose epilogue squares the ReLU, so
-# the pre-activation never reaches memory; backward recovers relu(pre) = sqrt(post) (#87: nothing else saved)
-# and runs the two GEMMs in torch. Built on first use (triton is imported only then; with TRITON_INTERPRET=1
-# the kernel runs on CPU tensors, which is how the tests check it). K is a compile-time constant (model_dim).
-# On CUDA, Triton autotunes the tile per (M, N) over RELU2_CONFIGS during warmup (each stage's shape is warmed
-# up, so no timed step tunes); the interpreter runs the first config (autotuning would time the interpreter).
-RELU2_CONFIGS = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): H100 bf16 GEMM tiles, all within sm90's
-    (128, 256, 64, 8, 3),  # 227 KB of shared memory (records/sm90_kernels.py compiles each for sm90)
-    (256, 128, 64, 8, 3),
-    (128, 128, 64, 8, 4),
-    (128, 128, 64, 4, 3),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (64, 128, 32, 4, 4),
-    (64, 64, 64, 4, 5),
-)
-
-
-@functools.cache
-def relu2_launcher() -> Callable:
-    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, sxm, sxk, swk, swn, som, son,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, tl.cdiv(K, BLOCK_K)):  # fp32 accumulation over K, masked tails
-            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N),
-                        other=0.0)
-            acc += tl.dot(a, b)
-        acc = tl.maximum(acc, 0.0)
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, (acc * acc).to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    tuned = triton.autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                             for bm, bn, bk, w, s in RELU2_CONFIGS], key=["M", "N"])(kernel)
-
-    def launch(x: Tensor, w: Tensor, out: Tensor, config: tuple[int, ...] | None = None) -> None:
-        """config: one of RELU2_CONFIGS; None autotunes on CUDA and takes the first config elsewhere."""
-        (M, K), N = x.shape, w.size(1)
-        args = (x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride())
-        if config is None and x.is_cuda:
-            tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))](*args)
-            return
-        bm, bn, bk, warps, stages = config or RELU2_CONFIGS[0]
-        kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                                         num_warps=warps, num_stages=stages)
-
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
-    return launch
-
-
-@torch.library.custom_op("speedrun::relu2_mm", mutates_args=())
-def relu2_mm(x: Tensor, w: Tensor) -> Tensor:
-    """relu(x @ w)^2 for x (M, K) and w (K, N), in x's dtype, by the fused Triton kernel."""
-    out = x.new_empty(x.size(0), w.size(1))
-    relu2_launcher()(x, w.to(x.dtype), out)
-    return out
-
-
-@relu2_mm.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
-    return x.new_empty(x.size(0), w.size(1))
-
-
-def _relu2_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    ctx.save_for_backward(inputs[0], inputs[1], output)
-
-
-def _relu2_mm_grad(ctx, grad_out: Tensor) -> tuple:
-    x, w, post = ctx.saved_tensors
-    grad_pre = 2 * post.sqrt() * grad_out  # d relu(pre)^2 = 2 relu(pre); relu(pre) = sqrt(post)
-    return grad_pre @ w.to(grad_pre.dtype).T, (x.T @ grad_pre).to(w.dtype)
-
-
-relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
-
-
-# Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75), behind --fused_head: the logits are made
-# HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and, in place, its
-# gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
-# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does (validation, loss
-# only, too). u = cap sigmoid((z + shift) / temp) lies in [0, cap], so lse = cap + log sum exp(u - cap) needs no
-# running max.
-HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step (26 GB validating)
-
-
-@functools.cache
-def softcap_ce_launcher() -> Callable:
-    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(z_ptr, stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
-               V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
-        # One program per row t = row0 + r: the loss sum_k w_k (lse - u[y_(t+k)]) over the k with t + k < T, then
-        # dL/dz = (sum_k w_k softmax(u) - sum_k w_k onehot(y_(t+k))) * (cap / temp) s (1 - s), s = u / cap, over z.
-        # sigmoid and cdiv written out: tl's are jit functions, which the interpreter re-patches at every call.
-        r = tl.program_id(0)
-        row = z_ptr + r.to(tl.int64) * stride
-        sums = tl.zeros((BLOCK_V,), dtype=tl.float32)
-        for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
-            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
-            z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            sums += tl.where(cols < V, tl.exp(cap / (1 + tl.exp(-(z + shift) / temp)) - cap), 0.0)
-        lse = cap + tl.log(tl.sum(sums, axis=0))
-        ks = tl.arange(0, K)
-        valid = row0 + r + ks < T
-        ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
-        ws = tl.load(weights_ptr + ks, mask=valid, other=0.0)
-        z_y = tl.load(row + ys, mask=valid, other=0.0).to(tl.float32)
-        tl.store(loss_ptr + r, tl.sum(ws * (lse - cap / (1 + tl.exp(-(z_y + shift) / temp))), axis=0))
-        coef = tl.sum(ws, axis=0)
-        if GRAD:
-            for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
-                cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
-                a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
-                s = 1 / (1 + tl.exp(-a))
-                picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
-                # 1 - s as sigmoid(-a) = 1 / (1 + exp(a)): no cancellation where the sigmoid saturates at cap
-                grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s / (1 + tl.exp(a))
-                tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
-
-    def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
-               temp: float, grad: bool = True, block_v: int = 1024) -> None:
-        # weights: fp32, padded with zeros to a power of two (tl.arange's rule; softcap_ce pads them once)
-        kernel[(z.size(0),)](z, z.stride(0), targets, weights, losses, row0, targets.numel(), cap, shift, temp,
-                             V=z.size(1), K=weights.numel(), BLOCK_V=block_v, GRAD=grad)
-
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
-    return launch
-
-
-@torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
-def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-               scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u = cap sigmoid((x w^T +
-    shift) / temp), the terms past the end left out. scales: fp8_scales(), the head's GEMMs in FP8 as fp8_mm runs
-    them; [] runs them in x's dtype. with_grad=False (no autograd: validation) gives the loss alone, the
-    gradients empty."""
-    if not with_grad:
-        grad_x, grad_w = x.new_empty(0), w.new_empty(0)
-    else:
-        grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
-    losses = torch.empty(x.size(0), dtype=torch.float32, device=x.device)  # per row, summed once at the end
-    weights = F.pad(weights.float(), (0, max(2, 1 << (weights.numel() - 1).bit_length()) - weights.numel()))
-    w_x = None if scales else w.type_as(x)  # the FP8 GEMMs cast w themselves
-    scales = _scales(scales, x)
-    for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
-        xc = x[row0: row0 + HEAD_CHUNK_ROWS]
-        z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
-        softcap_ce_launcher()(z, targets, weights, losses[row0:], row0, cap, shift, temp, with_grad)  # z: dloss/dz
-        if not with_grad:
-            continue
-        gx, gw = _fp8_matmul_grads(z, xc, w, *scales) if scales else (z @ w_x, z.T @ xc)
-        grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
-        grad_w += gw
-    return losses.sum(), grad_x, grad_w.to(w.dtype)
-
-
-@softcap_ce.register_fake
-def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-      scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    grads = (torch.empty_like(x), torch.empty_like(w)) if with_grad else (x.new_empty(0), w.new_empty(0))
-    return x.new_empty((), dtype=torch.float32), *grads
-
-
-def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
-    ctx.save_for_backward(output[1], output[2])
-
-
-def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
-    grad_x, grad_w = ctx.saved_tensors
-    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None, None
-
-
-softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
-
-
-# -----------------------------------------------------------------------------
-# Model
-# The record-#28 GPT: token + value embeddings, U-net skips, per-block mixing with x0, QK-norm,
-# half-truncated RoPE, sparse head gates, ReLU^2 MLP, soft-capped logits. One mask rule for
-# attention, two kernels: FlexAttention block masks on CUDA, a dense SDPA mask on CPU
-# (FlexAttention has no CPU backward). The windows (long and short, in blocks) come in as a tensor.
-
-
-def norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))
-
-
-def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor, paired: bool = False, reach: Tensor | None = None
-               ) -> Tensor:
-    """Token rule: causal and within one document, and with reach (token windows, #70) at most reach positions
-    back: FA3's window (reach, 0), reach + 1 keys. paired: positions of the interleaved 2T sequence of paired-head
-    attention (#58), position i being token i // 2's."""
-    same_doc = docs[q_idx // 2] == docs[kv_idx // 2] if paired else docs[q_idx] == docs[kv_idx]
-    allowed = (q_idx >= kv_idx) & same_doc
-    return allowed if reach is None else allowed & (q_idx - kv_idx <= reach)
-
-
-def block_window_selection(docs: Tensor, block_size: int, window: Tensor, token_window: bool = False
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
-
-    A key block is visible when it is not after the query block and their document ranges overlap;
-    it is full (no per-token mask) when strictly earlier and both lie in one document. #28's window
-    keeps at most max(window - 1, 0) full blocks and max(window - all full blocks, 1) partial ones.
-    token_window (#70): every visible block at most `window` blocks back, those fewer than `window` back full
-    (every key within window x block_size tokens of every query), the farthest partial (may_attend's reach).
-    `window` is a 0-dim tensor so a new size never triggers a recompile; window 0 (short layers while the
-    long window is one block) keeps the diagonal block alone.
-    """
-    nb = docs.numel() // block_size
-    blocks = docs.view(nb, block_size)
-    first, last = blocks[:, 0], blocks[:, -1]
-    q = torch.arange(nb, device=docs.device)[:, None]
-    k = torch.arange(nb, device=docs.device)[None, :]
-    visible = (q >= k) & (first[:, None] <= last[None, :])
-    full = (q > k) & (last[:, None] == first[None, :])
-    if token_window:
-        visible, full = visible & (q - k <= window), full & (q - k < window)
-    partial = visible & ~full
-
-    def nearest_first(mask: Tensor) -> tuple[Tensor, Tensor]:
-        order = torch.argsort(torch.where(mask, k, -1), dim=-1, descending=True, stable=True)
-        return mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
-
-    partial_n, partial_idx = nearest_first(partial)
-    full_n, full_idx = nearest_first(full)
-    if token_window:
-        return partial_n, partial_idx, full_n, full_idx
-    partial_n = torch.minimum(partial_n, torch.clamp_min(window - full_n, 1))
-    full_n = torch.minimum(full_n, torch.clamp_min(window - 1, 0))  # a count: never -1 (kernels loop on it)
-    return partial_n, partial_idx, full_n, full_idx
-
-
-def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool, token_window: bool
-                    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """The tokens' document ids (a BOS count), may_attend's reach (token windows; None: #28's block rule) and
-    block_window_selection over the attended positions: the tokens, or (paired) the 2T interleaved positions,
-    where position i is token i // 2's. The token rule reads the tokens' ids in both cases (the compiled flex
-    kernel needs them as a buffer of its own inputs)."""
-    docs = (input_seq == BOS_ID).cumsum(0)
-    reach = window * block_size if token_window else None
-    return docs, reach, block_window_selection(docs.repeat_interleave(2) if paired else docs, block_size, window,
-                                               token_window)
-
-
-def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False, token_window: bool = False
-               ) -> BlockMask:
-    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
-                                                                              token_window)
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return may_attend(q_idx, kv_idx, docs, paired, reach)
-
-    return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
-                                    full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
-
-
-def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False, token_window: bool = False
-               ) -> Tensor:
-    """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
-    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired,
-                                                                              token_window)
-    nb = partial_n.numel()
-    rank = torch.arange(nb, device=docs.device)[None, :]
-    chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
-    chosen.scatter_(1, partial_idx.long(), rank < partial_n[:, None])
-    chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
-    pos = torch.arange(nb * block_size, device=docs.device)
-    blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
-    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, paired, reach)
-
-
-class Rotary(nn.Module):
-    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all.
-    set_frequencies rewrites the tables in place (YaRN): a compiled model reads the new values, no recompile."""
-
-    def __init__(self, head_dim: int, max_len: int):
-        super().__init__()
-        n_rot = head_dim // 4
-        self.base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n_rot), torch.zeros(head_dim // 2 - n_rot)])
-        self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
-        self.register_buffer("stationary", torch.cat([self.base == 0] * 2), persistent=False)  # the dims never turned
-        self.set_frequencies(self.base)
-
-    @torch.no_grad()
-    def set_frequencies(self, freqs: Tensor) -> None:
-        # Built where the tables live: only the head_dim/2 frequencies cross from the host, not the tables.
-        positions = torch.arange(self.cos.size(0), dtype=torch.float32, device=self.cos.device)
-        theta = torch.outer(positions, freqs.to(self.cos.device, torch.float32))
-        self.cos.copy_(theta.cos())
-        self.sin.copy_(theta.sin())
-
-    def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
-        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 turns
-        its paired heads (heads 0, 2, 4 at 2t and 1, 3, 5 at 2t + 1, whichever slot of the pair they sit in)."""
-        T = x.size(-3)
-        if paired:  # heads as (H/2, 2): the parity broadcasts over rows 2t and 2t + 1 of the table, no copy
-            cos, sin = (t[: 2 * T].view(1, T, 1, 2, -1) for t in (self.cos, self.sin))
-            x = x.unflatten(-2, (-1, 2))
-        else:
-            cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        y = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
-        return y.flatten(-3, -2) if paired else y
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable = flex_attention):
-        super().__init__()
-        self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
-        # "long" or "short": which of the step's two windows this layer attends within
-        self.window = {"L": "long", "S": "short"}[cfg.attn_pattern[layer]]
-        self.flex = flex  # flex_attention, or a compiled copy when the model itself is not compiled
-        self.fold_lambdas = cfg.fold_lambdas
-        # Paired heads (#58, #70's layout): head j and head j + H/2 attend as one over 2T positions (t: 2t, 2t+1).
-        self.paired = layer in paired_layers(cfg)
-        self.key_offset = cfg.key_offset and self.window == "long"
-        has_ve = value_embed_layout(cfg)[layer] != "-"
-        hdim = cfg.num_heads * cfg.head_dim
-        # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
-        # transposed (applied as y @ W_o) so the four share one shape; Muon treats W and W^T alike.
-        self.qkvo_w = nn.Parameter(torch.empty(4, hdim, cfg.model_dim))
-        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
-        with torch.no_grad():
-            self.qkvo_w[:3].uniform_(-bound, bound)
-            if cfg.uniform_attn_out:
-                self.qkvo_w[3].uniform_(-bound, bound)
-            else:
-                self.qkvo_w[3].zero_()
-        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
-        # Per head, 2 sigmoid(W [x, ve]) on the value embedding: 1 at init (#55, #70's input); #70's paired-head
-        # layers read x alone (x[:gate_channels]).
-        self.ve_gate_w = (nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if cfg.ve_gates and has_ve
-                          else None)
-        self.rotary = rotary_for(self.paired)  # shared by the layers of its length
-        # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
-        self.register_buffer("q_gain", torch.ones(()), persistent=False)
-
-    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask: BlockMask | Tensor) -> Tensor:
-        T = x.size(1)
-        w_qkv = self.qkvo_w[:3].flatten(0, 1)
-        qkv = F.linear(x, (lambdas[0] * w_qkv if self.fold_lambdas else w_qkv).type_as(x))
-        H, D = self.num_heads, self.head_dim
-        q, k, v = qkv.view(1, T, 3 * H, D).chunk(3, dim=-2)
-        q, k = norm(q), norm(k)
-        if not self.fold_lambdas:
-            v = lambdas[0] * v
-        if ve is not None:
-            ve_heads = ve.view_as(v)
-            if self.ve_gate_w is not None:
-                half = self.ve_gate_w.size(1) // 2
-                gate_in = (x[..., : 2 * half] if self.paired else
-                           torch.cat([x[..., :half], ve[None, :, :half].type_as(x)], dim=-1))
-                ve_heads = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve_heads
-            v = v + (ve_heads if self.fold_lambdas else lambdas[1] * ve_heads)
-        q, k = self.rotary(q, self.paired) * self.q_gain, self.rotary(k, self.paired)
-        if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
-            q, k, v = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
-        if self.key_offset:  # the un-rotated dims of each key from the previous position (#49; across documents)
-            k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if isinstance(mask, BlockMask):
-            y = self.flex(q, k, v, block_mask=mask, scale=self.scale)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        y = y.transpose(1, 2)
-        if self.paired:  # back to (1, T, H, D)
-            y = y.reshape(1, T, H, D)
-        gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w.type_as(x)))
-        y = y * gate.unsqueeze(-1)
-        w_o = lambdas[1] * self.qkvo_w[3] if self.fold_lambdas else self.qkvo_w[3]
-        return F.linear(y.flatten(-2), w_o.T.type_as(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.fused = cfg.relu2_kernel
-        hidden = cfg.mlp_ratio * cfg.model_dim
-        # Both stored (dim, hidden) so they share a Muon shape group.
-        self.c_fc = nn.Parameter(torch.empty(cfg.model_dim, hidden))
-        self.c_proj = nn.Parameter(torch.zeros(cfg.model_dim, hidden))
-        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
-        with torch.no_grad():
-            self.c_fc.uniform_(-bound, bound)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.fused:
-            h = torch.ops.speedrun.relu2_mm(x.flatten(0, -2), self.c_fc).view(*x.shape[:-1], -1)
-        else:
-            h = F.relu(x @ self.c_fc.type_as(x)).square()
-        return F.linear(h, self.c_proj.type_as(h))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable):
-        super().__init__()
-        self.attn = CausalSelfAttention(cfg, layer, rotary_for, flex) if cfg.attn_pattern[layer] != "-" else None
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: tuple[Tensor, Tensor], sa_lambdas: Tensor,
-                masks: dict[str, BlockMask | Tensor], bigram: Tensor | None = None) -> Tensor:
-        x = mix[0] * x + mix[1] * x0
-        if bigram is not None:
-            x = x + bigram
-        if self.attn is not None:
-            x = x + self.attn(norm(x), ve, sa_lambdas, masks["paired" if self.attn.paired else self.attn.window])
-        return x + self.mlp(norm(x))
-
-
-def train_loss_scale(cfg: Config) -> float:
-    """train() scales each micro-step's summed loss by this before backward: the gradients summed over
-    micro-steps and ranks are then the mean over the step's sequences, the same at every world size."""
-    return 1.0 / cfg.global_batch_seqs
-
-
-def softcap(logits: Tensor, cfg: Config) -> Tensor:
-    """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
-    return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
-
-
-def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor | None) -> Tensor:
-    """Summed cross-entropy of the next token, or with mtp, a (K,) tensor of weights, multi-token (#53):
-    sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the terms past the sequence's end left out (and no document boundary
-    respected, as upstream), one logsumexp per position for every k."""
-    if mtp is None:
-        return F.cross_entropy(logits, targets, reduction="sum")
-    lse, T = torch.logsumexp(logits, dim=-1), targets.size(0)
-    loss = logits.new_zeros(())
-    for k in range(mtp.size(0)):
-        picked = logits[: T - k].gather(1, targets[k:, None]).squeeze(1)
-        loss = loss + mtp[k] * (lse[: T - k] - picked).sum()
-    return loss
-
-
-BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
-YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
-YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
-
-
-class GPT(nn.Module):
-    """use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; fp8_head: the FP8 head in
-    training; compile_flex: compile flex_attention on its own (an uncompiled model on CUDA: unfused, flex
-    would materialize the whole score matrix)."""
-
-    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False):
-        super().__init__()
-        self.cfg, self.use_flex, self.fp8_head = cfg, use_flex, fp8_head
-        L, d = cfg.num_layers, cfg.model_dim
-        max_len = max(cfg.train_seq_len, cfg.val_seq_len)
-        flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
-        self.embed = nn.Embedding(cfg.vocab_size, d).bfloat16()
-        layout = value_embed_layout(cfg)
-        self.ve_tables = [None if c == "-" else int(c) for c in layout]  # per layer
-        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d) for _ in set(layout) - {"-"})
-        with torch.no_grad():
-            for table in self.value_embeds:
-                table.weight.mul_(cfg.value_embed_std)  # N(0, std^2) from nn.Embedding's N(0, 1), no other draw
-        self.value_embeds.bfloat16()
-        # The bigram hash table (#62), zero-initialized.
-        table = torch.zeros(cfg.bigram_rows, d, dtype=torch.bfloat16)
-        self.bigram = nn.Embedding.from_pretrained(table, freeze=False) if cfg.bigram_rows else None
-        # One RoPE table per length (paired layers: 2T positions), shared: ten layers' own fp32 tables at record70's
-        # 262,144 positions would be 1.75 GiB a GPU.
-        rotary_for = functools.cache(lambda paired: Rotary(cfg.head_dim, 2 * max_len if paired else max_len))
-        self.blocks = nn.ModuleList(Block(cfg, layer, rotary_for, flex) for layer in range(L))
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        if cfg.tie_embed:  # #51: the head is also the embedding, so it starts away from zero
-            nn.init.normal_(self.lm_head.weight, std=0.005)
-        else:
-            nn.init.zeros_(self.lm_head.weight)
-        # 1 while the embedding is a lookup into the head (tie_embed, until the schedule unties it): a buffer the
-        # loop writes in place (tie_embedding), so untying never recompiles.
-        self.register_buffer("embed_tied", torch.ones(()) if cfg.tie_embed else None, persistent=False)
-        self.skip_layers = skip_layers(cfg)
-        # Input gates of the one skip (2 sigmoid(w x0[:gate_channels]), #55) and of the smear (#34): zero, open.
-        self.skip_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if self.skip_layers else None
-        self.smear_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if cfg.smear else None
-        self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
-        self.embed_tied_now = cfg.tie_embed  # what tie_embedding last wrote into embed_tied
-        # One vector of every learned scalar, by name: the skip weights (U-net: L/2 raw; one skip: s of
-        # sigmoid(s), init -1.5, #32), per-block a of x <- a x + b x0, per-layer lambdas ((lambda_v, lambda_ve),
-        # or folded (lambda_qkv, lambda_o)), the smear's lambda, backout's, and the bigram vector's per block.
-        # The b's, x0's weights, are a vector of their own: #70 steps them with other betas.
-        lambdas = (0.5, 1.0) if cfg.fold_lambdas else (0.5, 0.5)
-        parts = {"skip": torch.ones(L // 2) if self.skip_layers is None else torch.tensor([-1.5]),
-                 "resid": torch.full((L,), cfg.mix_init), "lambdas": torch.tensor(lambdas).repeat(L),
-                 "smear": torch.zeros(int(cfg.smear)), "backout": torch.full((int(cfg.backout_layer >= 0),), 0.5),
-                 "bigram": torch.full((L if cfg.bigram_rows else 0,), cfg.bigram_lambda_init)}
-        ends = np.cumsum([len(t) for t in parts.values()]).tolist()
-        self.scalar_slices = {k: slice(e - len(t), e) for (k, t), e in zip(parts.items(), ends)}
-        self.scalars = nn.Parameter(torch.cat(list(parts.values())))
-        self.x0_lambdas = nn.Parameter(torch.zeros(L))
-
-    @torch.no_grad()
-    def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
-        """RoPE frequencies and attention scale after YaRN (#31) at each change of the long window, in blocks,
-        from the first to the last of long_windows; with one (or none), the base ones. A block of B tokens and
-        a window change W -> W': r = B W w / 2pi turns of frequency w in the old window, g = clamp((r - 1) / 31,
-        0, 1), w <- w (s + g (1 - s)) with s = W / W' (high frequencies kept, low ones interpolated); the
-        attention scale grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
-        if long_windows[1:] == self.yarn_windows[1:]:
-            return
-        freqs = next(b.attn.rotary.base for b in self.blocks if b.attn is not None).double()
-        scale = 1.0
-        for old, new in zip(long_windows, long_windows[1:]):
-            turns = self.cfg.block_size * old * freqs / (2 * math.pi)
-            g = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
-            freqs = freqs * (old / new + g * (1 - old / new))
-            scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
-        attns = [b.attn for b in self.blocks if b.attn is not None]
-        for rotary in {id(a.rotary): a.rotary for a in attns}.values():  # each shared table once
-            rotary.set_frequencies(freqs)
-        for attn in attns:
-            attn.q_gain.fill_(scale)
-        self.yarn_windows = long_windows
-
-    @torch.no_grad()
-    def tie_embedding(self, tied: bool) -> None:
-        """Whether the embedding reads the head's weight (tie_embed) from now on; written only on a change."""
-        if self.embed_tied is not None and self.embed_tied_now != tied:
-            self.embed_tied.fill_(float(tied))
-            self.embed_tied_now = tied
-
-    def bigram_vectors(self, input_seq: Tensor) -> Tensor:
-        """(1, T, model_dim): per position the bigram table's row for (previous token, token) (#62): row
-        ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), the last row at position 0; across documents, as upstream."""
-        x, rows = input_seq.long(), self.cfg.bigram_rows
-        prev, cur = x[:-1], x[1:]
-        return self.bigram(torch.cat([x.new_full((1,), rows - 1), ((BIGRAM_MUL[0] * cur) ^ (BIGRAM_MUL[1] * prev))
-                                      % (rows - 1)]))[None]
-
-    def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
-        """The head's input, (T, model_dim), for one packed (T,) sequence; windows is (long, short) in blocks, an int
-        tensor (a new value never recompiles)."""
-        cfg, L = self.cfg, self.cfg.num_layers
-        # Each scalar is read 0-dim (sc[name][k]): a (1,) fp32 tensor times a bf16 activation would be fp32.
-        sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
-        ves = [table(input_seq) for table in self.value_embeds]
-        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, cfg.block_size,
-                                  token_window=cfg.token_windows)
-        masks = {"long": build(windows[0]), "short": build(windows[1])}
-        if cfg.paired_layers:  # the short window, in blocks (or block_size positions) of the interleaved sequence
-            masks["paired"] = build(windows[1], paired=True)
-        e = self.embed(input_seq)
-        if self.embed_tied is not None:  # both lookups, weighted by the flag: the same graph tied and untied
-            e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight).type_as(e) + (1 - self.embed_tied) * e
-        if self.smear_gate is not None:  # e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents
-            gate = torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate.type_as(e)))
-            gate = sc["smear"][0] * gate
-            e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
-        x = x0 = norm(e[None])
-        bigram = self.bigram_vectors(input_seq) if self.bigram is not None else None
-        skips, backout = [], None
-        for i, block in enumerate(self.blocks):
-            if self.skip_layers is None and i >= L // 2:  # U-net
-                x = x + sc["skip"][i - L // 2] * skips.pop()
-            elif self.skip_layers is not None and i == self.skip_layers[1]:
-                gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate.type_as(x0)))
-                x = x + torch.sigmoid(sc["skip"][0]) * gate * skips.pop()
-            t = self.ve_tables[i]
-            x = block(x, x0, None if t is None else ves[t], (sc["resid"][i], self.x0_lambdas[i]),
-                      sc["lambdas"][2 * i: 2 * i + 2], masks, None if bigram is None else sc["bigram"][i] * bigram)
-            if (i < L // 2) if self.skip_layers is None else i == self.skip_layers[0]:
-                skips.append(x)
-            if i == cfg.backout_layer:
-                backout = x
-        if backout is not None:  # #40: the middle layers' output, useful downstream but not for the prediction
-            x = x - sc["backout"][0] * backout
-        return norm(x).flatten(0, 1)
-
-    def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
-        """Soft-capped fp32 logits, (T, vocab). The FP8 head serves training only."""
-        cfg, x = self.cfg, self.hidden(input_seq, windows)
-        if self.training and self.fp8_head:  # the gradient reaching the head carries train_loss_scale
-            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(cfg, train_loss_scale(cfg)))
-        else:
-            logits = F.linear(x, self.lm_head.weight.type_as(x))
-        return softcap(logits, cfg)
-
-    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
-        """Summed (multi_token_loss with mtp, a (K,) tensor of weights) cross-entropy in training, mean in eval.
-        With --fused_head both losses come from softcap_ce (no logits tensor), with the same terms."""
-        cfg = self.cfg
-        if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
-            weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
-            loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
-                                                 weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
-                                                 fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],
-                                                 self.training)[0]
-            return loss if self.training else loss / target_seq.numel()
-        logits = self.logits(input_seq, windows)
-        return multi_token_loss(logits, target_seq, mtp) if self.training else F.cross_entropy(logits, target_seq)
-
-
-# -----------------------------------------------------------------------------
-# Schedule
-# Everything that varies with the step, in one place: the training loop sets the optimizer from it and
-# hands the windows and multi-token weights to the model (rows of device tables, so a new value never
-# recompiles), and the FLOP model and the metrics read the same values. A new staged quantity is a new field here.
-
-
-@dataclass(frozen=True)
-class StepSchedule:
-    lr_mult: float  # of every group's lr: the stage's (1 unstaged), then a linear cooldown from it to final_lr_frac
-    #                 over the last cooldown_frac of the scheduled steps (num_steps - extension_steps), then
-    #                 final_lr_frac through the extension
-    muon_momentum: float  # start -> end over muon_momentum_warmup_steps; back over muon_momentum_cooldown_steps
-    long_window: int  # attention window of the long layers, in blocks: grows to final_window_tokens, or staged
-    short_window: int  # of the short layers: short_window(long_window), or staged
-    adam_step: bool  # Adam updates at the end of this step (every adam_every-th step), on the summed gradients
-    seq_len: int  # tokens per training sequence (global_batch_seqs of them per step): train_seq_len, or staged
-    max_doc_len: int  # documents are cut to this many tokens in training; 0: whole
-    yarn_windows: tuple[int, ...] = ()  # --yarn: the long windows trained at so far, in order (GPT.apply_yarn)
-    mtp_weights: tuple[float, ...] = (1.0,)  # loss weights of the next 1, 2, ... tokens (as many every step)
-    tied: bool = False  # tie_embed: the embedding still reads the head (untied after the last tied step's update)
-
-
-def short_window(long_window: int) -> int:
-    """The short layers' window: half the long one, rounded down (0: the diagonal block alone)."""
-    return long_window // 2
-
-
-def stage_starts(cfg: Config) -> list[int]:
-    """The first step of each equal stage, then of the extension, then num_steps, rounded as #70 rounds them:
-    stage k of n starts at round(N (1/n + ... + 1/n)), k float terms and Python's round (ties to even), N the
-    scheduled steps (num_steps - extension_steps)."""
-    n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
-    return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
-
-
-def schedule(step: int, cfg: Config) -> StepSchedule:
-    """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
-    scheduled = cfg.num_steps - cfg.extension_steps
-    stages, starts = num_stages(cfg), stage_starts(cfg)
-    stage = min(bisect.bisect_right(starts, step) - 1, stages)  # of the equal stages; the extension's is `stages`
-    progress = 1.0 if stage >= stages else (step - starts[stage]) / (starts[stage + 1] - starts[stage])
-
-    def staged(name: str, default: Any = None) -> Any:  # a staged field's value now, or default when unset
-        spec = getattr(cfg, name)
-        if not spec:
-            return default
-        values = window_stages(spec) if name == "window_stages" else STAGED[name](spec)
-        return values[min(stage, len(values) - 1)]  # the extension keeps the last value (or has its own pair)
-
-    peak = staged("lr_stages", 1.0)
-    if not cfg.cooldown_frac:
-        lr_mult = peak
-    elif stages > 1 or cfg.extension_steps:  # #70 counts its cooldown in steps, from int(N (1 - cooldown_frac))
-        start = int(scheduled * (1 - cfg.cooldown_frac))
-        t = min(1.0, (step - start) / (scheduled - start))
-        lr_mult = peak * (1 - t) + cfg.final_lr_frac * t if step >= start else peak
-    else:  # #28 cools down on the fraction x = step / N
-        x = step / scheduled
-        cool = min((1 - x) / cfg.cooldown_frac, 1.0)
-        lr_mult = peak if x < 1 - cfg.cooldown_frac else peak * cool + (1 - cool) * cfg.final_lr_frac
-    momentum_range = cfg.muon_momentum_end - cfg.muon_momentum_start
-    cooldown_start = cfg.num_steps - cfg.muon_momentum_cooldown_steps
-    if step < cfg.muon_momentum_warmup_steps:
-        momentum = cfg.muon_momentum_start + step / cfg.muon_momentum_warmup_steps * momentum_range
-    elif cfg.muon_momentum_cooldown_steps and step > cooldown_start:
-        momentum = cfg.muon_momentum_end - (step - cooldown_start) / cfg.muon_momentum_cooldown_steps * momentum_range
-    else:
-        momentum = cfg.muon_momentum_end
-    if cfg.final_val_windows and step == cfg.num_steps:  # no training step: the last validation's
-        short, long = window_stages(cfg.final_val_windows)[0]
-    elif cfg.window_stages:  # with an extension, the last pair is its own
-        short, long = staged("window_stages")
-    else:  # the smallest block multiple >= final_window * step / num_steps, at least one block
-        long = max(1, math.ceil(cfg.final_window_tokens * step / cfg.num_steps / cfg.block_size))
-        short = short_window(long)
-    seq_len, max_doc_len = staged("seq_len_stages", cfg.train_seq_len), staged("doc_len_stages", 0)
-    yarn_windows = ()
-    if cfg.yarn:  # YaRN follows the training windows (not the last validation's), one change per stage
-        yarn_windows = tuple(dict.fromkeys(long for _, long in window_stages(cfg.window_stages)[: stage + 1]))
-    mtp = (1.0,)
-    if cfg.mtp_stages:  # a stage's last weight of several falls to 0 across it; padded with zeros to the most
-        weights = mtp_stages(cfg.mtp_stages)
-        mtp = list(weights[min(stage, len(weights) - 1)])
-        if len(mtp) > 1:
-            mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #70 interpolates, a + (b - a) t, bit for bit
-        mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
-    tied = cfg.tie_embed
-    if tied and cfg.untie_stage:  # the last tied step is the first Adam step at or after the stage's start
-        split = starts[cfg.untie_stage]
-        tied = step <= split + (-(split + 1) % cfg.adam_every)
-    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, seq_len, max_doc_len,
-                        yarn_windows, mtp, tied)
-
-
-def schedule_table(cfg: Config) -> list[StepSchedule]:
-    """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
-    return [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
-
-
-def window_table(schedules: list[StepSchedule], device: torch.device) -> Tensor:
-    """(steps, 2) int32 on the device: row s is step s's (long, short) window for the model."""
-    return torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
-
-
-def step_knobs(cfg: Config, schedules: list[StepSchedule], device: torch.device
-               ) -> Callable[[int], tuple[Tensor, Tensor | None]]:
-    """Step -> what the model reads of its schedule, as rows of device tables made once (a new value never
-    recompiles): the (long, short) windows, and the multi-token loss weights (None: next token only)."""
-    windows = window_table(schedules, device)
-    mtp = torch.tensor([s.mtp_weights for s in schedules], device=device) if cfg.mtp_stages else None
-    return lambda step: (windows[step], None if mtp is None else mtp[step])
-
-
-# -----------------------------------------------------------------------------
-# Optimizer
-# Muon (momentum + Newton-Schulz or Polar Express orthogonalization) for the block matrices, Adam for
-# embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as
-# backward finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
-# functions, and the shards are all-gathered back into the parameters, awaited only where next read.
-
-
-NS_QUINTIC = ((3.4445, -4.7750, 2.0315),) * 5  # record #28: one quintic, five times
-# Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
-# 2% safety factor on the normalization.
-POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
-                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
-
-
-def newton_schulz(G: Tensor, coefficients: tuple = NS_QUINTIC, safety: float = 1.0, eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalize each matrix of G (batched over leading dims) in bf16.
-
-    After X <- X / (|X|_F * safety + eps), each iteration is X <- a X + (b A + c A^2) X with A = X X^T,
-    written as two baddbmm: the products accumulate in fp32 and a*X + B@X (and b*A + c*A@A) round to bf16
-    once, as the record's kernels do; rounding after every operation would double the error against an
-    exact (fp64) iteration.
-    """
-    X = G.bfloat16()
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * safety + eps)
-    shape = X.shape
-    X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dimension
-    for a, b, c in coefficients:
-        A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    X = X.view(shape)
-    return X.mT if transposed else X
-
-
-def polar_express(G: Tensor) -> Tensor:
-    return newton_schulz(G, POLAR_EXPRESS, safety=1.02, eps=1e-6)
-
-
-def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
-    rows, cols = shape[-2:]
-    return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
-
-
-def normuon_(O: Tensor, v: Tensor, beta2: float, columns: Tensor | None = None) -> Tensor:
-    """NorMuon (#41): divide the orthogonalized update by the running RMS of its rows (or columns), kept in v
-    (fp32, updated in place), then give it back its own Frobenius norm. columns: per (square) matrix of a batch,
-    whether its statistic runs per column instead (a matrix stored transposed: #70 takes W_o's per output
-    channel, the columns of the W_o^T kept here)."""
-    O = O.float()
-    if columns is not None:
-        O = torch.where(columns.view(-1, 1, 1), O.mT, O)
-    v.lerp_(O.square().mean(dim=-1 if v.size(-1) == 1 else -2, keepdim=True), 1 - beta2)
-    scaled = O * v.clamp_min(1e-10).rsqrt()
-    out = scaled * (O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
-    return out if columns is None else torch.where(columns.view(-1, 1, 1), out.mT, out)
-
-
-def normuon_columns(name: str, units: int) -> list[bool]:
-    """Which of a parameter's matrices take NorMuon's statistic per column: the attention's W_o, kept transposed
-    as the fourth of (q, k, v, o)."""
-    return [name.endswith("attn.qkvo_w") and unit == 3 for unit in range(units)]
-
-
-def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float,
-                 orthogonalize: Callable[[Tensor], Tensor] = newton_schulz, lr_mul: float | Tensor = 1.0,
-                 normuon_beta2: float = 0.0, wd: float = 0.0, columns: Tensor | None = None) -> None:
-    """Nesterov momentum, orthogonalization (NorMuon-scaled with normuon_beta2), then a step of
-    lr * lr_mul * sqrt(max(1, rows/cols)); lr_mul is a float or a per-matrix tensor broadcasting over p.
-    Cautious weight decay (wd): p shrinks by wd * lr * (that step's lr) where the update has p's sign."""
-    buf = state["momentum"]
-    buf.lerp_(grad, 1 - momentum)
-    update = orthogonalize(grad.lerp(buf, momentum))
-    if normuon_beta2:
-        update = normuon_(update, state["v"], normuon_beta2, columns)
-    update = update.type_as(p) * lr_mul
-    step_lr = lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
-    if wd:
-        p.sub_((update * p >= 0) * p * (wd * lr * step_lr * lr_mul))
-    p.add_(update, alpha=-step_lr)
-
-
-def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float, wd: float = 0.0) -> None:
-    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v). Cautious weight decay (wd): p also
-    shrinks by lr^2 * wd where the step has p's sign (#50).
-
-    Record #28 rounds differently (m by mul_/add_, the bias correction in fp32 from a device step counter,
-    then m / denom * step_size): about 40% of the elements land one bf16 ulp apart. Matching it
-    would cost a device-side step counter for no measurable gain, so the order here is kept.
-    """
-    grad = grad.to(m.dtype)  # with fp32 state (--adam_state_fp32) the step is computed in fp32, rounded into p once
-    m.lerp_(grad, 1 - beta1)
-    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    if wd:
-        u = m / v.sqrt().add_(eps) * step_size
-        p.sub_(u + (u * p > 0) * p * (lr * lr * wd))
-    else:
-        p.addcdiv_(m, v.sqrt().add_(eps), value=-step_size)
-
-
-@dataclass
-class ParamGroup:
-    kind: str  # "muon" or "adam"
-    lr: float
-    params: list[nn.Parameter]
-    names: list[str] = field(default_factory=list)
-    lr_muls: list[float] = field(default_factory=list)  # per parameter (Muon); Adam groups have one lr each
-    wd: float = 0.0  # cautious weight decay
-    betas: tuple[float, float] = (0.0, 0.0)  # Adam's
-
-
-def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
-    """Muon takes every block matrix (the attention and VE gates too unless gate_lr gives them to Adam); Adam the
-    embeddings (one lr), the head, the scalars, the x0 lambdas and the model-level gates (skip, smear)."""
-    named = dict(model.named_parameters())
-    value_embeds = [n for n in named if n.startswith("value_embeds.") or n == "bigram.weight"]  # lr, wd alike
-    gates = [n for n in named if n.endswith(("attn.gate_w", "attn.ve_gate_w"))] if cfg.gate_lr else []
-    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2 and n not in gates]
-    mul = {"c_fc": cfg.mlp_up_lr_mul, "c_proj": cfg.mlp_down_lr_mul}
-    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.scalar_beta2)
-    head_betas = (cfg.head_beta1, cfg.adam_beta2)
-
-    def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
-        return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
-
-    groups = [group("muon", cfg.muon_lr, muon, lr_muls=[mul.get(n.split(".")[-1], 1.0) for n in muon],
-                    wd=cfg.muon_wd),
-              group("adam", cfg.head_lr if cfg.tie_embed else cfg.embed_lr, ["embed.weight"],  # tied: the head's
-                    wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas if cfg.tie_embed else betas),
-              group("adam", cfg.embed_lr, value_embeds, wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
-              group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
-              group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
-              group("adam", cfg.scalar_lr, ["x0_lambdas"], betas=(cfg.x0_beta1, cfg.adam_beta2)),
-              group("adam", cfg.gate_lr, gates, wd=cfg.adam_wd, betas=scalar_betas),
-              group("adam", cfg.skip_gate_lr, [n for n in named if n == "skip_gate"], betas=scalar_betas),
-              group("adam", cfg.smear_gate_lr, [n for n in named if n == "smear_gate"], betas=scalar_betas)]
-    groups = [g for g in groups if g.params]  # no value embeddings (or gates): no group
-    assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
+# Command line
+# --field=value parsing, --help from the Config's own comments, and validate_config, which refuses in one line any
+# value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
+
+COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
+BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
+
+
+AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
+
+
+def _parse_value(name: str, kind: type | str, text: str) -> object:
+    if kind in (bool, "bool | None"):
+        low = text.lower()
+        if kind != bool and low == AUTO:
+            return None
+        if low in ("1", "true", "yes", "on", ""):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise UsageError(f"--{name} expects true or false{'' if kind is bool else ' or auto'}, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
+
+
+def parse_config(argv: list[str]) -> Config:
+    """Defaults, then the presets' fields, then explicit --field=value overrides."""
+    types = {"int": int, "float": float, "bool": bool, "str": str, "bool | None": "bool | None"}
+    kinds = {f.name: types[f.type] for f in dataclasses.fields(Config)}
+    overrides: dict[str, object] = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
+        name, _, text = arg[2:].partition("=")
+        if name not in kinds:  # the closest spelling, else the fields that share a word with it (--lr: the lrs)
+            near = difflib.get_close_matches(name, kinds, n=1) or [
+                k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6]
+            hint = f"; did you mean --{' or --'.join(near)}?" if near else ""
+            raise UsageError(f"unknown option --{name}{hint} (see --help)")
+        if kinds[name] not in (bool, "bool | None") and "=" not in arg:
+            raise UsageError(f"--{name} needs a value: --{name}=VALUE")
+        overrides[name] = _parse_value(name, kinds[name], text)
+    fields: dict[str, object] = {}
+    for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
+        if preset not in PRESETS:
+            raise UsageError(f"unknown preset {preset!r}; choose from: {', '.join(PRESETS)} (several: --preset=A,B)")
+        fields.update(PRESETS[preset])
+    return Config(**{**fields, **overrides})
+
+
+def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
+    """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
+    a field is its documentation (--help prints it)."""
+    groups: list[tuple[str, list[tuple[str, str]]]] = []
+    for line in inspect.getsource(Config).splitlines()[2:]:
+        code, _, comment = line.strip().partition("  # ")
+        if code.startswith("# "):
+            groups.append((code[2:], []))
+        elif ":" in code:
+            groups[-1][1].append((code.split(":")[0], comment))
     return groups
 
 
-def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
-    """Async SUM reduce-scatter: each micro-step's loss is already scaled by 1/global_batch_seqs (gloo has no AVG)."""
-    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single and made the old name warn.
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
+def config_help() -> str:
+    lines = ["usage: train_gpt.py [--field=value ...]     (on N GPUs: torchrun --standalone --nproc_per_node=N "
+             "train_gpt.py ..., or ./run.sh ...)", "Every field of the Config dataclass, with its default:"]
+    defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
+    for group, fields in field_groups():
+        lines.append(f"\n{group}:")
+        for name, comment in fields:
+            flag = f"  --{name}={defaults[name]}"
+            lines.append(f"{flag:<44}{comment}" if len(flag) < 44 else f"{flag}\n{'':<44}{comment}")
+    lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
+    for name, fields in PRESETS.items():
+        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
+                                   initial_indent=f"  {name}: ", subsequent_indent="    "))
+    return "\n".join(lines)
 
 
-def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Work | None:
-    """All-gather into one tensor; inp may be this rank's slice of out (in place)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, async_op=async_op)
+def profile_steps(spec: str, num_steps: int) -> range:
+    """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
+    start, sep, end = spec.partition(":")
+    try:
+        a, b = int(start), int(end)
+    except ValueError:
+        raise UsageError(f"--profile expects START:END (0-based training steps, e.g. --profile=10:15), "
+                         f"got {spec!r}") from None
+    if not sep or not 0 <= a < b:
+        raise UsageError(f"--profile={spec}: needs 0 <= START < END (it traces steps START..END-1)")
+    if b > num_steps:
+        raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
+    return range(a, b)
 
 
-def grad_ready_order(model: nn.Module) -> list[str]:
-    """Parameter names in about the order backward finishes their gradients: reverse registration order,
-    except `scalars`, which every layer reads, so its gradient is final only at the very end."""
-    names = [n for n, _ in model.named_parameters()][::-1]
-    return [n for n in names if n != "scalars"] + [n for n in names if n == "scalars"]
+def window_stages(spec: str, flag: str = "window_stages") -> list[tuple[int, int]]:
+    """--window_stages=S/L,S/L,... (or --final_val_windows=S/L) as (short, long) windows in blocks; UsageError when
+    malformed or a short window is longer than its long one."""
+    try:
+        stages = [tuple(int(w) for w in pair.split("/")) for pair in spec.split(",")]
+    except ValueError:
+        stages = []
+    if not stages or any(len(st) != 2 or min(st) < 0 for st in stages):
+        shape = " per stage, comma-separated (e.g. 1/3,3/7,5/11,6/13)" if flag == "window_stages" else " (e.g. 6/20)"
+        raise UsageError(f"--{flag} expects SHORT/LONG blocks{shape}, got {spec!r}")
+    wrong = [f"{a}/{b}" for a, b in stages if a > b]
+    if wrong:
+        raise UsageError(f"--{flag}={spec}: the short window exceeds the long one in {', '.join(wrong)} "
+                         f"(SHORT/LONG, in blocks)")
+    return stages  # type: ignore[return-value]
 
 
-def plan_buckets(groups: list[ParamGroup], ready_order: list[str], bucket_mb: float,
-                 world_size: int) -> list[tuple[ParamGroup, list[str]]]:
-    """Split each group into buckets of one dtype (and one matrix shape for Muon), in gradient-ready order.
-
-    A bucket closes at about bucket_mb; a parameter is never split (it stays a view of one buffer), so
-    one larger than that gets a bucket to itself.
-    A Muon bucket takes at least world_size matrices, and a multiple of it where it can, so padding
-    is left to the last bucket of a shape. Buckets are ordered by when backward finishes their last
-    gradient: the fixed order in which every rank launches them.
-    """
-    pos = {n: i for i, n in enumerate(ready_order)}
-    entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
-    open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
-    closed: list[tuple[int, ParamGroup, list[str]]] = []
-    for i, g, name, p in entries:
-        unit = tuple(p.shape[-2:]) if g.kind == "muon" else ()
-        unit_bytes = math.prod(unit) * p.element_size()
-        units = p.numel() // math.prod(unit)
-        limit = max(1, int(bucket_mb * 2**20) // unit_bytes)
-        if g.kind == "muon":
-            limit = max(world_size, limit // world_size * world_size)
-        key = (id(g), p.dtype, unit)
-        _, names, held = open_buckets.pop(key, (g, [], 0))
-        if names and held + units > limit:
-            closed.append((pos[names[-1]], g, names))
-            names, held = [], 0
-        names, held = names + [name], held + units
-        if held >= limit:
-            closed.append((i, g, names))
-        else:
-            open_buckets[key] = (g, names, held)
-    closed += [(pos[names[-1]], g, names) for g, names, _ in open_buckets.values()]
-    return [(g, names) for _, g, names in sorted(closed, key=lambda c: c[0])]
+def stage_values(name: str, spec: str, kind: type) -> list:
+    """--seq_len_stages / --lr_stages / --doc_len_stages: one value per equal stage; UsageError when malformed."""
+    try:
+        values = [kind(v) for v in spec.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not (math.isfinite(v) and v >= 0) for v in values):
+        raise UsageError(f"--{name} expects one non-negative {kind.__name__} per stage, comma-separated, got {spec!r}")
+    low, high = STAGE_RANGES.get(name, (-1, math.inf))
+    if any(not low < v <= high for v in values):
+        raise UsageError(f"--{name}={spec}: each stage's value must be above {low:g} and at most {high:g}")
+    return values
 
 
-class Bucket:
-    """Parameters of one group, dtype and (Muon) matrix shape, living in one flat buffer.
-
-    The buffer is a row of units (a matrix for Muon, an element for Adam) padded with zero units to a
-    multiple of the world size; rank r owns units [r*k, (r+1)*k) and keeps optimizer state for those
-    alone. Parameters and their .grad are views into the buffers, so the reduce-scatter reads the
-    accumulated gradients and the all-gather writes the parameters without copies.
-    """
-
-    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int,
-                 normuon: bool = False, adam_state_fp32: bool = False):
-        self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
-        self.wd, self.betas = group.wd, group.betas
-        self.world_size = world_size
-        self.unit = list(params[0].shape[-2:]) if self.kind == "muon" else []
-        unit_numel = math.prod(self.unit)
-        self.counts = [p.numel() // unit_numel for p in params]
-        self.starts = [sum(self.counts[:j]) for j in range(len(params))]
-        self.shard_units = -(-sum(self.counts) // world_size)
-        self.data = torch.zeros(self.shard_units * world_size * unit_numel, dtype=params[0].dtype,
-                                device=params[0].device)
-        self.grad = torch.zeros_like(self.data)
-        self.grad_views: list[Tensor] = []
-        with torch.no_grad():
-            for p, start, count in zip(params, self.starts, self.counts):
-                lo, hi = start * unit_numel, (start + count) * unit_numel
-                self.data[lo:hi].copy_(p.flatten())
-                p.data = self.data[lo:hi].view_as(p)
-                self.grad_views.append(self.grad[lo:hi].view_as(p))
-                p.grad = self.grad_views[-1]
-        self.first_unit = rank * self.shard_units
-        n = self.shard_units * unit_numel
-        shape = (self.shard_units, *self.unit)
-        self.shard = self.data[rank * n:(rank + 1) * n].view(shape)
-        # At W = 1 the whole buffer is the shard; otherwise the reduce-scatter needs its own output.
-        self.grad_shard = self.grad.view(shape) if world_size == 1 else torch.empty(shape, dtype=self.grad.dtype,
-                                                                                     device=self.grad.device)
-        if self.kind == "muon":
-            self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device)}
-            if normuon:
-                self.state["v"] = torch.zeros(normuon_state_shape(shape), device=self.data.device)
-
-            def of_shard(per_param: Callable[[str, int], list], padding: object) -> list:
-                """A value per matrix of this rank's shard, from each parameter's list of them (padding after)."""
-                values = [v for n, count in zip(names, self.counts) for v in per_param(n, count)]
-                values += [padding] * (self.shard_units * world_size - len(values))
-                return values[self.first_unit:self.first_unit + self.shard_units]
-
-            group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier
-            self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0),
-                                       device=self.data.device).view(-1, 1, 1)
-            cols = of_shard(normuon_columns, False)  # NorMuon's per-column matrices (W_o); None: none here
-            self.columns = torch.tensor(cols, device=self.data.device) if normuon and any(cols) else None
-        else:
-            dtype = torch.float32 if adam_state_fp32 else self.shard.dtype
-            self.state = {k: torch.zeros(shape, dtype=dtype, device=self.data.device) for k in ("m", "v")}
-        self.pending = len(params)  # gradients not yet final in this step's last micro-step
-        self.reduce_work: dist.Work | None = None
-        self.gather_work: dist.Work | None = None
-
-    def _bind_grads(self) -> None:
-        """Bring back gradients that left the buffer (e.g. model.zero_grad(set_to_none=True)), at the cost of a copy."""
-        for p, view in zip(self.params, self.grad_views):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() == view.data_ptr():
-                continue
-            else:
-                view.copy_(p.grad)
-            p.grad = view
-
-    def reduce_grads(self) -> None:
-        self._bind_grads()
-        if self.world_size > 1:
-            self.reduce_work = _reduce_scatter(self.grad_shard.view(-1), self.grad)
-
-    def wait_grads(self) -> None:
-        if self.reduce_work is not None:
-            self.reduce_work.wait()
-            self.reduce_work = None
-
-    def gather_params(self) -> None:
-        if self.world_size > 1:
-            self.gather_work = all_gather_into(self.data, self.shard.view(-1), async_op=True)
-
-    def wait_params(self) -> None:
-        if self.gather_work is not None:
-            self.gather_work.wait()
-            self.gather_work = None
-
-    def layout(self) -> dict:
-        """What a checkpoint needs to check that its shard fits this bucket."""
-        return {"kind": self.kind, "dtype": str(self.data.dtype), "unit": self.unit, "names": self.names,
-                "counts": self.counts, "shard_units": self.shard_units}
-
-    def owned(self) -> Iterator[tuple[str, int, int, dict[str, Tensor]]]:
-        """Per parameter with units in this rank's shard: name, its first and end unit, and views of their state."""
-        end_unit = self.first_unit + self.shard_units
-        for name, start, count in zip(self.names, self.starts, self.counts):
-            lo, hi = max(start, self.first_unit), min(start + count, end_unit)
-            if lo < hi:
-                rows = slice(lo - self.first_unit, hi - self.first_unit)
-                yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
+def mtp_stages(spec: str) -> list[tuple[float, ...]]:
+    """--mtp_stages=W/W/...,...: per stage the loss weights of the next 1, 2, ... tokens; UsageError when malformed."""
+    try:
+        stages = [tuple(float(w) for w in weights.split("/")) for weights in spec.split(",")]
+    except ValueError:
+        stages = []
+    if not stages or any(not all(math.isfinite(w) and 0 <= w <= 100 for w in st) for st in stages):
+        raise UsageError(f"--mtp_stages expects weights W/W/... from 0 to 100 per stage, comma-separated (e.g. "
+                         f"1/0.5/0.25,1/0.5,1), got {spec!r}")
+    if any(st[0] == 0 for st in stages):
+        raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
+                         f"without it the stage trains on nothing")
+    return stages
 
 
-class ShardedMuonAdam:
-    """Muon + Adam, ZeRO-1 sharded: each rank does the update and keeps the state for 1/W of every bucket.
+# The (exclusive low, high) range of a staged value where non-negative is not enough: lengths of at least one
+# token, and an lr multiplier of every group's lr (the records use 1 to 1.73) far from an fp32 update's overflow.
+STAGE_RANGES = {"seq_len_stages": (0, math.inf), "doc_len_stages": (0, math.inf), "lr_stages": (0, 100)}
 
-    Per step: reduce-scatter each bucket's gradients (from backward hooks on the last micro-step, or
-    all after backward), update this rank's shard, all-gather the shards back into the parameters.
-    On steps without an Adam update (adam_every > 1) the Adam buckets do none of this: their gradients
-    keep accumulating in place, on every rank, until the step that reduces and applies their sum.
-    Call wait_for_params() before anything reads the parameters (forward, validation, checkpoint).
-    """
+# The staged fields besides --window_stages (whose count may include the extension's pair): one entry per stage.
+STAGED: dict[str, Callable[[str], list]] = {
+    "seq_len_stages": lambda spec: stage_values("seq_len_stages", spec, int),
+    "lr_stages": lambda spec: stage_values("lr_stages", spec, float),
+    "doc_len_stages": lambda spec: stage_values("doc_len_stages", spec, int),
+    "mtp_stages": mtp_stages,
+}
 
-    def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.orthogonalize = {"newton_schulz": newton_schulz, "polar_express": polar_express}[cfg.orthogonalizer]
-        if compile_ns:
-            self.orthogonalize = torch.compile(self.orthogonalize, dynamic=False, fullgraph=True)
-        self.lr_mult, self.momentum, self.adam_step = 1.0, cfg.muon_momentum_start, True  # set_step() sets them
-        self.step_count, self.adam_steps = 0, 0
-        named = dict(model.named_parameters())
-        plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
-        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size, cfg.normuon_beta2 > 0,
-                               cfg.adam_state_fp32)
-                        for g, names in plan]
-        self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
-        self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
-        if world_size > 1 and cfg.comm_overlap == "hooks":
-            for b in self.buckets:
-                for p in b.params:
-                    p.register_post_accumulate_grad_hook(lambda _, b=b: self._grad_final(b))
 
-    def set_step(self, s: StepSchedule) -> None:
-        """Take the schedule's values for the step about to be trained (before its first backward)."""
-        self.lr_mult, self.momentum, self.adam_step = s.lr_mult, s.muon_momentum, s.adam_step
+def num_stages(cfg: Config) -> int:
+    """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
+    the extension's pair when there is one). UsageError when they disagree."""
+    counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED}
+    counts["--window_stages"] = len(window_stages(cfg.window_stages)) - (1 if cfg.extension_steps else 0)
+    if len(set(counts.values())) > 1:
+        raise UsageError(f"the staged fields must list the same number of stages, got "
+                         f"{', '.join(f'{k}: {v}' for k, v in counts.items())} (--window_stages also lists the "
+                         f"extension's windows when --extension_steps > 0)")
+    return max(counts.values())
 
-    def _updates(self, bucket: Bucket) -> bool:
-        return bucket.kind == "muon" or self.adam_step
 
-    def _grad_final(self, bucket: Bucket) -> None:
-        if not self.final_micro_step:
-            return  # still accumulating: nothing is final before the last micro-step
-        bucket.pending -= 1
-        # Launch in bucket order only: every rank must issue its collectives in the same order.
-        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
-            if self._updates(self.buckets[self.launched]):
-                self.buckets[self.launched].reduce_grads()
-            self.launched += 1
+def paired_layers(cfg: Config) -> set[int]:
+    """--paired_layers=I,J,... as a set of layers; UsageError unless each is a short-window layer (and heads pair)."""
+    try:
+        layers = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
+    except ValueError:
+        layers = {-1}
+    if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] != "S" for i in layers) or layers and cfg.num_heads % 2:
+        raise UsageError(f"--paired_layers={cfg.paired_layers!r} must list short-window (S) layers of --attn_pattern="
+                         f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
+    return layers
 
-    @torch.no_grad()
-    def step(self) -> None:
-        # after_backward launches everything here; so do hooks for buckets with a gradient that never arrived.
-        for b in self.buckets[self.launched:]:
-            if self._updates(b):
-                b.reduce_grads()
-        self.step_count += 1
-        self.adam_steps += self.adam_step
-        c = self.cfg
-        for b in self.buckets:
-            b.pending = len(b.params)
-            if not self._updates(b):
-                continue
-            b.wait_grads()
-            lr = b.lr * self.lr_mult
-            if b.kind == "muon":
-                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, self.orthogonalize, b.lr_mul,
-                             c.normuon_beta2, b.wd, b.columns)
-            else:
-                adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
-                             c.adam_eps, b.wd)
-            b.gather_params()
-        self.launched, self.final_micro_step = 0, False
 
-    def wait_for_params(self) -> None:
-        """Block until the last step's all-gathers have written every parameter."""
-        for b in self.buckets:
-            b.wait_params()
+def skip_layers(cfg: Config) -> tuple[int, int]:
+    """--skip=A:B as (A, B): block A's output joins block B's input. UsageError when malformed."""
+    try:
+        a, b = (int(x) for x in cfg.skip.split(":"))
+    except ValueError:
+        a = b = -1
+    if not 0 <= a < b < cfg.num_layers:
+        raise UsageError(f"--skip expects A:B with 0 <= A < B < num_layers={cfg.num_layers} (block A's "
+                         f"output into block B's input, e.g. 3:6), got {cfg.skip!r}")
+    return a, b
 
-    @torch.no_grad()
-    def zero_grad(self, everything: bool = False) -> None:
-        """Zero the gradient buffers of the buckets just updated (or all) in place (set_to_none would detach
-        .grad from them)."""
-        for b in self.buckets:
-            if not (everything or self._updates(b)):
-                continue
-            b.grad.zero_()
-            for p, view in zip(b.params, b.grad_views):
-                p.grad = view
 
-    @torch.no_grad()
-    def copy_param(self, src: str, dst: str) -> None:
-        """Make parameter dst a copy of src, its optimizer state too, on every rank (the untie, #53). Each is alone
-        in its buckets (its own group) with as many elements, so each rank owns the same units of both."""
-        self.wait_for_params()
-        params = {n: p for b in self.buckets for n, p in zip(b.names, b.params)}
-        params[dst].copy_(params[src])
-        owned = {name: (lo, hi, state) for b in self.buckets for name, lo, hi, state in b.owned()}
-        if (src in owned) != (dst in owned) or src in owned and owned[src][:2] != owned[dst][:2]:
-            raise ValueError(f"{src} and {dst} are sharded differently: cannot copy the optimizer state")
-        if src in owned:
-            for k, t in owned[dst][2].items():
-                t.copy_(owned[src][2][k].view_as(t))
+def bench_length(cfg: Config) -> int:
+    """The steps a --bench run trains: settle, timed, one profiler warmup, traced."""
+    return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
 
-    def state_tensors(self) -> list[Tensor]:
-        return [t for b in self.buckets for t in b.state.values()]
 
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+def run_length(cfg: Config) -> int:
+    """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
+    return bench_length(cfg) if cfg.bench else cfg.num_steps
 
-    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
-        """This rank's shard keyed by parameter name, with the bucket layout: the only format of optimizer state.
 
-        params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor}: the state of units lo..hi-1 of that
-        parameter (matrices for Muon, flat elements for Adam); names this rank owns nothing of are absent.
-        Each state tensor is a view of the live state passed through `copy` (a clone by default; the
-        checkpointer's copy goes to a pinned host buffer), so saving one does not save its whole bucket.
-        """
-        params = {}
-        for i, b in enumerate(self.buckets):
-            for name, lo, hi, state in b.owned():
-                params[name] = {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
-        return {"world_size": self.world_size, "rank": self.rank, "step_count": self.step_count,
-                "adam_steps": self.adam_steps, "buckets": [b.layout() for b in self.buckets], "params": params}
+# The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning
+# rate or a beta of 1.5 stops the run at start-up with one line instead of training on it.
+RULES: dict[str, Callable[[float], bool]] = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
+                                             ">= -1": lambda v: v >= -1, "in [0, 1]": lambda v: 0 <= v <= 1,
+                                             "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1)": lambda v: 0 <= v < 1,
+                                             "in (0, 1)": lambda v: 0 < v < 1}
+FIELD_RULES: dict[str, str] = {
+    **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
+                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_scale", "logit_cap",
+                     "logit_temp", "block_size", "num_steps", "muon_lr", "embed_lr", "head_lr",
+                     "scalar_lr", "gate_lr", "adam_eps", "bucket_mb", "log_every", "bench_steps", "mlp_up_lr_mul",
+                     "mlp_down_lr_mul", "adam_every", "skip_gate_lr", "smear_gate_lr", "fp8_x_scale", "fp8_w_scale",
+                     "fp8_grad_scale", "gate_channels", "untie_stage"], "> 0"),
+    **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "peak_tflops",
+                     "save_every", "muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul", "value_embed_wd_mul",
+                     "extension_steps", "muon_momentum_cooldown_steps", "backout_layer"], ">= 0"),
+    **dict.fromkeys(["cooldown_frac"], "in (0, 1]"),
+    **dict.fromkeys(["final_lr_frac"], "in [0, 1]"),
+    **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "scalar_beta1",
+                     "scalar_beta2", "x0_beta1", "head_beta1"], "in [0, 1)"),
+    **dict.fromkeys(["normuon_beta2"], "in (0, 1)"),
+    **dict.fromkeys(["seed"], ">= -1"),
+}
 
-    @torch.no_grad()
-    def load_state_dict(self, shards: list[dict]) -> None:
-        """Load the state_dict() of every rank of a saving run, at any world size and bucket layout: each
-        parameter's state is put together from the ranks' pieces (units lo..hi-1 each), then this rank
-        copies the units it owns now. ValueError says what does not fit."""
-        saved = {n: (lay["kind"], lay["unit"], c) for lay in shards[0]["buckets"]
-                 for n, c in zip(lay["names"], lay["counts"])}
-        mine = {n: (b.kind, b.unit, c) for b in self.buckets for n, c in zip(b.names, b.counts)}
-        if saved != mine:
-            raise ValueError("the optimizer state has other parameters or units than this model")
-        pieces: dict[str, list[tuple[int, int, dict[str, Tensor]]]] = {n: [] for n in mine}
-        for shard in shards:
-            for name, entry in shard["params"].items():
-                state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
-                pieces[name].append((*entry["units"], state))
-        kinds = {n: set(state) for b in self.buckets for n, _, _, state in b.owned()}
-        if any(set(parts[0][2]) != kinds[n] for n, parts in pieces.items() if n in kinds and parts):
-            raise ValueError("the optimizer state holds other statistics (e.g. NorMuon's) than this optimizer's")
-        full: dict[str, dict[str, Tensor]] = {}
-        for name, parts in pieces.items():
-            parts.sort(key=lambda p: p[0])
-            edges = [0] + [e for lo, hi, _ in parts for e in (lo, hi)] + [mine[name][2]]
-            if edges[0::2] != edges[1::2]:  # each piece starts where the previous one ended, from 0 to the end
-                raise ValueError(f"the optimizer state does not cover {name} exactly once")
-            full[name] = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
-        for b in self.buckets:
-            for name, lo, hi, state in b.owned():
-                for k, t in state.items():
-                    t.copy_(full[name][k][lo:hi])
-        self.step_count, self.adam_steps = shards[0]["step_count"], shards[0]["adam_steps"]
+
+def validate_config(cfg: Config, world_size: int) -> int:
+    """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
+    for name, rule in FIELD_RULES.items():
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and RULES[rule](value)):
+            raise UsageError(f"--{name} must be {rule}, got {value}")
+    if cfg.global_batch_seqs % world_size:
+        raise UsageError(f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the world size "
+                         f"{world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)")
+    if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
+        raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
+                         f"({cfg.num_layers} layers)")
+    layout = cfg.value_embeds
+    tables = sorted(set(layout) - {"-"})
+    if len(layout) != cfg.num_layers or not all(c.isdigit() for c in tables) or tables != [
+            str(i) for i in range(len(tables))]:
+        raise UsageError(f"--value_embeds={cfg.value_embeds!r} needs one character per layer ({cfg.num_layers}): the "
+                         f"table it adds (tables 0, 1, ... each used) or - for none, e.g. 012------012")
+    skip_layers(cfg)
+    if cfg.backout_layer >= cfg.num_layers:
+        raise UsageError(f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}")
+    paired_layers(cfg)
+    if cfg.bigram_rows < 2:
+        raise UsageError(f"--bigram_rows={cfg.bigram_rows}: the table needs at least 2 rows (one is reserved for "
+                         f"position 0)")
+    if cfg.gate_channels % 2:
+        raise UsageError(f"the VE gates read half of --gate_channels={cfg.gate_channels} from x, half from the VE: "
+                         f"make it even")
+    if cfg.head_dim % 4:
+        raise UsageError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)")
+    if cfg.gate_channels > cfg.model_dim:
+        raise UsageError(f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}")
+    if cfg.num_heads * cfg.head_dim != cfg.model_dim:
+        raise UsageError(f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} must equal --model_dim="
+                         f"{cfg.model_dim} (value embeddings and skips add model_dim vectors to the heads' values)")
+    for name in ["train_seq_len", "val_seq_len"]:
+        if getattr(cfg, name) % cfg.block_size:
+            raise UsageError(f"--{name}={getattr(cfg, name)} must be a multiple of --block_size={cfg.block_size}")
+    if cfg.val_tokens % cfg.val_seq_len:
+        raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
+    if cfg.comm_overlap not in COMM_OVERLAP:
+        raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
+    for name, parse in STAGED.items():
+        parse(getattr(cfg, name))
+    if len(window_stages(cfg.final_val_windows, "final_val_windows")) != 1:
+        raise UsageError(f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}")
+    if num_stages(cfg) < 1:
+        raise UsageError("--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension")
+    for seq_len in stage_values("seq_len_stages", cfg.seq_len_stages, int):
+        if not 0 < seq_len <= cfg.train_seq_len or seq_len % cfg.block_size:
+            raise UsageError(f"--seq_len_stages: {seq_len} must be a multiple of --block_size={cfg.block_size} "
+                             f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)")
+    if cfg.extension_steps >= cfg.num_steps:
+        raise UsageError(f"--extension_steps={cfg.extension_steps} must be below --num_steps={cfg.num_steps} "
+                         f"(the extension is the end of the run)")
+    if num_stages(cfg) > cfg.num_steps - cfg.extension_steps:
+        raise UsageError(f"{num_stages(cfg)} stages need at least as many scheduled steps, got --num_steps="
+                         f"{cfg.num_steps} with --extension_steps={cfg.extension_steps}: a stage would get no step; "
+                         f"raise --num_steps or list fewer stages")
+    if cfg.untie_stage > num_stages(cfg):
+        raise UsageError(f"--untie_stage={cfg.untie_stage}: the stages are 1 to {num_stages(cfg)} (the last: the "
+                         f"extension)")
+    # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
+    if cfg.save_every % cfg.adam_every:
+        raise UsageError(f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}")
+    if cfg.save_final and cfg.num_steps % cfg.adam_every:
+        raise UsageError(f"--save_final needs --num_steps={cfg.num_steps} to be a multiple of --adam_every="
+                         f"{cfg.adam_every}")
+    if cfg.device not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
+    if cfg.cpu_bf16_gemm not in CPU_BF16_GEMMS:
+        raise UsageError(f"--cpu_bf16_gemm must be {', '.join(CPU_BF16_GEMMS)}, got {cfg.cpu_bf16_gemm!r}")
+    if cfg.profile:
+        profile_steps(cfg.profile, cfg.num_steps)
+    if cfg.bench:
+        if cfg.profile:
+            raise UsageError("--bench traces its own steps; leave out --profile")
+        if bench_length(cfg) > cfg.num_steps:
+            raise UsageError(f"--bench with --bench_steps={cfg.bench_steps} runs {bench_length(cfg)} steps but "
+                             f"--num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps")
+        if cfg.save_every or cfg.save_final or cfg.resume:
+            raise UsageError("--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume")
+    return cfg.global_batch_seqs // world_size
+
+
+@dataclass
+class Runtime:
+    """Where this process runs: its rank, the world size and its device (set up in main())."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
+
+
+def resolve_for_device(cfg: Config, cuda: bool) -> None:
+    """Replace auto (None) in --compile, --fp8_head and the kernels by the device's choice and apply DISABLE_FP8, so
+    that from here on the config (and its copy in the log) says what the run does; then check what depends on
+    the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
+    rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
+    torch path and an explicit true is refused."""
+    cfg.compile = cuda if cfg.compile is None else cfg.compile
+    if cuda and cfg.cpu_bf16_gemm == "fp32":
+        raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
+                         "drop it (or use --device=cpu)")
+    cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
+    kernels = gpt_kernels is not None
+    cfg.fp8_head = (cuda and kernels if cfg.fp8_head is None else cfg.fp8_head) and not os.environ.get("DISABLE_FP8")
+    if cfg.fp8_head and not kernels:
+        raise UsageError("--fp8_head runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
+                         "--fp8_head=false")
+    if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
+        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
+                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
+    for name in ("relu2_kernel", "fused_head"):
+        if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
+            setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None)
+        if getattr(cfg, name) and (not kernels or importlib.util.find_spec("triton") is None or
+                                   not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            raise UsageError(f"--{name} runs a Triton kernel: it needs gpt_kernels.py beside train_gpt.py, triton "
+                             f"installed and a CUDA device (or TRITON_INTERPRET=1 on the CPU, slow); or use "
+                             f"--{name}=false")
+    dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
+    bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
+    if cfg.fp8_head and bad:
+        raise UsageError(f"the FP8 head needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} "
+                         f"(torch._scaled_mm), got {', '.join(bad)}; change it or use --fp8_head=false")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and
+# through a scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a
+# CPU run's bf16 GEMMs run as fp32 GEMMs of the same bf16 values, rounded once to bf16: a bf16 GEMM with fp32
+# accumulation, as on the GPU, up to summation order. --cpu_bf16_gemm chooses; one dispatch mode serves eager and
+# compiled code.
+CPU_BF16_GEMMS = ("auto", "native", "fp32")
+CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
+                  "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
+GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+def native_bf16_gemm() -> bool:
+    """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Fp32Gemms(TorchDispatchMode):
+    """Inside it, every bf16 mm/addmm/bmm/baddbmm on the CPU (and its out= form) runs in fp32 and rounds its
+    result to bf16. It ignores compile internals, so torch.compile still compiles under it (it falls back to eager
+    under other modes): compiled code calls its GEMMs as extern kernels, which come through here when they run."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func.overloadpacket not in GEMM_OPS or func._overloadname not in ("default", "out")
+                or not any(isinstance(a, Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
+                           for a in args)):
+            return func(*args, **kwargs)
+        wide = [a.float() if isinstance(a, Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+        out = kwargs.pop("out", None)
+        result = func.overloadpacket.default(*wide, **kwargs)
+        return result.bfloat16() if out is None else out.copy_(result)
+
+
+def bf16_gemm_path(choice: str, cuda: bool) -> str:
+    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
+    return "native" if cuda or choice == "native" or (choice == AUTO and native_bf16_gemm()) else "fp32"
+
+
+def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
+    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
+    return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
+
+
+def cpu_report() -> str:
+    """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
+            f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
 
 # -----------------------------------------------------------------------------
@@ -3010,13 +2545,13 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 6  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
-#                  5: value_embeds (was num_value_embeds) and v2's model fields; 6: x0_lambdas out of the scalars
+CKPT_FORMAT = 7  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
+#                  5: value_embeds (was num_value_embeds) and v2's model fields; 6: x0_lambdas out of the scalars;
+#                  7: one recipe (#70), its on/off fields gone
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
-                     "attn_pattern", "gate_channels", "block_size", "skip", "ve_gates", "fold_lambdas", "smear",
-                     "backout_layer", "key_offset", "paired_layers", "tie_embed", "bigram_rows",
-                     "train_seq_len", "global_batch_seqs", "train_epochs")
+                     "attn_pattern", "gate_channels", "block_size", "skip", "backout_layer", "paired_layers",
+                     "bigram_rows", "train_seq_len", "global_batch_seqs", "train_epochs")
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
 CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
 
@@ -3529,8 +3064,8 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
                  skip_steps: int = 0, position: tuple[int, int] | None = None) -> PrefetchLoader:
     """This rank's batches for `steps` steps of the given shapes (step_shape), after the sequences of the first
     skip_steps (a resumed run's): from the position its checkpoint saved, else re-derived from these shapes."""
-    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, cfg.train_epochs,
-                              preload=cfg.prefetch_depth > 0, step_shape=shape)
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, shape, cfg.train_epochs,
+                              preload=cfg.prefetch_depth > 0)
     if position is None:
         stream.skip(skip_steps)
     else:
@@ -3538,7 +3073,7 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
 
-def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knobs: tuple[Tensor, Tensor | None],
+def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knobs: tuple[Tensor, Tensor],
                loss_scale: float, metrics: Metrics | None = None) -> None:
     """One optimizer step on a (micro-steps, seq_len + 1) batch: forward and backward per micro-step (the
     last one arms the optimizer's reduce-scatter hooks), then the sharded update. knobs: the step's windows and
@@ -3605,7 +3140,7 @@ def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
     for a, b in zip(spans, spans[1:]):
         s = schedules[a]
         lines.append(f"stage: steps {a}-{b - 1}: {cfg.global_batch_seqs} x {s.seq_len} tokens "
-                     f"({cfg.global_batch_seqs * s.seq_len:,}/step), documents cut at {s.max_doc_len or 'none'}, "
+                     f"({cfg.global_batch_seqs * s.seq_len:,}/step), documents cut at {s.max_doc_len}, "
                      f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
     return lines
 
@@ -3706,7 +3241,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     start_step = resumed.step if resumed else 0
     schedules = schedule_table(cfg)
     check_update_range(optimizer, schedules)
-    knobs = step_knobs(cfg, schedules, rt.device)
+    knobs = step_knobs(schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
     # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
@@ -3717,9 +3252,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
         f"the final window; peak {peak} per device")
-    if num_stages(cfg) > 1 or cfg.extension_steps:
-        for line in stage_plan(cfg, schedules):
-            log(line)
+    for line in stage_plan(cfg, schedules):
+        log(line)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)
     loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, skip_steps=start_step,
                           position=resumed.data_position if resumed else None)
