@@ -423,10 +423,12 @@ def softcap(logits: Tensor, cfg: Config) -> Tensor:
     return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
 
-def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor) -> Tensor:
+def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor | None) -> Tensor:
     """Multi-token cross-entropy (#53), mtp a (K,) tensor of weights: sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the
     terms past the sequence's end left out (and no document boundary respected, as upstream), one logsumexp per
-    position for every k."""
+    position for every k. None: the next token's summed cross-entropy alone."""
+    if mtp is None:
+        return F.cross_entropy(logits, targets, reduction="sum")
     lse, T = torch.logsumexp(logits, dim=-1), targets.size(0)
     loss = logits.new_zeros(())
     for k in range(mtp.size(0)):
@@ -572,11 +574,11 @@ class GPT(nn.Module):
         return softcap(logits, cfg)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
-        """Summed multi_token_loss in training (mtp: the step's (K,) weights), mean cross-entropy in eval. With
-        --fused_head both losses come from softcap_ce (no logits tensor), with the same terms."""
+        """Summed multi_token_loss in training (mtp: the step's (K,) weights; None: the next token's), mean
+        cross-entropy in eval. With --fused_head both losses come from softcap_ce (no logits tensor), the same terms."""
         cfg = self.cfg
         if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
-            weights = mtp if self.training else target_seq.new_ones(1, dtype=torch.float32)
+            weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
             loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
                                                  weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
                                                  fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],

@@ -27,7 +27,7 @@ def pytest_configure(config):
 def tiny_args(tmp_path: Path, **overrides: object) -> list[str]:
     """Arguments for a seconds-long tiny run on the bundled sample, logging under tmp_path."""
     fields = dict(preset="tiny", seed=1, train_files=SAMPLE_TRAIN, val_files=SAMPLE_VAL, log_dir=tmp_path / "logs",
-                  train_seq_len=128, final_window_tokens=128, num_steps=6, val_every=3, val_tokens=2048,
+                  train_seq_len=128, seq_len_stages="128,128,128", num_steps=6, val_every=3, val_tokens=2048,
                   warmup_steps=0)
     fields.update(overrides)
     return [f"--{k}={v}" for k, v in fields.items()]

@@ -12,7 +12,7 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import train_gpt as T
 from conftest import tiny_args
-from test_recipe_v2 import V2_PART2
+from test_recipe import SMALL_MODEL
 
 pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute each on a cold cache
 
@@ -53,7 +53,7 @@ CFG = T.parse_config(["--preset=tiny"])
 # Four heads: the paired layers attend as two (with one, CPU inductor fuses the kernel's output into the next op,
 # which its CPU FlexAttention template does not support; v2 pairs six heads into three).
 V2_MODEL = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32"] +
-                          [f"--{k}={v}" for k, v in V2_PART2.items()])
+                          [f"--{k}={v}" for k, v in SMALL_MODEL.items()])
 WINDOWS = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)  # (long, short) per call
 
 

@@ -211,12 +211,12 @@ def test_recipe_v2_on_cuda_compiles_each_sequence_length_in_the_warmup_and_resum
     # all compiled before the clock), clipped documents, YaRN rewriting RoPE in place, Adam every other step, the
     # v2 model (smear, gates, one skip, backout, key offset) under FlexAttention and the FP8 head.
     from test_compiled import model_graphs
-    from test_recipe_v2 import V2_PART1, V2_PART2
+    from test_recipe import SMALL_STAGES, SMALL_MODEL
     graphs = []
     warmup = T.warmup
     monkeypatch.setattr(T, "warmup", lambda *a, **k: (warmup(*a, **k), graphs.append(model_graphs())))
     torch._dynamo.reset()
-    v2 = {**RUN, **V2_PART1, **V2_PART2, "num_steps": 8, "val_every": 4, "warmup_steps": 1}
+    v2 = {**RUN, **SMALL_STAGES, **SMALL_MODEL, "num_steps": 8, "val_every": 4, "warmup_steps": 1}
     full = T.run(tiny_args(tmp_path, run_id="v2", save_every=4, **v2))
     record_property("graphs_after_warmup_and_at_the_end", f"{graphs} {model_graphs()}")
     assert graphs == [3] and model_graphs() == 4  # + the eval graph: nothing compiled while the clock ran

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 
-RECORD = Path("records/2026-11-25_tiny_cpu/tiny_cpu_w1.txt")
+RECORD = Path("records/2026-11-25_tiny_cpu_70/tiny_cpu_w1.txt")
 
 
 def scratch_copy(tmp_path: Path) -> Path:
@@ -67,4 +67,4 @@ def test_the_quick_start_reproduces_the_bundled_record_and_compares_with_it(tmp_
     diff = subprocess.run([sys.executable, "records/compare.py", "diff", str(RECORD), "logs/first.txt"], cwd=repo,
                           capture_output=True, text=True, timeout=120)
     assert diff.returncode == 0, diff.stderr
-    assert "6.97" in diff.stdout
+    assert "7.48" in diff.stdout

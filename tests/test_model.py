@@ -48,52 +48,6 @@ def test_forward_backward_shapes_and_dtypes():
     assert model.blocks[0].attn.qkvo_w.shape == (4, cfg.num_heads * cfg.head_dim, cfg.model_dim)
 
 
-def test_recipe_model_has_record_28_shapes():
-    cfg = T.Config()
-    assert cfg.attn_pattern.count("-") == 1 and cfg.attn_pattern.index("-") == 7
-    assert (cfg.attn_pattern.count("L"), cfg.attn_pattern.count("S")) == (3, 8)
-    with torch.device("meta"):
-        model = T.GPT(cfg, use_flex=True, fp8_head=True)
-    groups: dict[tuple, T.ParamGroup] = {}
-    for g in T.build_param_groups(model, cfg):  # the token and value embeddings: two groups at one lr
-        groups.setdefault((g.kind, g.lr), T.ParamGroup(g.kind, g.lr, [])).params.extend(g.params)
-        groups[(g.kind, g.lr)].names.extend(g.names)
-    muon = groups[("muon", 0.05)].params
-    shapes = sorted({tuple(p.shape) for p in muon})
-    assert shapes == [(4, 768, 768), (6, 12), (768, 3072)]
-    assert sum(tuple(p.shape) == (768, 3072) for p in muon) == 24
-    assert sum(tuple(p.shape) == (4, 768, 768) for p in muon) == 11
-    assert len(groups[("adam", 0.6)].params) == 4 and groups[("adam", 0.008)].names == ["lm_head.weight"]
-
-
-def reference_mask(tokens: torch.Tensor, block_size: int, window: int, paired: bool = False) -> torch.Tensor:
-    """The recipe's rule written out with loops: causal + document, then the block window, nearest first.
-    paired: over the 2T interleaved positions of paired-head attention, position i in token i // 2's document."""
-    doc = [0] * len(tokens)
-    for i in range(len(tokens)):
-        doc[i] = (doc[i - 1] if i else 0) + int(tokens[i] == T.BOS_ID)
-    if paired:
-        doc = [d for d in doc for _ in range(2)]
-    T_ = len(doc)
-    nb = T_ // block_size
-    allowed = torch.zeros(T_, T_, dtype=torch.bool)
-    for qb in range(nb):
-        qdocs = {doc[i] for i in range(qb * block_size, (qb + 1) * block_size)}
-        full, partial = [], []
-        for kb in range(qb, -1, -1):  # nearest first
-            kdocs = {doc[i] for i in range(kb * block_size, (kb + 1) * block_size)}
-            if kb < qb and len(qdocs | kdocs) == 1:
-                full.append(kb)
-            elif min(qdocs) <= max(kdocs):
-                partial.append(kb)
-        keep = full[: max(window - 1, 0)] + partial[: max(window - len(full), 1)]
-        for kb in keep:
-            for q in range(qb * block_size, (qb + 1) * block_size):
-                for k in range(kb * block_size, (kb + 1) * block_size):
-                    allowed[q, k] = q >= k and doc[q] == doc[k]
-    return allowed
-
-
 def mask_tokens(seed: int, length: int = 128) -> torch.Tensor:
     torch.manual_seed(seed)
     tokens = torch.randint(0, 1000, (length,))
@@ -116,40 +70,6 @@ def block_mask_as_dense(bm, length: int) -> torch.Tensor:
                 rows, cols = slice(qb * size, (qb + 1) * size), slice(kb * size, (kb + 1) * size)
                 allowed[rows, cols] = True if full else token_rule[rows, cols]
     return allowed
-
-
-@pytest.mark.parametrize("window", [0, 1, 2, 3, 8])
-def test_block_and_dense_masks_match_reference(window):
-    block, tokens = 16, mask_tokens(window)
-    expected = reference_mask(tokens, block, window)
-    assert torch.equal(T.dense_mask(tokens, block, torch.tensor(window)), expected)
-    bm = T.block_mask(tokens, block, torch.tensor(window))
-    assert torch.equal(block_mask_as_dense(bm, len(tokens)), expected)
-    # Window 0 (short layers at a one-block long window) keeps the diagonal block alone, with no negative count.
-    assert (bm.kv_num_blocks >= 0).all() and (bm.full_kv_num_blocks >= 0).all()
-
-
-def test_compiled_flex_attention_equals_sdpa_with_reference_mask():
-    # Eager FlexAttention on CPU ignores block sparsity; the compiled kernel honours it, as on the GPU.
-    # Window 0 is what short layers get while the long window is one block (it crashed the CPU kernel with
-    # a negative full-block count); 7 of 12 blocks leaves some out. Documents cross block edges.
-    flex = torch.compile(flex_attention, dynamic=False)
-    block, tokens = 16, mask_tokens(0, length=192)
-    tokens[[120, 150]] = T.BOS_ID
-    for window in [0, 1, 2, 7]:
-        q, k, v = torch.randn(3, 1, 2, len(tokens), 8).unbind(0)
-        out = flex(q, k, v, block_mask=T.block_mask(tokens, block, torch.tensor(window)), scale=0.12)
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=reference_mask(tokens, block, window), scale=0.12)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_window_schedule_matches_recipe():
-    cfg = T.Config()
-    got = {s: T.schedule(s, cfg).long_window for s in [0, 125, 250, 500, 750, 1000, 1250, 1500, 1695]}
-    assert got == {0: 1, 125: 1, 250: 2, 500: 4, 750: 6, 1000: 8, 1250: 10, 1500: 12, 1695: 14}
-    assert [T.schedule(s, cfg).short_window for s in [0, 250, 1000, 1695]] == [0, 1, 4, 7]  # half, rounded down
-    table = T.window_table(T.schedule_table(cfg), torch.device("cpu"))
-    assert table.shape == (1696, 2) and table[1695].tolist() == [14, 7] and table[0].tolist() == [1, 0]
 
 
 def test_rotary_rotates_a_quarter_of_the_dims():

@@ -8,7 +8,7 @@ import math
 import torch
 
 import train_gpt as T
-from test_model import mask_tokens, reference_mask
+from test_recipe28 import mask_tokens, reference_mask
 
 CFG = T.parse_config(["--preset=tiny", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--train_seq_len=256",
                       "--block_size=32", "--gate_channels=8"])
