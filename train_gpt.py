@@ -630,7 +630,7 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
         values = window_stages(cfg.window_stages) if name == "window_stages" else STAGED[name](getattr(cfg, name))
         return values[min(stage, len(values) - 1)]
 
-    # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #70's does.
+    # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #70's does (cooldown_frac 0: none).
     cooldown_start = int(scheduled * (1 - cfg.cooldown_frac))
     t = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
     peak = staged("lr_stages")
@@ -919,8 +919,11 @@ class Bucket:
             group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier
             self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0),
                                        device=self.data.device).view(-1, 1, 1)
-            cols = of_shard(normuon_columns, False)  # NorMuon's per-column matrices (W_o); None: none here
-            self.columns = torch.tensor(cols, device=self.data.device) if any(cols) else None
+            # NorMuon's per-column matrices (W_o), for a bucket holding any, even where this rank's shard has none:
+            # the transposes change the layout its reductions run in, and with it their rounding at every world size.
+            cols = of_shard(normuon_columns, False)
+            attention = any(any(normuon_columns(n, c)) for n, c in zip(names, self.counts))
+            self.columns = torch.tensor(cols, device=self.data.device) if attention else None
         else:
             self.state = {k: torch.zeros(shape, dtype=torch.float32, device=self.data.device) for k in ("m", "v")}
         self.pending = len(params)  # gradients not yet final in this step's last micro-step
@@ -1596,9 +1599,9 @@ def parse_config(argv: list[str]) -> Config:
         if not arg.startswith("--"):
             raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
         name, _, text = arg[2:].partition("=")
-        if name not in kinds:  # the closest spelling, else the fields that share a word with it (--lr: the lrs)
-            near = difflib.get_close_matches(name, kinds, n=1) or [
-                k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6]
+        if name not in kinds:  # the closest spelling, else the fields ending in it (--lr: the lrs) or sharing a word
+            near = (difflib.get_close_matches(name, kinds, n=1) or [k for k in kinds if k.endswith(f"_{name}")][:6]
+                    or [k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6])
             hint = f"; did you mean --{' or --'.join(near)}?" if near else ""
             raise UsageError(f"unknown option --{name}{hint} (see --help)")
         if kinds[name] not in (bool, "bool | None") and "=" not in arg:
@@ -1765,7 +1768,7 @@ def run_length(cfg: Config) -> int:
 # rate or a beta of 1.5 stops the run at start-up with one line instead of training on it.
 RULES: dict[str, Callable[[float], bool]] = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
                                              ">= -1": lambda v: v >= -1, "in [0, 1]": lambda v: 0 <= v <= 1,
-                                             "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1)": lambda v: 0 <= v < 1,
+                                             "in [0, 1)": lambda v: 0 <= v < 1,
                                              "in (0, 1)": lambda v: 0 < v < 1}
 FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
@@ -1777,8 +1780,7 @@ FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "peak_tflops",
                      "save_every", "muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul", "value_embed_wd_mul",
                      "extension_steps", "muon_momentum_cooldown_steps", "backout_layer"], ">= 0"),
-    **dict.fromkeys(["cooldown_frac"], "in (0, 1]"),
-    **dict.fromkeys(["final_lr_frac"], "in [0, 1]"),
+    **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
     **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "scalar_beta1",
                      "scalar_beta2", "x0_beta1", "head_beta1"], "in [0, 1)"),
     **dict.fromkeys(["normuon_beta2"], "in (0, 1)"),
@@ -1807,7 +1809,6 @@ def validate_config(cfg: Config, world_size: int) -> int:
     skip_layers(cfg)
     if cfg.backout_layer >= cfg.num_layers:
         raise UsageError(f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}")
-    paired_layers(cfg)
     if cfg.bigram_rows < 2:
         raise UsageError(f"--bigram_rows={cfg.bigram_rows}: the table needs at least 2 rows (one is reserved for "
                          f"position 0)")
@@ -1821,6 +1822,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if cfg.num_heads * cfg.head_dim != cfg.model_dim:
         raise UsageError(f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} must equal --model_dim="
                          f"{cfg.model_dim} (value embeddings and skips add model_dim vectors to the heads' values)")
+    paired_layers(cfg)
     for name in ["train_seq_len", "val_seq_len"]:
         if getattr(cfg, name) % cfg.block_size:
             raise UsageError(f"--{name}={getattr(cfg, name)} must be a multiple of --block_size={cfg.block_size}")

@@ -24,11 +24,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: spawns processes or compiles; `pytest -m 'not slow'` is the quick loop")
 
 
+# The recipe at the tiny preset's shape in one stage, no extension and Adam every step: a run of any length from
+# one step that can checkpoint at any step. The stages, the untie and the extension are tests/test_recipe.py's.
+ONE_STAGE = dict(train_seq_len=128, seq_len_stages="128", window_stages="1/2", lr_stages="1", doc_len_stages="2048",
+                 mtp_stages="1/0.5", final_val_windows="1/2", extension_steps=0, untie_stage=1, adam_every=1)
+
+
 def tiny_args(tmp_path: Path, **overrides: object) -> list[str]:
     """Arguments for a seconds-long tiny run on the bundled sample, logging under tmp_path."""
     fields = dict(preset="tiny", seed=1, train_files=SAMPLE_TRAIN, val_files=SAMPLE_VAL, log_dir=tmp_path / "logs",
-                  train_seq_len=128, seq_len_stages="128,128,128", num_steps=6, val_every=3, val_tokens=2048,
-                  warmup_steps=0)
+                  **ONE_STAGE, num_steps=6, val_every=3, val_tokens=2048, warmup_steps=0)
     fields.update(overrides)
     return [f"--{k}={v}" for k, v in fields.items()]
 

@@ -20,7 +20,10 @@ import trace_report as TR  # noqa: E402
 def test_recipe_matmul_weights():
     with torch.device("meta"):
         model = T.GPT(T.Config(), use_flex=True, fp8_head=True)
-    assert T.matmul_weights(model) == 121_209_624  # the anchor's N: attention, gates, MLP, LM head
+    # The recipe's N: 10 attention layers (4 x 768^2 + 6 x 12 head gates), 5 VE gates (6 x 12), 11 MLPs
+    # (2 x 768 x 3072), the skip's and smear's gates (12 each) and the LM head (50304 x 768).
+    assert T.matmul_weights(model) == 10 * (4 * 768**2 + 72) + 5 * 72 + 11 * 2 * 768 * 3072 + 24 + 50304 * 768
+    assert T.matmul_weights(model) == 114_132_048
 
 
 # -----------------------------------------------------------------------------
@@ -114,7 +117,8 @@ def test_load_balance_count_equals_dense_mask_count():
     cases.append(long_doc)
     for seq in cases:
         for window in (0, 1, 2, 3, 5, 16):
-            assert LB.attention_pairs(seq, 32, window) == LB.brute_force_pairs(seq, 32, window)
+            for paired in (False, True):
+                assert LB.attention_pairs(seq, 32, window, paired) == LB.brute_force_pairs(seq, 32, window, paired)
 
 
 def test_load_balance_script_runs_on_the_sample(tmp_path, capsys):

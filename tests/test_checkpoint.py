@@ -18,9 +18,9 @@ import train_gpt as T
 from conftest import REPO, SAMPLE_TRAIN, SMALL, main_in_process, run_world, tiny_args
 
 K = 3
-# Schedules that do not depend on --num_steps (no LR cooldown; the long window stays one block), so a
-# K-step run resumed with --num_steps=2K continues exactly as the 2K-step run.
-STEADY = dict(cooldown_frac=0.0, final_window_tokens=32, val_every=K)
+# Schedules that do not depend on --num_steps (no lr or momentum cooldown, one next-token weight, fixed windows), so
+# a K-step run resumed with --num_steps=2K continues exactly as the 2K-step run.
+STEADY = dict(cooldown_frac=0.0, muon_momentum_cooldown_steps=0, mtp_stages="1", val_every=K)
 
 
 def args(tmp_path: Path, run_id: str, **overrides: object) -> list[str]:
@@ -68,8 +68,8 @@ def test_resume_at_world_size_one_is_exact(tmp_path):
 def test_a_resume_with_other_stage_lengths_continues_the_stream_where_the_checkpoint_left_it(tmp_path):
     # The checkpoint saves the stream's exact position: new stage lengths apply to the data still to come, no
     # token is trained twice (re-deriving the position from the new lengths lands ~5k tokens back).
-    staged = dict(train_seq_len=512, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", final_window_tokens=384,
-                  num_steps=6, val_every=0)
+    staged = dict(train_seq_len=512, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", lr_stages="1,1,1",
+                  doc_len_stages="2048,2048,2048", mtp_stages="1,1,1", num_steps=6, val_every=0)
     T.run(tiny_args(tmp_path, run_id="first", save_every=2, **staged))
     meta = T.read_checkpoint_meta(ckpt(tmp_path, "first", 2))
 
@@ -156,7 +156,7 @@ def garbage_meta(folder: Path) -> None:
     (lambda f: (f / "meta.json").unlink(), {}, "is incomplete: no meta.json"),
     (garbage_meta, {}, "meta.json is unreadable"),
     (scribble, {}, "rank0.pt does not match its checksum in meta.json"),
-    (None, {"model_dim": 32, "num_heads": 1}, "needs --model_dim=64 (this run: 32)"),
+    (None, {"model_dim": 32, "head_dim": 16}, "needs --model_dim=64 (this run: 32)"),
     (None, {"global_batch_seqs": 4}, "needs --global_batch_seqs=2 (this run: 4)"),
     (None, {"num_steps": 1}, "is at step 2, beyond --num_steps=1"),
 ], ids=["truncated", "missing-rank", "missing-meta", "garbage-meta", "corrupt-rank", "model-dim", "batch",

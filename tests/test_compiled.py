@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute ea
 # 512-token sequences in 128-token blocks: the long window grows 1 -> 2 -> 3 blocks over the 6 steps, so the
 # short window goes 0 -> 1 (window 0 is the case the CPU flex kernel crashed on). Two micro-steps per step: the
 # graphs are the same as with eight, at a quarter of the compute.
-REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, final_window_tokens=384, num_steps=6,
+REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, seq_len_stages="512", num_steps=6,
                  global_batch_seqs=2, val_every=3, warmup_steps=2, val_tokens=2048)
 
 

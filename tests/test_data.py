@@ -26,11 +26,17 @@ def synthetic_shards(tmp_path: Path, n: int = 3, tokens: int = 10000, seed: int 
     return paths
 
 
+def stream(files: list[Path], seq_len: int = 128, epochs: int = 1, preload: bool = False, doc_len: int = 100
+           ) -> T.TrainTokenStream:
+    """8 sequences of seq_len + 1 tokens a step, documents cut at doc_len, at every step."""
+    return T.TrainTokenStream(files, seq_len, 8, 50304, lambda step: (seq_len, doc_len), epochs, preload)
+
+
 def global_batches(files: list[Path], world_size: int, depth: int, steps: int, seq_len: int = 128,
                    epochs: int = 1) -> list[torch.Tensor]:
     """Each step's sequences from every rank, gathered in (micro-step, rank) order."""
-    loaders = [T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, seq_len, 8, 50304, epochs, depth > 0),
-                                               r, world_size), depth, CPU) for r in range(world_size)]
+    loaders = [T.PrefetchLoader(T.TrainBatches(stream(files, seq_len, epochs, depth > 0), r, world_size), depth, CPU)
+               for r in range(world_size)]
     try:
         batches = []
         for _ in range(steps):
@@ -42,39 +48,40 @@ def global_batches(files: list[Path], world_size: int, depth: int, steps: int, s
             loader.close()
 
 
-def plain_reference(files: list[Path], steps: int, seq_len: int = 128, epochs: int = 1) -> list[torch.Tensor]:
-    """The recipe's BOS-aligned rule written out directly, one shard at a time, for 8 sequences per step."""
-    shards = [np.fromfile(f, dtype="<u2", offset=1024) for f in files] * epochs
-    out, shard_i, pos = [], 0, 0
-    tokens = shards[0]
-    while len(out) < steps:
-        if pos + 2 * 8 * seq_len + 1 >= len(tokens):
-            shard_i, pos = shard_i + 1, 0
-            tokens = shards[shard_i]
-            continue
-        bos = [i for i in range(pos, len(tokens)) if tokens[i] == T.BOS_ID]
-        starts, k = [], 0
-        while len(starts) < 8 and k < len(bos):
-            nxt = next((b for b in bos[k + 1:] if b - bos[k] >= seq_len), None)
-            if nxt is None:
+def packed_reference(shards: list[np.ndarray], shapes: list[tuple[int, int]], batch_seqs: int = 8
+                     ) -> list[np.ndarray]:
+    """The packing rule written out from the spec (record #70 §3.2): from document i on, each chunk is the
+    document's first min(its length, max_doc_len, tokens still needed) tokens, until the sequence holds seq_len + 1;
+    the next sequence starts at document i + 1 after its last chunk's document; a step that would need a document
+    the shard does not have is dropped and built from the next shard's start."""
+    shard, k, out = 0, 0, []
+    for seq_len, max_doc_len in shapes:
+        while True:
+            tokens = shards[shard]
+            bos = [i for i, t in enumerate(tokens) if t == T.BOS_ID]
+            i, rows = k, []
+            while len(rows) < batch_seqs and i < len(bos):
+                row = []
+                while len(row) < seq_len + 1 and i < len(bos):
+                    doc_end = bos[i + 1] if i + 1 < len(bos) else len(tokens)
+                    row += tokens[bos[i]:min(doc_end, bos[i] + max_doc_len, bos[i] + seq_len + 1 - len(row))].tolist()
+                    i += 1
+                if len(row) == seq_len + 1:
+                    rows.append(row)
+            if len(rows) == batch_seqs:
+                out.append(np.array(rows, dtype=np.int32))
+                k = i
                 break
-            starts.append(bos[k])
-            k = bos.index(nxt)
-        if len(starts) < 8:
-            shard_i, pos = shard_i + 1, 0
-            tokens = shards[shard_i]
-            continue
-        pos = bos[k]
-        out.append(torch.tensor(np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)))
+            shard, k = shard + 1, 0
     return out
 
 
 def test_token_stream_equals_plain_reference_across_shards_and_epochs(tmp_path):
     files = synthetic_shards(tmp_path)
-    expected = plain_reference(files, steps=14, epochs=2)
+    expected = packed_reference([T.load_shard(f, 50304) for f in files] * 2, [(128, 100)] * 14)
     got = global_batches(files, world_size=1, depth=0, steps=14, epochs=2)
-    for a, b in zip(expected, got):
-        assert torch.equal(a, b)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(torch.from_numpy(a), b)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
@@ -88,10 +95,10 @@ def test_token_stream_is_identical_for_every_world_size_and_depth(tmp_path, worl
 
 def test_a_stream_seeked_to_a_saved_position_serves_what_the_uninterrupted_stream_serves_next(tmp_path):
     files = synthetic_shards(tmp_path)  # 6 steps of 8 x 129 tokens cross the first shard's end
-    whole = T.TrainTokenStream(files, 128, 8, 50304)
+    whole = stream(files)
     served = [whole.next_step() for _ in range(9)]
     for k in (0, 3, 6):
-        resumed = T.TrainTokenStream(files, 128, 8, 50304)
+        resumed = stream(files)
         resumed.seek(k, whole.position(k))
         for step in range(k, 9):
             assert resumed.next_step() == served[step] and resumed.position(step + 1) == whole.position(step + 1)
@@ -169,7 +176,7 @@ def test_missing_files_name_the_pattern_and_a_hint_that_fits(tmp_path, monkeypat
 
 def test_running_out_of_data_says_how_much_the_files_hold(tmp_path):
     files = synthetic_shards(tmp_path, n=1, tokens=4000)
-    loader = T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304), 0, 1), 2, CPU)
+    loader = T.PrefetchLoader(T.TrainBatches(stream(files), 0, 1), 2, CPU)
     with pytest.raises(T.UsageError, match=r"training data exhausted at step \d+: 1 shard\(s\) .* hold [\d,]+ tokens"):
         for _ in range(100):
             next(loader)
@@ -180,13 +187,13 @@ def test_running_out_of_data_says_how_much_the_files_hold(tmp_path):
 def test_prefetch_thread_exits_after_normal_end_and_after_errors(tmp_path):
     files = synthetic_shards(tmp_path, n=1)
     before = threading.active_count()
-    loader = T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304, preload=True), 0, 1), 2, CPU)
+    loader = T.PrefetchLoader(T.TrainBatches(stream(files, preload=True), 0, 1), 2, CPU)
     next(loader)
     loader.close()
     assert not loader.thread.is_alive()
 
     bad = write_raw(tmp_path / "bad.bin", [1, 1, 0], np.zeros(0))
-    loader = T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream([bad], 128, 8, 50304), 0, 1), 2, CPU)
+    loader = T.PrefetchLoader(T.TrainBatches(stream([bad]), 0, 1), 2, CPU)
     with pytest.raises(T.UsageError, match="has magic 1"):
         next(loader)
     loader.close()
@@ -196,17 +203,17 @@ def test_prefetch_thread_exits_after_normal_end_and_after_errors(tmp_path):
 
 def test_a_run_with_exactly_enough_data_never_sees_the_end(tmp_path):
     files = synthetic_shards(tmp_path, n=2)
-    stream, available = T.TrainTokenStream(files, 128, 8, 50304), 0
+    whole, available = stream(files), 0
     with pytest.raises(T.UsageError):
         while True:
-            stream.next_step()
+            whole.next_step()
             available += 1
     # Bounded to the run's steps, the prefetch thread stops there instead of running into the end.
-    with T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304, preload=True), 0, 1,
+    with T.PrefetchLoader(T.TrainBatches(stream(files, preload=True), 0, 1,
                                          steps=available), 2, CPU) as loader:
         assert len(list(loader)) == available
     # Unbounded, the error preparing the batch after the last one is raised only when it is asked for.
-    with T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 128, 8, 50304), 0, 1), 2, CPU) as loader:
+    with T.PrefetchLoader(T.TrainBatches(stream(files), 0, 1), 2, CPU) as loader:
         for _ in range(available):
             next(loader)
         with pytest.raises(T.UsageError, match="training data exhausted"):

@@ -1,31 +1,41 @@
-import math
-
-import pytest
 import torch
 
 import train_gpt as T
+
+
+def normuon_reference(O: torch.Tensor, v: torch.Tensor, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """NorMuon (#41) on a wide matrix: v <- beta2 v + (1 - beta2) mean over rows of O^2 (one per column), O / sqrt(v)
+    rescaled to O's Frobenius norm."""
+    v = beta2 * v + (1 - beta2) * (O**2).mean(dim=-2, keepdim=True)
+    scaled = O / v.sqrt()
+    return scaled * O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True), v
 
 
 def test_muon_step_equals_plain_reference():
     torch.manual_seed(0)
     p, buf = torch.randn(2, 16, 24), torch.randn(2, 16, 24)
     grads = [torch.randn(2, 16, 24) for _ in range(3)]
-    ref_p, ref_buf = p.clone(), buf.clone()
-    lr, mom = 0.05, 0.9
+    ref_p, ref_buf, ref_v = p.clone(), buf.clone(), torch.zeros(2, 1, 24)
+    state = {"momentum": buf, "v": torch.zeros(T.normuon_state_shape(p.shape))}
+    lr, mom, beta2 = 0.05, 0.9, 0.95
     for g in grads:
-        T.muon_update_(p, g.clone(), {"momentum": buf}, lr, mom)
+        T.muon_update_(p, g.clone(), state, lr, mom, beta2)
         ref_buf = mom * ref_buf + (1 - mom) * g
         nesterov = (1 - mom) * g + mom * ref_buf
-        ref_p = ref_p - lr * T.newton_schulz(nesterov).float()  # rows < cols: scale factor 1
+        update, ref_v = normuon_reference(T.polar_express(nesterov).float(), ref_v, beta2)
+        ref_p = ref_p - lr * update  # rows < cols: scale factor 1
     torch.testing.assert_close(buf, ref_buf)
+    torch.testing.assert_close(state["v"], ref_v)
     torch.testing.assert_close(p, ref_p, atol=1e-5, rtol=1e-5)
 
 
 def test_muon_scales_tall_matrices():
-    p, buf = torch.zeros(32, 8), torch.zeros(32, 8)
-    g = torch.randn(32, 8)
-    T.muon_update_(p, g.clone(), {"momentum": buf}, lr=1.0, momentum=0.0)
-    torch.testing.assert_close(p, -2.0 * T.newton_schulz(g).float())  # sqrt(32 / 8) = 2
+    p, g = torch.zeros(32, 8), torch.randn(32, 8)
+    state = {"momentum": torch.zeros(32, 8), "v": torch.zeros(T.normuon_state_shape(p.shape))}
+    T.muon_update_(p, g.clone(), state, 1.0, 0.0, 0.95)
+    O = T.polar_express(g).float()
+    scaled = O / (O**2).mean(dim=-1, keepdim=True).mul(0.05).sqrt()  # per row (tall), after one step of beta2 0.95
+    torch.testing.assert_close(p, -2.0 * scaled * O.norm() / scaled.norm())  # sqrt(32 / 8) = 2
 
 
 def test_adam_step_equals_torch_adam():

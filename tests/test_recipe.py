@@ -10,7 +10,7 @@ import torch
 
 import train_gpt as T
 from conftest import SMALL, tiny_args
-from test_data import synthetic_shards
+from test_data import packed_reference, synthetic_shards
 
 # The recipe's stages at a test's scale: 8 steps, 3 stages of 2 and an extension of 2.
 SMALL_STAGES = dict(extension_steps=2, muon_momentum_cooldown_steps=3, window_stages="0/1,1/2,1/2,1/3",
@@ -248,34 +248,6 @@ def test_batch_stages_set_the_sequence_lengths_and_the_warmup_replays_each():
     assert T.warmup_plan(T.parse_config(["--warmup_steps=2"]), s) == [0, 0, 30, 30, 60, 60]
 
 
-def packed_reference(shards: list[np.ndarray], shapes: list[tuple[int, int]], batch_seqs: int = 8
-                     ) -> list[np.ndarray]:
-    """The packing rule written out from the spec (record #70 §3.2): from document i on, each chunk is the
-    document's first min(its length, max_doc_len, tokens still needed) tokens, until the sequence holds seq_len + 1;
-    the next sequence starts at document i + 1 after its last chunk's document; a step that would need a document
-    the shard does not have is dropped and built from the next shard's start."""
-    shard, k, out = 0, 0, []
-    for seq_len, max_doc_len in shapes:
-        while True:
-            tokens = shards[shard]
-            bos = [i for i, t in enumerate(tokens) if t == T.BOS_ID]
-            i, rows = k, []
-            while len(rows) < batch_seqs and i < len(bos):
-                row = []
-                while len(row) < seq_len + 1 and i < len(bos):
-                    doc_end = bos[i + 1] if i + 1 < len(bos) else len(tokens)
-                    row += tokens[bos[i]:min(doc_end, bos[i] + max_doc_len, bos[i] + seq_len + 1 - len(row))].tolist()
-                    i += 1
-                if len(row) == seq_len + 1:
-                    rows.append(row)
-            if len(rows) == batch_seqs:
-                out.append(np.array(rows, dtype=np.int32))
-                k = i
-                break
-            shard, k = shard + 1, 0
-    return out
-
-
 def staged_batches(files, shapes, world_size: int, depth: int) -> list[np.ndarray]:
     """Each step's rows from every rank's loader, in global order (micro-step m of rank r: row m * W + r)."""
     loaders = [T.PrefetchLoader(T.TrainBatches(T.TrainTokenStream(files, 384, 8, 50304, step_shape=shapes.__getitem__),
@@ -403,7 +375,7 @@ def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
     (["--untie_stage=5"], r"--untie_stage=5: the stages are 1 to 3 \(the last: the extension\)"),
     (["--doc_len_stages=2048,0,2048"], "--doc_len_stages=2048,0,2048: each stage's value must be above 0"),
     (["--normuon_beta2=0"], r"--normuon_beta2 must be in \(0, 1\), got 0"),
-    (["--cooldown_frac=0"], r"--cooldown_frac must be in \(0, 1\], got 0"),
+    (["--cooldown_frac=1.5"], r"--cooldown_frac must be in \[0, 1\], got 1.5"),
 ])
 def test_bad_stage_and_optimizer_settings_are_refused_in_one_line(args, message):
     with pytest.raises(T.UsageError, match=message):
