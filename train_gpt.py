@@ -224,11 +224,10 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-def may_attend(q_idx: Tensor, kv_idx: Tensor, docs: Tensor, reach: Tensor, paired: bool = False) -> Tensor:
-    """Token rule: causal, within one document and at most reach positions back (FA3's window (reach, 0): reach + 1
-    keys). paired: positions of the interleaved 2T sequence of paired-head attention, position i token i // 2's."""
-    same_doc = docs[q_idx // 2] == docs[kv_idx // 2] if paired else docs[q_idx] == docs[kv_idx]
-    return (q_idx >= kv_idx) & same_doc & (q_idx - kv_idx <= reach)
+def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
+    """Token rule: causal, and no key before the query's first_key (its document's start, or FA3's window (reach, 0):
+    reach + 1 keys). One buffer of the positions, so the kernels read one tensor besides q, k and v."""
+    return (q_idx >= kv_idx) & (kv_idx >= first_key[q_idx])
 
 
 def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -236,7 +235,7 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
 
     A key block is visible when it is at most `window` blocks before the query block and their document ranges
     overlap; it is full (no per-token mask) when fewer than `window` back and both lie in one document, so every
-    key within window x block_size tokens of a query is read, the farthest block partially (may_attend's reach).
+    key within window x block_size tokens of a query is read, the farthest block partially (may_attend's first key).
     `window` is a 0-dim tensor so a new size never triggers a recompile; window 0 keeps the diagonal block alone.
     """
     nb = docs.numel() // block_size
@@ -256,20 +255,25 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
 
 
 def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool
-                    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """The tokens' document ids (a BOS count), may_attend's reach and block_window_selection over the attended
-    positions: the tokens, or (paired) the 2T interleaved positions, where position i is token i // 2's. The token
-    rule reads the tokens' ids in both cases (the compiled flex kernel needs them as a buffer of its own inputs)."""
-    docs = (input_seq == BOS_ID).cumsum(0)
-    return docs, window * block_size, block_window_selection(docs.repeat_interleave(2) if paired else docs,
-                                                             block_size, window)
+                    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """may_attend's first key per attended position and block_window_selection over those positions: the tokens,
+    or (paired) the 2T interleaved positions, where position i is token i // 2's (a document starts at 2t for its BOS
+    token t). The first key is the later of the position's document start and its window's reach, window x
+    block_size positions back: a running max of both (both only grow), one scan, whose output the CPU's compiled
+    flex kernel takes as a buffer (an elementwise max of the two it refuses)."""
+    bos, docs = input_seq == BOS_ID, (input_seq == BOS_ID).cumsum(0)
+    if paired:
+        bos, docs = torch.stack([bos, torch.zeros_like(bos)], 1).flatten(), docs.repeat_interleave(2)
+    pos = torch.arange(bos.numel(), device=bos.device)
+    first_key = torch.cummax(torch.maximum(torch.where(bos, pos, 0), pos - window * block_size), 0).values
+    return first_key, block_window_selection(docs, block_size, window)
 
 
 def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
-    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+    first_key, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return may_attend(q_idx, kv_idx, docs, reach, paired)
+        return may_attend(q_idx, kv_idx, first_key)
 
     return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
                                     full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
@@ -277,15 +281,15 @@ def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
 
 def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
     """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
-    docs, reach, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+    first_key, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
     nb = partial_n.numel()
-    rank = torch.arange(nb, device=docs.device)[None, :]
-    chosen = torch.zeros(nb, nb, dtype=torch.bool, device=docs.device)
+    rank = torch.arange(nb, device=first_key.device)[None, :]
+    chosen = torch.zeros(nb, nb, dtype=torch.bool, device=first_key.device)
     chosen.scatter_(1, partial_idx.long(), rank < partial_n[:, None])
     chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
-    pos = torch.arange(nb * block_size, device=docs.device)
+    pos = torch.arange(nb * block_size, device=first_key.device)
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
-    return blocks_ok & may_attend(pos[:, None], pos[None, :], docs, reach, paired)
+    return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
 
 class Rotary(nn.Module):

@@ -10,14 +10,13 @@ first, each under its own time limit:
 1. kernels: the Triton kernels in bf16 at the recipe's shapes (autotuned on the GPU) and the FP8 ops (opcheck,
    saturation, the head at the recipe's shape), through cuBLAS; the CPU suite's FP8 tests.
 2. model: the rest of tests/test_cuda.py (compiled FlexAttention against dense attention, the prefetch loader
-   against a slowed stream, the compiled GPT's graphs, record70's matmuls and attention in bf16, a tiny run
-   with checkpoints, record70 compiled) and the no-host-sync test. Without a GPU the CUDA tests are skipped with
+   against a slowed stream, the compiled GPT's graphs, the model's matmuls and attention in bf16, a tiny run
+   with checkpoints, the recipe compiled) and the no-host-sync test. Without a GPU the CUDA tests are skipped with
    their reason and the CPU rehearsal of the compiled path (tests/test_compiled.py) runs instead.
-3. record70: train_gpt.py --bench --preset=record70 at its last stage's real shape (paired FlexAttention over
-   2T = 98,304 positions, the bigram table, the multi-token loss, the Triton kernels), its peak memory against
-   records/memory_estimate.py's estimate for one GPU (PASS within 15% above it).
-4. bench: the same at #28's shape (8 micro-steps of 49,152 tokens). Without a GPU, stages 3 and 4 run the tiny
-   preset (record70's last stage, then #28) compiled with the FP8 head on the CPU, and the memory check is skipped.
+3. bench: train_gpt.py --bench at the recipe's last stage's real shape (8 micro-steps of 49,152 tokens, paired
+   FlexAttention over 2T = 98,304 positions, the bigram table, the multi-token loss, the Triton kernels), its peak
+   memory against records/memory_estimate.py's estimate for one GPU (PASS within 15% above it). Without a GPU it
+   runs the tiny preset's last stage compiled with the FP8 head on the CPU, and the memory check is skipped.
 
 A stage killed at its limit keeps the outcome of every test that finished (read from pytest's verbose log).
 Every check prints PASS, FAIL or SKIP with its figures, and the script goes on past a failure (exit code 1 if
@@ -56,20 +55,15 @@ KERNEL_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
                 "_memory", "tests/test_cuda.py::test_fp8_ops_pass_opcheck_on_cuda",
                 "tests/test_cuda.py::test_fp8_head_saturates_on_cuda",
                 "tests/test_cuda.py::test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled"]
-MODEL_TESTS = ["tests/test_model.py::test_compiled_flex_attention_equals_sdpa_with_reference_mask",
+MODEL_TESTS = ["tests/test_recipe_model.py::test_compiled_flex_attention_with_token_windows_equals_sdpa_with_record_70s_"
+               "rule",
                "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py",
                *(f"--deselect={t}" for t in KERNEL_TESTS if t.startswith("tests/test_cuda.py"))]
 REHEARSAL_TESTS = ["tests/test_compiled.py"]
-# Seconds per stage (kernels, model, record70, bench): with start-up, record70's memory estimate (~40 s on the
-# host) and the report, inside ten minutes on a cold cache.
-LIMITS_S = {"kernels": 110, "model": 180, "record70": 140, "bench": 110}
+# Seconds per stage: with start-up, the memory estimate (~40 s on the host) and the report, inside ten minutes on a
+# cold cache.
+LIMITS_S = {"kernels": 110, "model": 180, "bench": 140}
 MEMORY_MARGIN = 1.15  # measured peak allocated over the estimate that still passes
-# record70 on the tiny preset, README's CPU command: the CPU rehearsal of the record70 stage (at its last stage).
-TINY_RECORD70_FLAGS = ["--num_steps=40", "--extension_steps=2", "--muon_momentum_cooldown_steps=5",
-                       "--window_stages=0/1,1/2,1/3,1/3", "--seq_len_stages=256,384,512", "--final_val_windows=1/4",
-                       "--num_layers=4", "--attn_pattern=LS-L", "--value_embeds=0--1", "--skip=0:2",
-                       "--backout_layer=2", "--paired_layers=1", "--bigram_rows=100608", "--val_every=20"]
-TINY_RECORD70 = ["--preset=tiny,record70", *TINY_RECORD70_FLAGS]
 BENCH_FIGURES = [("ms_per_step_median", "ms/step", "{:.1f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
                  ("mfu_pct", "MFU", "{:.1f}%"), ("peak_memory_allocated_mib", "peak alloc MiB", "{:,.0f}"),
                  ("peak_memory_reserved_mib", "peak reserved MiB", "{:,.0f}"), ("gpu_idle_frac", "GPU idle", "{:.2%}"),
@@ -157,40 +151,36 @@ def run_tests(tests: list[str], out: Path, limit_s: float, stage: str = "tests")
     return rows
 
 
-def last_stage_args(preset: str, *flags: str) -> list[str]:
-    """Flags that make the whole schedule of the preset (with flags) its last stage (and the extension's windows
+def last_stage_args(*flags: str) -> list[str]:
+    """Flags that make the whole schedule of the recipe (with flags) its last stage (and the extension's windows
     after it), so a short bench runs at its final, largest shape."""
     import train_gpt as T
 
-    cfg = T.parse_config([f"--preset={preset}", *flags])
-    args = [f"--{name}={getattr(cfg, name).split(',')[-1]}" for name in T.STAGED if getattr(cfg, name)
-            and name != "window_stages"]
-    if cfg.window_stages:
-        args.append(f"--window_stages={','.join(cfg.window_stages.split(',')[-1 - (cfg.extension_steps > 0):])}")
-    if cfg.untie_stage:  # one stage now: the embedding stays tied (the graph and its cost are the untied one's)
-        args.append("--untie_stage=0")
-    return args
+    cfg = T.parse_config(list(flags))
+    args = [f"--{name}={getattr(cfg, name).split(',')[-1]}" for name in T.STAGED]
+    args.append(f"--window_stages={','.join(cfg.window_stages.split(',')[-1 - (cfg.extension_steps > 0):])}")
+    # One stage now: the embedding stays tied (the graph and its cost are the untied one's).
+    return [*args, "--untie_stage=1"]
 
 
-def bench_run(out: Path, cuda: bool, stage: str, preset: str, cpu_args: list[str]) -> tuple[dict, dict | None]:
-    """One --bench run of the preset (GPU: at its shape on the corpus; CPU: the tiny preset with cpu_args): its
-    row, figures from the report JSON and the warmup line of its log, and the report."""
+def bench_run(out: Path, cuda: bool, stage: str = "bench") -> tuple[dict, dict | None]:
+    """One --bench run at the recipe's last stage (GPU: its shape on the corpus; CPU: the tiny preset's): its row,
+    figures from the report JSON and the warmup line of its log, and the report."""
     run_id = f"gpu_check_{stage}_{datetime.datetime.now():%Y%m%d_%H%M%S}"
     logs = out / "logs"
     if cuda:
         corpus = next(((t, v) for t, v in CORPORA if list(REPO.glob(t)) and list(REPO.glob(v))), None)
-        name = f"{stage}: {preset or '#28'} at its shape, {corpus[0].split('/')[1] if corpus else 'no'} corpus"
+        name = f"{stage}: the recipe's last stage at its shape, {corpus[0].split('/')[1] if corpus else 'no'} corpus"
         if corpus is None:
             return {"check": name, "result": "FAIL", "seconds": 0.0, "figures": {},
                     "note": "no shards in data/proxy/ or data/fineweb10B/ (python data/cached_fineweb10B.py 1)"}, None
         # A bench needs data for its own ~43 steps; epochs let a small corpus supply them.
-        args = ([f"--preset={preset}"] if preset else []) + [f"--train_files={corpus[0]}", f"--val_files={corpus[1]}",
-                                                            "--train_epochs=30", "--val_tokens=262144"]
+        args = [f"--train_files={corpus[0]}", f"--val_files={corpus[1]}", "--train_epochs=30", "--val_tokens=262144",
+                *last_stage_args()]
     else:
-        name = f"{stage}: tiny preset{' ' + preset if preset else ''}, CPU, compiled with the FP8 head"
-        args = [*cpu_args, "--device=cpu", "--compile=true", "--fp8_head=true", "--bench_steps=3", "--num_steps=10"]
-    if preset and cuda:
-        args += last_stage_args(preset)
+        name = f"{stage}: tiny preset's last stage, CPU, compiled with the FP8 head"
+        args = ["--preset=tiny", *last_stage_args("--preset=tiny"), "--device=cpu", "--compile=true",
+                "--fp8_head=true", "--bench_steps=3", "--num_steps=10"]
     cmd = [sys.executable, "train_gpt.py", "--bench", *args, f"--run_id={run_id}", f"--log_dir={logs}"]
     code, seconds = run_logged(cmd, out / f"{stage}.log", LIMITS_S[stage])
     report_path = logs / f"{run_id}_bench.json"
@@ -211,8 +201,8 @@ def bench_run(out: Path, cuda: bool, stage: str, preset: str, cpu_args: list[str
 
 
 def memory_row(report: dict | None, cuda: bool) -> dict:
-    """record70's measured peak allocated against records/memory_estimate.py's figure for one GPU at the same shape."""
-    row = {"check": "record70: peak memory within the estimate", "result": "SKIP", "seconds": 0.0, "figures": {},
+    """The bench's measured peak allocated against records/memory_estimate.py's figure for one GPU at the same shape."""
+    row = {"check": "bench: peak memory within the estimate", "result": "SKIP", "seconds": 0.0, "figures": {},
            "note": "needs a CUDA GPU" if not cuda else "no bench report"}
     if not cuda or report is None or report.get("peak_memory_allocated_mib") is None:
         return row
@@ -220,7 +210,7 @@ def memory_row(report: dict | None, cuda: bool) -> dict:
     import memory_estimate
 
     t0 = time.monotonic()
-    estimates = memory_estimate.estimate("record70", ["--preset=record70"])
+    estimates = memory_estimate.estimate("recipe", [])
     estimate = next(r for r in estimates if r["gpus"] == 1)["total"] / 2**20
     measured = report["peak_memory_allocated_mib"]
     ok = measured <= MEMORY_MARGIN * estimate
@@ -236,9 +226,8 @@ def stages(out: Path, cuda: bool) -> list[dict]:
 
 
 def benches(out: Path, cuda: bool) -> list[dict]:
-    r70, report = bench_run(out, cuda, "record70", "record70",
-                            [*TINY_RECORD70, *last_stage_args("tiny,record70", *TINY_RECORD70_FLAGS)])
-    return [r70, memory_row(report, cuda), bench_run(out, cuda, "bench", "", ["--preset=tiny"])[0]]
+    row, report = bench_run(out, cuda)
+    return [row, memory_row(report, cuda)]
 
 
 def table(rows: list[dict]) -> str:

@@ -150,7 +150,7 @@ def main() -> int:
     if not cuda and not (opts.small and os.environ.get("TRITON_INTERPRET") == "1"):
         sys.exit("error: the benchmark needs a CUDA GPU; on a CPU, TRITON_INTERPRET=1 with --small checks the script")
     dims = ["--model_dim=64", "--head_dim=32", "--vocab_size=512"] if opts.small else []
-    cfg = T.parse_config(["--preset=record70", *dims])
+    cfg = T.parse_config([*dims])
     rows = 64 if opts.small else cfg.train_seq_len
     dtype = torch.bfloat16 if cuda else torch.float32
     fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)

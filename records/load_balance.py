@@ -69,7 +69,7 @@ def brute_force_pairs(input_seq: np.ndarray, block_size: int, window: int, paire
     """The same counts from the trainer's own mask: True entries of its dense (T, T) (paired: (2T, 2T)) mask, and
     the tiles it reads. For tests on short sequences."""
     seq = torch.from_numpy(np.asarray(input_seq, dtype=np.int64))
-    docs, _, (partial_n, _, full_n, _) = T.document_blocks(seq, block_size, torch.tensor(window), paired)
+    _, (partial_n, _, full_n, _) = T.document_blocks(seq, block_size, torch.tensor(window), paired)
     return int(T.dense_mask(seq, block_size, torch.tensor(window), paired).sum()), int(partial_n.sum() + full_n.sum())
 
 

@@ -1,8 +1,10 @@
 """GPU memory per rank at the recipe's real shapes, from traces on the meta device (nothing allocated, no GPU).
 
     python records/memory_estimate.py [--json FILE]
+    SPEEDRUN_TRAINER=records/2026-11-25_record28/train_gpt.py python records/memory_estimate.py  # a snapshot's
 
-For each preset, on 1 GPU (8 micro-steps) and on 8 (one each), per rank:
+For the recipe (its Triton kernels on, as on a GPU, and its torch path), on 1 GPU (8 micro-steps) and on 8 (one
+each), per rank:
 - static: the parameters' buckets, the gradient buckets (and the reduce-scatter's shard on 8), the optimizer
   state of the rank's shard, and the tables (RoPE), from the objects train_gpt.py builds;
 - saved: the activations one micro-step keeps for its backward, as torch.compile's partitioner (AOTAutograd,
@@ -21,7 +23,9 @@ fragmentation take a few of them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,11 +36,20 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_gpt as T  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# The trainer to estimate: the repository's, or a record's snapshot (its default recipe; e.g. #28's, whose logged
+# peak on 8xH100 calibrates the method: tests/test_memory_estimate.py).
+TRAINER = Path(os.environ.get("SPEEDRUN_TRAINER", REPO / "train_gpt.py")).resolve()
+if TRAINER == REPO / "train_gpt.py":
+    import train_gpt as T
+else:
+    _spec = importlib.util.spec_from_file_location("train_gpt", TRAINER)
+    T = sys.modules["train_gpt"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(T)
 
-PRESETS = {"#28": [], "record70 torch path": ["--preset=record70", "--relu2_kernel=false", "--fused_head=false"],
-           "record70": ["--preset=record70"]}  # its Triton kernels on, as on a GPU
+PRESETS = ({"recipe": [], "recipe torch path": ["--relu2_kernel=false", "--fused_head=false"]}
+           if TRAINER == REPO / "train_gpt.py" else {TRAINER.parent.name: []})
 LIMIT_BYTES = 80 * 10**9
 GiB = 2**30
 
@@ -179,7 +192,9 @@ def liveness_peak(graph: torch.fx.Graph, static: set[int]) -> tuple[int, torch.f
 
 def fused_head_workspace(cfg: T.Config) -> int:
     """softcap_ce's own buffers: one chunk of bf16 logits (its gradient in place) and the fp32 dW accumulator."""
-    return T.HEAD_CHUNK_ROWS * cfg.vocab_size * 2 + cfg.vocab_size * cfg.model_dim * 4 if cfg.fused_head else 0
+    if not cfg.fused_head:
+        return 0
+    return T.gpt_kernels.HEAD_CHUNK_ROWS * cfg.vocab_size * 2 + cfg.vocab_size * cfg.model_dim * 4
 
 
 def activation_bytes(cfg: T.Config) -> dict[str, int | str]:

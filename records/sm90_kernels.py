@@ -34,6 +34,7 @@ except ImportError:
 
 import torch  # noqa: E402
 
+import gpt_kernels as K  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -47,17 +48,17 @@ def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, d
     (only their dtype and 16-byte alignment reach the compiler), integers are the real sizes and strides."""
     bf16 = torch.empty(8, dtype=torch.bfloat16)
     dim, hidden, vocab = cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.vocab_size
-    relu2 = T.relu2_launcher().kernel  # x (rows, dim) @ c_fc (dim, hidden) -> (rows, hidden), all row-major
+    relu2 = K.relu2_launcher().kernel  # x (rows, dim) @ c_fc (dim, hidden) -> (rows, hidden), all row-major
     out = [(f"relu2_mm bf16 K={dim} {bm}x{bn}x{bk} w{warps} s{stages}", relu2,
             (bf16, bf16, bf16, rows, hidden, dim, dim, 1, hidden, 1, hidden, 1),
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
-           for bm, bn, bk, warps, stages in T.RELU2_CONFIGS]
-    ce = T.softcap_ce_launcher().kernel  # one HEAD_CHUNK_ROWS chunk of logits, its first row at row0
+           for bm, bn, bk, warps, stages in K.RELU2_CONFIGS]
+    ce = K.softcap_ce_launcher().kernel  # one HEAD_CHUNK_ROWS chunk of logits, its first row at row0
     targets, losses = torch.empty(8, dtype=torch.int64), torch.empty(8)
     for k in (2, 4):  # 1 or 2 weights pad to 2, 3 to 4 (softcap_ce)
         for grad in (True, False):
             out.append((f"softcap_ce bf16 K={k} {'loss+grad' if grad else 'loss'}", ce,
-                        (bf16, vocab, targets, torch.empty(k), losses, T.HEAD_CHUNK_ROWS, rows, 30.0, 5.0, 7.5),
+                        (bf16, vocab, targets, torch.empty(k), losses, K.HEAD_CHUNK_ROWS, rows, 30.0, 5.0, 7.5),
                         {"V": vocab, "K": k, "BLOCK_V": 1024, "GRAD": grad, **DEFAULTS}))
     return out
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import gpt_kernels as K
 import train_gpt as T
 
 pytest.importorskip("triton")
@@ -37,11 +38,11 @@ def test_relu2_kernel_equals_relu_squared_of_the_product_with_masked_tails(dtype
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
 
 
-@pytest.mark.parametrize("config", T.RELU2_CONFIGS, ids=lambda c: "x".join(map(str, c[:3])) + f"w{c[3]}s{c[4]}")
+@pytest.mark.parametrize("config", K.RELU2_CONFIGS, ids=lambda c: "x".join(map(str, c[:3])) + f"w{c[3]}s{c[4]}")
 def test_every_autotuning_tile_of_the_relu2_kernel_computes_the_same_product(config):
     x, w = operands(torch.float32)  # masked tails in every tile: 100 x 72 @ 72 x 200
     out = torch.empty(100, 200)
-    T.relu2_launcher()(x, w, out, config)
+    K.relu2_launcher()(x, w, out, config)
     torch.testing.assert_close(out, torch.relu(x @ w).square(), rtol=1e-5, atol=1e-6)
 
 
@@ -105,7 +106,7 @@ def ce_operands(m: int, d: int = 24, vocab: int = 300, spread: float = 1.0):
 def test_softcap_ce_kernel_equals_the_spec_loss_and_its_gradients_across_chunks(monkeypatch, weights, cap, shift,
                                                                                 spread):
     # 100 rows in chunks of 32 (the last of 4), a vocabulary of 300 in blocks of 1024 / 128: every tail masked.
-    monkeypatch.setattr(T, "HEAD_CHUNK_ROWS", 32)
+    monkeypatch.setattr(K, "HEAD_CHUNK_ROWS", 32)
     x, w, targets = ce_operands(100, spread=spread)
     mtp = torch.tensor(weights)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -137,7 +138,7 @@ def test_softcap_ce_kernel_in_half_precision_follows_the_reference(dtype):
 def test_softcap_ce_with_fp8_scales_follows_the_fp8_head_path():
     # --fused_head with the FP8 head: the same e4m3 operands and e5m2 gradient as fp8_mm followed by the
     # softcapped cross-entropy in torch (its gradient scale then carries the loss scale; here 1/8).
-    cfg = T.parse_config(["--preset=record70"])
+    cfg = T.parse_config([])
     x, w, targets = ce_operands(96, d=32)
     x = x.bfloat16()
     loss, gx, gw = torch.ops.speedrun.softcap_ce(x, w, targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5,
@@ -188,7 +189,7 @@ def test_softcap_ce_compiled_in_one_graph_equals_eager():
 
 
 def test_the_model_with_the_fused_head_equals_the_torch_path_loss_and_every_gradient():
-    # The v2 loss (the rescale, three next tokens) through the whole model, fp32: --fused_head against the
+    # The recipe's loss (the rescale, three next tokens) through the whole model, fp32: --fused_head against the
     # logits path, in training (the loss and every gradient) and in validation (the mean loss).
     args = ["--preset=tiny", "--model_dim=64", "--head_dim=32", "--vocab_size=320", "--logit_cap=23",
             "--logit_shift=5"]
@@ -196,8 +197,8 @@ def test_the_model_with_the_fused_head_equals_the_torch_path_loss_and_every_grad
     plain = T.GPT(T.parse_config(args), use_flex=False, fp8_head=False).float()
     fused = T.GPT(T.parse_config([*args, "--fused_head=true"]), use_flex=False, fp8_head=False).float()
     fused.load_state_dict(plain.state_dict())
-    torch.nn.init.normal_(plain.lm_head.weight, std=0.05)  # the zero-initialized head would hide the x gradient
-    fused.lm_head.weight.data.copy_(plain.lm_head.weight)
+    for model in (plain, fused):  # untied, so that the embedding takes a gradient of its own
+        model.tie_embedding(False)
     g = torch.Generator().manual_seed(3)
     tokens, windows, mtp = torch.randint(0, 320, (257,), generator=g), torch.tensor([2, 1]), torch.tensor([1, .5, .25])
     losses = [model(tokens[:-1], tokens[1:], windows, mtp) for model in (plain, fused)]
@@ -219,14 +220,14 @@ def test_a_run_with_the_fused_head_follows_the_torch_path(tmp_path, monkeypatch)
     # in one block of 65536, as the interpreter's cost is per block. The tolerance: Adam's first steps move by about
     # lr x sign(g) even where g is rounding noise, so bf16 roundings in the rare tokens' gradients reach the loss.
     from conftest import SMALL, tiny_args
-    launch = T.softcap_ce_launcher()
-    monkeypatch.setattr(T, "softcap_ce_launcher", lambda: functools.partial(launch, block_v=65536))
+    launch = K.softcap_ce_launcher()
+    monkeypatch.setattr(K, "softcap_ce_launcher", lambda: functools.partial(launch, block_v=65536))
     runs = [T.run(tiny_args(tmp_path, run_id=f"head_{fused}", fused_head=fused, mtp_stages="1/0.5", logit_cap=23,
                             logit_shift=5, num_steps=2, val_every=2, **{**SMALL, "val_tokens": 128, "val_seq_len": 128})
                   ).val_losses for fused in (False, True)]
     (_, start), (_, plain) = runs[0]
     assert [s for s, _ in runs[1]] == [0, 2] and abs(runs[1][0][1] - start) < 1e-5  # validation: the kernel too
-    assert abs(runs[1][1][1] - plain) < 5e-3 < start - plain, runs
+    assert abs(runs[1][1][1] - plain) < 1e-2 < start - plain, runs
 
 
 def test_the_kernel_benchmark_runs_and_reports_both_paths_of_each_kernel(tmp_path, monkeypatch):
@@ -246,7 +247,7 @@ def test_the_benchmarks_fp8_mlp_computes_the_bf16_mlps_gradients_in_fp8():
     # gradients: ~4% and ~6% per GEMM, ~9% through both and the square), and really in FP8 (bf16's is ~0.4%).
     sys.path.insert(0, str(T.HERE / "records"))
     import kernel_bench as bench
-    cfg = T.parse_config(["--preset=record70", "--model_dim=64", "--head_dim=32"])
+    cfg = T.parse_config(["--model_dim=64", "--head_dim=32"])
     (x, w), cases = bench.fp8_mlp_cases(cfg, 96, torch.bfloat16, torch.device("cpu"), lambda fn: fn)
     grads = {}
     for path, fn in cases.items():

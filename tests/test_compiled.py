@@ -1,5 +1,5 @@
 """The GPU path rehearsed on the CPU: the training loop drives the compiled model (fullgraph, as on a GPU) with
-the FP8 head's custom ops, the compiled Newton-Schulz and the warmup, across attention-window changes. Only
+the FP8 head's custom ops, the compiled Polar Express and the warmup, across attention-window changes. Only
 the attention kernel differs (dense SDPA: FlexAttention has no CPU backward). This is where a wrong fake
 kernel, a graph break or a recompile shows up without a GPU."""
 
@@ -10,17 +10,21 @@ import pytest
 import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
+import gpt_kernels as K
 import train_gpt as T
 from conftest import tiny_args
 from test_recipe import SMALL_MODEL
 
 pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute each on a cold cache
 
-# 512-token sequences in 128-token blocks: the long window grows 1 -> 2 -> 3 blocks over the 6 steps, so the
-# short window goes 0 -> 1 (window 0 is the case the CPU flex kernel crashed on). Two micro-steps per step: the
-# graphs are the same as with eight, at a quarter of the compute.
-REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, seq_len_stages="512", num_steps=6,
-                 global_batch_seqs=2, val_every=3, warmup_steps=2, val_tokens=2048)
+# 512-token sequences in 128-token blocks: the long window grows 1 -> 2 -> 3 blocks over three stages of the 6 steps,
+# the short window 0 -> 1 (window 0 is the case the CPU flex kernel crashed on); the multi-token weights fall and
+# YaRN rescales at each change. Two micro-steps per step: the graphs are the same as with eight, at a quarter of the
+# compute.
+REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, seq_len_stages="512,512,512",
+                 window_stages="0/1,1/2,1/3", lr_stages="1,1.5,1.7", doc_len_stages="2048,2048,2048",
+                 mtp_stages="1/0.5/0.25,1/0.5,1", num_steps=6, global_batch_seqs=2, val_every=3, warmup_steps=2,
+                 val_tokens=2048)
 
 
 @pytest.fixture(autouse=True)
@@ -41,19 +45,19 @@ def train_losses(tmp_path, run_id: str) -> list[float]:
     return [e["train_loss"] for e in map(json.loads, lines) if "train_loss" in e]
 
 
-def test_windows_of_the_rehearsal_cross_zero():
-    cfg = T.parse_config([f"--{k}={v}" for k, v in REHEARSAL.items()] + ["--preset=tiny"])
+def test_windows_of_the_rehearsal_cross_zero(tmp_path):
+    cfg = T.parse_config(tiny_args(tmp_path, **REHEARSAL))
     steps = [T.schedule(s, cfg) for s in range(cfg.num_steps)]
-    assert [s.long_window for s in steps] == [1, 1, 1, 2, 2, 3]
-    assert [s.short_window for s in steps] == [0, 0, 0, 1, 1, 1]
+    assert [s.long_window for s in steps] == [1, 1, 2, 2, 3, 3]
+    assert [s.short_window for s in steps] == [0, 0, 1, 1, 1, 1]
 
 
-CFG = T.parse_config(["--preset=tiny"])
-# Recipe v2's model items (part 2) at the tiny size: the smear, gates, skip, backout and key offset compiled.
-# Four heads: the paired layers attend as two (with one, CPU inductor fuses the kernel's output into the next op,
-# which its CPU FlexAttention template does not support; v2 pairs six heads into three).
-V2_MODEL = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32"] +
-                          [f"--{k}={v}" for k, v in SMALL_MODEL.items()])
+# The tiny preset's model and the five-layer one (tests/test_recipe.py), compiled. Four heads: the paired layers
+# attend as two (with one, CPU inductor fuses the kernel's output into the next op, which its CPU FlexAttention
+# template does not support; the recipe pairs six heads into three).
+CFG = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32"])
+FIVE_LAYERS = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32"] +
+                             [f"--{k}={v}" for k, v in SMALL_MODEL.items()])
 WINDOWS = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)  # (long, short) per call
 
 
@@ -77,16 +81,15 @@ def sample_tokens(seed: int) -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("cfg", [CFG, V2_MODEL], ids=["r28", "v2_model"])
+@pytest.mark.parametrize("cfg", [CFG, FIVE_LAYERS], ids=["tiny", "five_layers"])
 def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph(cfg):
     eager, twin, compiled = model_and_compiled_twin(twin_flex=False, cfg=cfg)
     tokens = sample_tokens(1)
     for i, windows in enumerate(WINDOWS):
         for model in (eager, twin):  # YaRN at each window change rewrites RoPE's tables and q's gain in place
             model.apply_yarn(tuple(int(w) for w in WINDOWS[: i + 1, 0]))
-            model.tie_embedding(i < 2)  # v2 unties the embedding in place (a device flag) at the last window
-        # v2 trains on multi-token weights, a device row per step
-        knobs = (windows,) if not cfg.mtp_stages else (windows, torch.tensor([1.0, 0.5, 0.25 * (2 - i)]))
+            model.tie_embedding(i < 2)  # the embedding unties in place (a device flag) at the last window
+        knobs = (windows, torch.tensor([1.0, 0.5, 0.25 * (2 - i)]))  # multi-token weights, a device row per step
         for model in (eager, compiled):
             model.zero_grad()
             model(tokens[:-1], tokens[1:].long(), *knobs).backward()
@@ -104,11 +107,11 @@ def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph(cfg)
     assert model_graphs() == 1  # windows, YaRN, MTP weights, the tie: tensors, no recompile (eval: the run's test)
 
 
-@pytest.mark.parametrize("cfg", [CFG, V2_MODEL], ids=["r28", "v2_model"])
+@pytest.mark.parametrize("cfg", [CFG, FIVE_LAYERS], ids=["tiny", "five_layers"])
 def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mode(cfg):
     # The CUDA model builds BlockMasks inside its compiled graph; on the CPU that graph runs forward only
     # (no flex backward), which is enough to see that it compiles whole and computes the dense model's loss
-    # (v2: with the paired-head layer's third block mask, over the interleaved 2T positions).
+    # (with the paired-head layer's third block mask, over the interleaved 2T positions).
     dense, flex, compiled = model_and_compiled_twin(twin_flex=True, cfg=cfg)
     tokens = sample_tokens(2)
     with torch.no_grad():
@@ -154,7 +157,7 @@ def test_staged_sequence_lengths_compile_in_the_warmup_and_never_after(tmp_path,
     # A limit below the plan's graphs (as dynamo's default 8 is below an 8-length plan's 9): the run raises it.
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
-    staged = dict(REHEARSAL, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", yarn="true", warmup_steps=1)
+    staged = dict(REHEARSAL, seq_len_stages="256,384,512", warmup_steps=1)
     args = tiny_args(tmp_path, run_id="staged", **staged)
     result = T.run(args)
     assert graphs_after_warmup == [3]  # one training graph per sequence length, all before the clock
@@ -162,7 +165,7 @@ def test_staged_sequence_lengths_compile_in_the_warmup_and_never_after(tmp_path,
     line = re.search(r"^compile: graphs per function: (.*) \(recompile limit", log, re.M).group(1)
     planned = {k: int(v) for k, v in (part.rsplit(" ", 1) for part in line.split(", "))}
     assert model_graphs() == 4 == planned["model"]  # + the eval graph; YaRN recompiled nothing
-    orthogonalize = getattr(T, T.parse_config(args).orthogonalizer).__code__  # one graph per shard shape
+    orthogonalize = T.polar_express.__code__  # one graph per shard shape
     assert len(_debug_get_cache_entry_list(orthogonalize)) == planned["orthogonalize"] >= 2
     assert "warmup: snapshot" in log
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 1.0
@@ -175,9 +178,9 @@ def test_fp8_ops_take_any_token_count_and_scales_in_two_graphs():
     w = torch.randn(128, 64).bfloat16()
     for i in range(10):
         x, g = torch.randn(16 * (i + 1), 64).bfloat16(), torch.randn(16 * (i + 1), 128).bfloat16()
-        scales = T._scales((0.01 * (i + 1), 2**-9 * (i + 1), 1 / 448), x)
-        assert torch.equal(T._fp8_matmul(x, w, *scales[:2]), T._fp8_matmul.__wrapped__(x, w, *scales[:2]))
-        for a, b in zip(T._fp8_matmul_grads(g, x, w, *scales), T._fp8_matmul_grads.__wrapped__(g, x, w, *scales)):
+        scales = K._scales((0.01 * (i + 1), 2**-9 * (i + 1), 1 / 448), x)
+        assert torch.equal(K._fp8_matmul(x, w, *scales[:2]), K._fp8_matmul.__wrapped__(x, w, *scales[:2]))
+        for a, b in zip(K._fp8_matmul_grads(g, x, w, *scales), K._fp8_matmul_grads.__wrapped__(g, x, w, *scales)):
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
-    for fn in (T._fp8_matmul, T._fp8_matmul_grads):
+    for fn in (K._fp8_matmul, K._fp8_matmul_grads):
         assert len(_debug_get_cache_entry_list(fn.__wrapped__.__code__)) <= 2, fn.__name__

@@ -15,6 +15,7 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import _disable_current_modes
 
+import gpt_kernels as K
 import train_gpt as T
 from conftest import SAMPLE_TRAIN, tiny_args
 from test_model import assert_fp8_head_saturates
@@ -49,7 +50,7 @@ def test_fp8_ops_pass_opcheck_on_cuda():
     x = T.norm(torch.randn(256, 768, device=CUDA)).bfloat16()
     w = 0.02 * torch.randn(1024, 768, device=CUDA)
     g = torch.randn(256, 1024, device=CUDA).bfloat16()
-    scales = (math.sqrt(768) / T.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
+    scales = (math.sqrt(768) / K.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
     torch.library.opcheck(torch.ops.speedrun.fp8_mm.default, (x, w, *scales))
     torch.library.opcheck(torch.ops.speedrun.fp8_mm_backward.default, (g, x, w, *scales))
 
@@ -67,7 +68,7 @@ def test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled(rec
     x = T.norm(torch.randn(tokens, dim, device=CUDA)).bfloat16().requires_grad_()
     w = (0.02 * torch.randn(vocab, dim, device=CUDA)).requires_grad_()
     g = (1e-3 * torch.randn(tokens, vocab, device=CUDA)).bfloat16()
-    scales = (math.sqrt(dim) / T.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
+    scales = (math.sqrt(dim) / K.FP8_MAX_E4M3, T.Config.fp8_w_scale, T.Config.fp8_grad_scale)
     out = torch.ops.speedrun.fp8_mm(x, w, *scales)
     out.backward(g)
     with torch.no_grad():
@@ -205,11 +206,12 @@ def test_tiny_preset_trains_on_cuda_and_checkpoints_report_the_gpu_stall(tmp_pat
     record_property("checkpoint_lines", " | ".join(stalls))
 
 
-def test_recipe_v2_on_cuda_compiles_each_sequence_length_in_the_warmup_and_resumes_exactly(tmp_path, monkeypatch,
-                                                                                           record_property):
-    # The whole of v2 parts 1 and 2 on the GPU path: Polar Express compiled, three sequence lengths (three graphs,
-    # all compiled before the clock), clipped documents, YaRN rewriting RoPE in place, Adam every other step, the
-    # v2 model (smear, gates, one skip, backout, key offset) under FlexAttention and the FP8 head.
+def test_the_staged_recipe_on_cuda_compiles_each_sequence_length_in_the_warmup_and_resumes_exactly(
+        tmp_path, monkeypatch, record_property):
+    # The recipe's stages on the GPU path: Polar Express compiled, three sequence lengths (three graphs, all
+    # compiled before the clock), clipped documents, YaRN rewriting RoPE in place, Adam every other step, the
+    # untie, the five-layer model (smear, gates, one skip, backout, key offset, paired heads) under FlexAttention
+    # and the FP8 head.
     from test_compiled import model_graphs
     from test_recipe import SMALL_STAGES, SMALL_MODEL
     graphs = []
@@ -253,13 +255,13 @@ def test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path(record
 
 @fp8
 def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logits_memory(record_property):
-    # --fused_head against the FP8 head + compiled softcapped MTP cross-entropy at one micro-step's shapes (v2's
+    # --fused_head against the FP8 head + compiled softcapped MTP cross-entropy at one micro-step's shapes (the
     # rescale, three next tokens), and validation's loss over one val sequence, from records/kernel_bench.py: the
     # gradients and the loss, and peak memory above the inputs, which must fall by at least the bf16 logits the
     # fused head never holds whole (times: the benchmark's).
     sys.path.insert(0, str(T.HERE / "records"))
     import kernel_bench as bench
-    cfg = T.parse_config(["--preset=record70"])
+    cfg = T.parse_config([])
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731
     (x, w), cases = bench.head_cases(cfg, cfg.train_seq_len, torch.bfloat16, CUDA, compile_, fp8=True)
     results = {}
@@ -281,18 +283,18 @@ def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logit
 
 
 def test_a_compiled_run_with_both_triton_kernels_learns(tmp_path):
-    # --relu2_kernel and --fused_head inside the compiled model (one graph with the custom ops), with v2's loss.
+    # --relu2_kernel and --fused_head inside the compiled model (one graph with the custom ops), with the MTP loss.
     result = T.run(tiny_args(tmp_path, run_id="kernels", relu2_kernel=True, fused_head=True, mtp_stages="1/0.5",
                              logit_cap=23, logit_shift=5, num_steps=8, val_every=4, warmup_steps=1, **RUN))
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.3
 
 
-def test_recipe_v2_runs_every_matmul_and_flex_attention_in_bf16_on_cuda(record_property):
+def test_the_recipe_runs_every_matmul_and_flex_attention_in_bf16_on_cuda(record_property):
     # The CPU suite proves this on fake tensors (tests/test_gpu_path.py); here the CUDA kernels dispatch for real:
-    # v2's model with FlexAttention (compiled alone) at 8,192 tokens, one forward and backward, FP8 head on.
+    # the recipe's model with FlexAttention (compiled alone) at 8,192 tokens, one forward and backward, FP8 head on.
     from test_gpu_path import InputDtypes
 
-    cfg = T.parse_config(["--preset=record70"])
+    cfg = T.parse_config([])
     cfg.fp8_head = True
     model = T.GPT(cfg, use_flex=True, fp8_head=True, compile_flex=True).cuda()
     s = T.schedule_table(cfg)[-2]

@@ -1,6 +1,6 @@
 """The GPU path at the recipe's real shapes, traced on fake tensors (nothing computed): every matmul, attention
 call and custom-op activation of a training micro-step (forward and backward) and of a validation step is bf16,
-as the records run them. The model's parameters are real (built on the CPU, ~1.5 GB at the v2 shape); the tokens
+as the records run them. The model's parameters are real (built on the CPU, ~1.5 GB at the recipe's shape); the tokens
 are fake, so every activation is a fake tensor. Fake CPU tensors: the dense SDPA path stands in for FlexAttention
 (no CPU backward), with the same input dtypes."""
 
@@ -15,7 +15,6 @@ import train_gpt as T
 from conftest import MATMULS, REPO
 
 sys.path.insert(0, str(REPO / "records"))
-import gpu_check  # noqa: E402  (TINY_RECORD70: the README's CPU command of record70)
 import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU run resolves, real shapes)
 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
@@ -53,7 +52,7 @@ def traced_dtypes(cfg: T.Config) -> dict[str, InputDtypes]:
     model = T.GPT(cfg, use_flex=False, fp8_head=cfg.fp8_head)
     last = T.schedule_table(cfg)[-2]  # the last training step's schedule (the table ends with the final one)
     windows = torch.tensor([last.long_window, last.short_window], dtype=torch.int32)
-    mtp = torch.tensor(last.mtp_weights) if cfg.mtp_stages else None
+    mtp = torch.tensor(last.mtp_weights)
     steps = {}
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         tokens = fake.from_tensor(torch.zeros(max(last.seq_len, cfg.val_seq_len) + 1, dtype=torch.int32))
@@ -81,13 +80,13 @@ def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(args)
         assert "fp8_mm" in names, names
 
 
-@pytest.mark.parametrize("preset,tables", [("", 1), ("record70", 2)], ids=["r28", "record70"])
-def test_rope_tables_are_one_per_length_and_built_on_their_device(preset, tables):
-    cfg = T.parse_config([f"--preset={preset}"] if preset else [])
+@pytest.mark.parametrize("args,tables", [([], 2), (["--paired_layers="], 1)], ids=["recipe", "unpaired"])
+def test_rope_tables_are_one_per_length_and_built_on_their_device(args, tables):
+    cfg = T.parse_config(args)
     with torch.device("meta"):  # the real shapes, nothing allocated
         model = T.GPT(cfg, use_flex=False, fp8_head=False)
     rotaries = {id(b.attn.rotary): b.attn.rotary for b in model.blocks if b.attn is not None}
-    assert len(rotaries) == tables  # v2's paired layers rotate 2T positions: a second length
+    assert len(rotaries) == tables  # the paired layers rotate 2T positions: a second length
     for rotary in rotaries.values():
         assert rotary.cos.size(0) in (cfg.val_seq_len, 2 * cfg.val_seq_len)
 
@@ -108,8 +107,7 @@ def test_rope_tables_are_one_per_length_and_built_on_their_device(preset, tables
     assert not host.made, host.made[:3]
 
 
-@pytest.mark.parametrize("args", [[], ["--preset=record70"], ["--preset=tiny"], gpu_check.TINY_RECORD70],
-                         ids=["r28", "record70", "tiny", "tiny_record70"])
+@pytest.mark.parametrize("args", [[], ["--preset=tiny"]], ids=["recipe", "tiny"])
 @pytest.mark.parametrize("world_size", [1, 8])
 def test_each_compiled_function_of_a_full_run_stays_within_dynamos_default_recompile_limit(args, world_size):
     # From the schedule and the optimizer's buckets at the real shapes (meta device): the model's graphs (one

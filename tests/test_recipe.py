@@ -12,10 +12,12 @@ import train_gpt as T
 from conftest import SMALL, tiny_args
 from test_data import packed_reference, synthetic_shards
 
-# The recipe's stages at a test's scale: 8 steps, 3 stages of 2 and an extension of 2.
+# The recipe's stages at a test's scale: 8 steps, 3 stages of 2 and an extension of 2 (over tests/conftest.py's
+# ONE_STAGE: tests/test_cuda.py's staged run).
 SMALL_STAGES = dict(extension_steps=2, muon_momentum_cooldown_steps=3, window_stages="0/1,1/2,1/2,1/3",
                     final_lr_frac=0.15, train_seq_len=384, seq_len_stages="128,256,384", doc_len_stages="100,200,300",
-                    final_val_windows="1/3")
+                    lr_stages="1,1.52,1.73", mtp_stages="1/0.5/0.25,1/0.5,1", final_val_windows="1/3", untie_stage=2,
+                    adam_every=2)
 # The recipe's model at a test's scale: five layers shaped like the spec's eleven (tests/test_recipe_model.py).
 SMALL_MODEL = dict(num_layers=5, attn_pattern="SL-SL", value_embeds="-0-12", skip="1:2", backout_layer=3,
                    bigram_rows=4099, paired_layers="0,3")
