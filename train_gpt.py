@@ -225,8 +225,8 @@ def norm(x: Tensor) -> Tensor:
 
 
 def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
-    """Token rule: causal, and no key before the query's first_key (its document's start, or FA3's window (reach, 0):
-    reach + 1 keys). One buffer of the positions, so the kernels read one tensor besides q, k and v."""
+    """Token rule: causal, and no key before first_key[q]: the later of the query's document start and its window's
+    reach (FA3's window (reach, 0): reach + 1 keys). One buffer, so the kernels read one tensor besides q, k, v."""
     return (q_idx >= kv_idx) & (kv_idx >= first_key[q_idx])
 
 

@@ -9,11 +9,30 @@ import train_gpt as T
 from conftest import SMALL, tiny_args
 
 
+# Two stages of two steps: the embedding unties after step 2 and YaRN rescales at step 2, before the final checkpoint.
+STAGES = dict(seq_len_stages="128,128", window_stages="1/2,1/3", lr_stages="1,1", doc_len_stages="2048,2048",
+              mtp_stages="1/0.5,1")
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sample")
-    T.run(tiny_args(tmp, run_id="s", num_steps=3, val_every=0, save_final=True, **SMALL))
-    return tmp / "logs" / "s" / "ckpt_3"
+    result = T.run(tiny_args(tmp, run_id="s", num_steps=4, val_every=0, save_final=True, **SMALL, **STAGES))
+    return tmp / "logs" / "s" / "ckpt_4", result.model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(trained):
+    return trained[0]
+
+
+def test_the_sampled_model_is_the_trained_one_untied_and_rescaled(trained):
+    folder, model = trained
+    loaded = sample.load_model(folder, torch.device("cpu"))
+    assert not model.embed_tied_now and model.yarn_windows == (2, 3)
+    tokens, windows = torch.randint(0, 50000, (256,), generator=torch.Generator().manual_seed(0)), torch.tensor([3, 1])
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(tokens, windows), model.eval().logits(tokens, windows))
 
 
 def test_logits_are_what_the_loss_reads():

@@ -259,3 +259,20 @@ def test_threads_that_touch_the_device_bind_to_it_first(tmp_path, monkeypatch):
     T.run(tiny_args(tmp_path, num_steps=2, val_every=0, save_every=1))
     names = {name.split("_")[0] for name, d in bound if d == torch.device("cpu")}
     assert names == {"prefetch", "ckpt-writer"}, bound
+
+
+@pytest.mark.slow
+def test_the_file_alone_trains_on_the_torch_path_and_refuses_the_kernels_it_lacks(tmp_path):
+    # train_gpt.py copied without gpt_kernels.py: auto takes the torch path, an explicit kernel is one line.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(REPO / "train_gpt.py", alone)
+    args = tiny_args(tmp_path, run_id="alone", num_steps=2, val_every=2, **SMALL)
+    run = subprocess.run([sys.executable, "train_gpt.py", *args], cwd=alone, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "fp8 head False" in (tmp_path / "logs" / "alone.txt").read_text()
+    refused = subprocess.run([sys.executable, "train_gpt.py", *args, "--run_id=fp8", "--fp8_head=true"], cwd=alone,
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "--fp8_head runs gpt_kernels.py's ops: put that file beside train_gpt.py" in refused.stderr
