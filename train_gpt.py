@@ -991,7 +991,8 @@ class ShardedMuonAdam:
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.orthogonalize = torch.compile(polar_express, dynamic=False, fullgraph=True) if compile_ns else polar_express
+        self.orthogonalize = (torch.compile(polar_express, dynamic=False, fullgraph=True) if compile_ns
+                              else polar_express)
         self.lr_mult, self.momentum, self.adam_step = 1.0, cfg.muon_momentum_start, True  # set_step() sets them
         self.step_count, self.adam_steps = 0, 0
         named = dict(model.named_parameters())

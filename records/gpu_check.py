@@ -55,8 +55,8 @@ KERNEL_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
                 "_memory", "tests/test_cuda.py::test_fp8_ops_pass_opcheck_on_cuda",
                 "tests/test_cuda.py::test_fp8_head_saturates_on_cuda",
                 "tests/test_cuda.py::test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled"]
-MODEL_TESTS = ["tests/test_recipe_model.py::test_compiled_flex_attention_with_token_windows_equals_sdpa_with_record_70s_"
-               "rule",
+MODEL_TESTS = ["tests/test_recipe_model.py::test_compiled_flex_attention_with_token_windows_equals_sdpa_with_record_"
+               "70s_rule",
                "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py",
                *(f"--deselect={t}" for t in KERNEL_TESTS if t.startswith("tests/test_cuda.py"))]
 REHEARSAL_TESTS = ["tests/test_compiled.py"]

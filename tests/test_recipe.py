@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import SMALL, tiny_args
+from conftest import ONE_STAGE, SMALL, tiny_args
 from test_data import packed_reference, synthetic_shards
 
 # The recipe's stages at a test's scale: 8 steps, 3 stages of 2 and an extension of 2 (over tests/conftest.py's
@@ -417,10 +417,12 @@ def test_adam_every_other_step_applies_the_summed_gradients_of_two_steps():
 
 
 def scaled_recipe_args(tmp_path, **overrides) -> list[str]:
-    """The tiny preset (the recipe at tiny shapes), shortened to 12 scheduled steps (stages from steps 4 and 8,
-    untied after 9) and the 2-step extension: every boundary in 14 steps."""
-    return tiny_args(tmp_path, **{"train_seq_len": 512, "seq_len_stages": "256,384,512", "num_steps": 14,
-                                  "val_every": 4, **overrides})
+    """The tiny preset (the recipe at tiny shapes, its stages, extension, untie and Adam every other step in place
+    of tests' ONE_STAGE), shortened to 12 scheduled steps (stages from steps 4 and 8, untied after 9) and the 2-step
+    extension: every boundary in 14 steps."""
+    tiny = T.parse_config(["--preset=tiny"])
+    staged = {name: getattr(tiny, name) for name in ONE_STAGE}
+    return tiny_args(tmp_path, **{**staged, "num_steps": 14, "val_every": 4, **overrides})
 
 
 @pytest.mark.slow  # five runs of the scaled-down recipe

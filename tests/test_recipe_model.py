@@ -1,8 +1,8 @@
 """The recipe's model (record #70): the 11-layer shape's fields, the single gated skip, the value-embedding gates,
 the lambdas folded into the weights, smear, backout, the partial key offset, the bigram table, paired heads, the
 tied embedding and FA3's token windows, against a plain float64 forward written here from the spec (recipe_v2.md
-§2.6, §2.7, §2.11, §2.14, §2.16, §2.17, §2.23, §2.29; record70_spec.md §3.3, §4.4), not from the file's code, and
-each item shown to matter; their initial values; multi-token prediction's loss and weights (§2.21); the FP8 head's
+§2.6, §2.7, §2.11, §2.14, §2.16, §2.17, §2.23, §2.29; record70_spec.md §3.3, §4.4), not from the file's code,
+and each item shown to matter; their initial values; multi-token prediction's loss and weights (§2.21); the FP8 head's
 scales (§2.19); the FLOP count of the shape; one-line refusals."""
 
 import copy
@@ -341,8 +341,8 @@ def test_bad_model_settings_are_refused_in_one_line(args, message):
 
 @pytest.mark.slow  # compiles the FP8 op bodies
 def test_fp8_head_takes_the_configured_scales(monkeypatch):
-    """The recipe's FP8 head scales (#51, #55: x 100/448, W 1.6/448) reach the matmul: its logits are the product of x and
-    W rounded to float8_e4m3 at those scales, not at #28's (sqrt(d)/448, 2^-9: |W| saturates at 0.875)."""
+    """The recipe's FP8 head scales (#51, #55: x 100/448, W 1.6/448) reach the matmul: its logits are the product of x
+    and W rounded to float8_e4m3 at those scales, not at #28's (sqrt(d)/448, 2^-9: |W| saturates at 0.875)."""
     scales = ("fp8_x_scale", "fp8_w_scale", "fp8_grad_scale")
     cfg = T.parse_config(SHAPE)
     assert [getattr(cfg, k) * 448 for k in scales] == pytest.approx([100, 1.6, 0.75])
