@@ -173,7 +173,8 @@ def test_prefetch_loader_hands_out_exactly_the_synchronous_batches(depth, slow):
     files = T.find_shards(SAMPLE_TRAIN)
 
     def source() -> T.TrainBatches:
-        return T.TrainBatches(T.TrainTokenStream(files, 4096, 8, 50304, preload=depth > 0), 0, 1, steps=12)
+        stream = T.TrainTokenStream(files, 4096, 8, 50304, lambda step: (4096, 2048), preload=depth > 0)
+        return T.TrainBatches(stream, 0, 1, steps=12)
 
     with T.PrefetchLoader(source(), 0, torch.device("cpu")) as host:
         expected = torch.stack([b.clone() for b in host]).to(CUDA)
