@@ -1,12 +1,8 @@
-"""Speedrun GPT trainer: record #70 of the NanoGPT speedrun in one file, the recipe first.
+"""Speedrun GPT trainer: record #70 of the NanoGPT speedrun in one file, the recipe first, then the plumbing.
 
-hyperparameters -> model -> schedule -> optimizer -> data, then the plumbing: command line -> metrics ->
-profiler -> checkpoints -> training -> main(). The FP8 head's ops and the Triton kernels live beside it in
-gpt_kernels.py; without that file the run takes the torch path.
-Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
-(N in 1, 2, 4, 8) or plain `python train_gpt.py --preset=tiny` on a CPU.
-Importing this module has no side effects; the tests import it. Analysis that need not run inside
-training (trace reports, run comparison, load balance) and the earlier recipes live in records/.
+The FP8 head's ops and the Triton kernels live beside it in gpt_kernels.py (without it: the torch path).
+Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or
+`python train_gpt.py --preset=tiny` on a CPU. Importing it has no side effects; earlier recipes live in records/.
 """
 
 from __future__ import annotations
@@ -60,17 +56,14 @@ except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for
         raise
     gpt_kernels = None
 
-
 class UsageError(Exception):
     """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
-
 
 # -----------------------------------------------------------------------------
 # Hyperparameters
 # Record #70 (2026-02-03_VeTuned) on 8xH100, FlexAttention in place of FA3. One dataclass holds every number a
 # user tunes and every systems switch, each overridable as --field=value; a recipe change is an edit here and
 # in the model. Earlier recipes run from their snapshots under records/ (#28: records/2026-11-25_record28/).
-
 
 @dataclass
 class Config:
@@ -171,42 +164,20 @@ class Config:
     save_final: bool = False  # checkpoint after the last step
     resume: str = ""  # a ckpt_<step> directory: continue that run exactly (same shapes and data; own --run_id)
 
-
 PRESETS: dict[str, dict[str, object]] = {
     # The recipe scaled down to a CPU on the bundled sample, through every stage, the untie and the extension in
     # about a minute on 2 cores. On the CPU the vocabulary-sized logits dominate the cost, so few large steps learn
-    # the most per second.
+    # the most per second. block_size 128 is FlexAttention's smallest H100 tile: the preset runs on CPU and GPU.
     "tiny": dict(
-        seed=1337,  # fixed, so that the README's numbers reproduce
-        train_files="data/sample/sample_train_*.bin",
-        val_files="data/sample/sample_val_*.bin",
-        train_seq_len=512,
-        val_seq_len=1024,
-        val_tokens=16384,
-        num_layers=4,
-        model_dim=128,
-        num_heads=2,
-        head_dim=64,
-        attn_pattern="LS-L",
-        paired_layers="1",
-        value_embeds="0--1",
-        skip="0:2",
-        backout_layer=2,
-        bigram_rows=2 * 50304,
-        gate_channels=8,
-        block_size=128,  # FlexAttention's smallest tile on H100: the same preset runs on CPU and GPU
-        num_steps=40,
-        extension_steps=2,
-        muon_momentum_warmup_steps=10,
-        muon_momentum_cooldown_steps=5,
-        window_stages="0/1,1/2,1/3,1/3",
-        seq_len_stages="256,384,512",
-        final_val_windows="1/4",
-        val_every=20,
-        warmup_steps=2,
+        seed=1337, train_files="data/sample/sample_train_*.bin", val_files="data/sample/sample_val_*.bin",
+        train_seq_len=512, val_seq_len=1024, val_tokens=16384,
+        num_layers=4, model_dim=128, num_heads=2, head_dim=64, attn_pattern="LS-L", paired_layers="1",
+        value_embeds="0--1", skip="0:2", backout_layer=2, bigram_rows=2 * 50304, gate_channels=8, block_size=128,
+        num_steps=40, extension_steps=2, muon_momentum_warmup_steps=10, muon_momentum_cooldown_steps=5,
+        window_stages="0/1,1/2,1/3,1/3", seq_len_stages="256,384,512", final_val_windows="1/4",
+        val_every=20, warmup_steps=2,
     ),
 }
-
 
 # -----------------------------------------------------------------------------
 # Model
@@ -219,25 +190,17 @@ BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and th
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
 YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
 
-
 def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
-
 def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
-    """Token rule: causal, and no key before first_key[q]: the later of the query's document start and its window's
-    reach (FA3's window (reach, 0): reach + 1 keys). One buffer, so the kernels read one tensor besides q, k, v."""
+    """Causal, and no key before first_key[q]: the later of q's document start and its window's reach (FA3's)."""
     return (q_idx >= kv_idx) & (kv_idx >= first_key[q_idx])
-
 
 def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
-
-    A key block is visible when it is at most `window` blocks before the query block and their document ranges
-    overlap; it is full (no per-token mask) when fewer than `window` back and both lie in one document, so every
-    key within window x block_size tokens of a query is read, the farthest block partially (may_attend's first key).
-    `window` is a 0-dim tensor so a new size never triggers a recompile; window 0 keeps the diagonal block alone.
-    """
+    Visible: at most `window` blocks back, document ranges overlapping; full (no per-token mask): fewer than
+    `window` back, both in one document. `window` is a 0-dim tensor: a new size never recompiles."""
     nb = docs.numel() // block_size
     blocks = docs.view(nb, block_size)
     first, last = blocks[:, 0], blocks[:, -1]
@@ -253,21 +216,17 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
 
     return *nearest_first(partial), *nearest_first(full)
 
-
 def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool
                     ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """may_attend's first key per attended position and block_window_selection over those positions: the tokens,
-    or (paired) the 2T interleaved positions, where position i is token i // 2's (a document starts at 2t for its BOS
-    token t). The first key is the later of the position's document start and its window's reach, window x
-    block_size positions back: a running max of both (both only grow), one scan, whose output the CPU's compiled
-    flex kernel takes as a buffer (an elementwise max of the two it refuses)."""
+    """may_attend's first key and block_window_selection over the tokens, or (paired) the 2T interleaved positions
+    (position i is token i // 2's). Both bounds only grow, so one running max gives the first key: one buffer, which
+    the CPU's compiled flex kernel accepts (an elementwise max of two it refuses)."""
     bos, docs = input_seq == BOS_ID, (input_seq == BOS_ID).cumsum(0)
     if paired:
         bos, docs = torch.stack([bos, torch.zeros_like(bos)], 1).flatten(), docs.repeat_interleave(2)
     pos = torch.arange(bos.numel(), device=bos.device)
     first_key = torch.cummax(torch.maximum(torch.where(bos, pos, 0), pos - window * block_size), 0).values
     return first_key, block_window_selection(docs, block_size, window)
-
 
 def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
     first_key, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
@@ -277,7 +236,6 @@ def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
 
     return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
                                     full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
-
 
 def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
     """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
@@ -291,10 +249,9 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
-
 class Rotary(nn.Module):
-    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all.
-    set_frequencies rewrites the tables in place (YaRN): a compiled model reads the new values, no recompile."""
+    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all. YaRN
+    rewrites the tables in place: no recompile."""
 
     def __init__(self, head_dim: int, max_len: int):
         super().__init__()
@@ -314,8 +271,7 @@ class Rotary(nn.Module):
         self.sin.copy_(theta.sin())
 
     def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
-        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 turns
-        its paired heads (heads 0, 2, 4 at 2t and 1, 3, 5 at 2t + 1, whichever slot of the pair they sit in)."""
+        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 does."""
         T = x.size(-3)
         if paired:  # heads as (H/2, 2): the parity broadcasts over rows 2t and 2t + 1 of the table, no copy
             cos, sin = (t[: 2 * T].view(1, T, 1, 2, -1) for t in (self.cos, self.sin))
@@ -325,7 +281,6 @@ class Rotary(nn.Module):
         x1, x2 = x.float().chunk(2, dim=-1)
         y = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
         return y.flatten(-3, -2) if paired else y
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable = flex_attention):
@@ -381,7 +336,6 @@ class CausalSelfAttention(nn.Module):
         y = y * gate.unsqueeze(-1)
         return F.linear(y.flatten(-2), (lambdas[1] * self.qkvo_w[3]).T.type_as(y))
 
-
 class MLP(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -401,7 +355,6 @@ class MLP(nn.Module):
             h = F.relu(x @ self.c_fc.type_as(x)).square()
         return F.linear(h, self.c_proj.type_as(h))
 
-
 class Block(nn.Module):
     def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable):
         super().__init__()
@@ -415,22 +368,18 @@ class Block(nn.Module):
             x = x + self.attn(norm(x), ve, sa_lambdas, masks["paired" if self.attn.paired else self.attn.window])
         return x + self.mlp(norm(x))
 
-
 def train_loss_scale(cfg: Config) -> float:
-    """train() scales each micro-step's summed loss by this before backward: the gradients summed over
-    micro-steps and ranks are then the mean over the step's sequences, the same at every world size."""
+    """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then the
+    mean over the step's sequences at every world size."""
     return 1.0 / cfg.global_batch_seqs
-
 
 def softcap(logits: Tensor, cfg: Config) -> Tensor:
     """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
     return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
-
 def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor | None) -> Tensor:
-    """Multi-token cross-entropy (#53), mtp a (K,) tensor of weights: sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), the
-    terms past the sequence's end left out (and no document boundary respected, as upstream), one logsumexp per
-    position for every k. None: the next token's summed cross-entropy alone."""
+    """Multi-token cross-entropy (#53): sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), terms past the end left out, across
+    documents as upstream; one logsumexp per position. mtp None: the next token's alone."""
     if mtp is None:
         return F.cross_entropy(logits, targets, reduction="sum")
     lse, T = torch.logsumexp(logits, dim=-1), targets.size(0)
@@ -440,17 +389,14 @@ def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor | None) -> Ten
         loss = loss + mtp[k] * (lse[: T - k] - picked).sum()
     return loss
 
-
 def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
-    """The FP8 head's (x, W, gradient) scales, the gradient's for a loss multiplied by loss_scale: folded in,
-    the e5m2 values are those of the record's unscaled per-rank loss (small gradients are not flushed)."""
+    """The FP8 head's (x, W, gradient) scales; loss_scale folded into the gradient's keeps its e5m2 values the
+    record's (unscaled per-rank loss)."""
     return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
-
 class GPT(nn.Module):
-    """use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; fp8_head: the FP8 head in
-    training; compile_flex: compile flex_attention on its own (an uncompiled model on CUDA: unfused, flex
-    would materialize the whole score matrix)."""
+    """use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention
+    alone (an uncompiled model on CUDA: unfused flex would materialize the whole score matrix)."""
 
     def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False):
         super().__init__()
@@ -498,11 +444,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
-        """RoPE frequencies and attention scale after YaRN (#31) at each change of the long window, in blocks,
-        from the first to the last of long_windows; with one (or none), the base ones. A block of B tokens and
-        a window change W -> W': r = B W w / 2pi turns of frequency w in the old window, g = clamp((r - 1) / 31,
-        0, 1), w <- w (s + g (1 - s)) with s = W / W' (high frequencies kept, low ones interpolated); the
-        attention scale grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
+        """YaRN (#31) at each change W -> W' of the long window (blocks): frequency w with r = B W w / 2pi turns in
+        the old window becomes w (s + g (1 - s)), s = W / W', g = clamp((r - 1) / 31, 0, 1); the attention scale
+        grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
         if long_windows[1:] == self.yarn_windows[1:]:
             return
         freqs = next(b.attn.rotary.base for b in self.blocks if b.attn is not None).double()
@@ -521,22 +465,19 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def tie_embedding(self, tied: bool) -> None:
-        """Whether the embedding reads the head's weight from now on; written only on a change."""
         if self.embed_tied_now != tied:
             self.embed_tied.fill_(float(tied))
             self.embed_tied_now = tied
 
     def bigram_vectors(self, input_seq: Tensor) -> Tensor:
-        """(1, T, model_dim): per position the bigram table's row for (previous token, token) (#62): row
-        ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), the last row at position 0; across documents, as upstream."""
+        """(1, T, model_dim): row ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1) per position, the last at 0 (#62)."""
         x, rows = input_seq.long(), self.cfg.bigram_rows
         prev, cur = x[:-1], x[1:]
         return self.bigram(torch.cat([x.new_full((1,), rows - 1), ((BIGRAM_MUL[0] * cur) ^ (BIGRAM_MUL[1] * prev))
                                       % (rows - 1)]))[None]
 
     def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
-        """The head's input, (T, model_dim), for one packed (T,) sequence; windows is (long, short) in blocks, an int
-        tensor (a new value never recompiles)."""
+        """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor."""
         cfg = self.cfg
         # Each scalar is read 0-dim (sc[name][k]): a (1,) fp32 tensor times a bf16 activation would be fp32.
         sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
@@ -578,8 +519,8 @@ class GPT(nn.Module):
         return softcap(logits, cfg)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
-        """Summed multi_token_loss in training (mtp: the step's (K,) weights; None: the next token's), mean
-        cross-entropy in eval. With --fused_head both losses come from softcap_ce (no logits tensor), the same terms."""
+        """Summed multi_token_loss in training, mean cross-entropy in eval; --fused_head: softcap_ce, no logits."""
+
         cfg = self.cfg
         if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
             weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
@@ -591,13 +532,11 @@ class GPT(nn.Module):
         logits = self.logits(input_seq, windows)
         return multi_token_loss(logits, target_seq, mtp) if self.training else F.cross_entropy(logits, target_seq)
 
-
 # -----------------------------------------------------------------------------
 # Schedule
 # Everything that varies with the step, in one place, rounded as #70 rounds it: the training loop sets the
 # optimizer from it and hands the windows and multi-token weights to the model (rows of device tables, so a new
 # value never recompiles), and the FLOP model and the metrics read the same values.
-
 
 @dataclass(frozen=True)
 class StepSchedule:
@@ -614,14 +553,11 @@ class StepSchedule:
     mtp_weights: tuple[float, ...]  # loss weights of the next 1, 2, ... tokens (as many every step)
     tied: bool  # the embedding still reads the head (untied after the last tied step's update)
 
-
 def stage_starts(cfg: Config) -> list[int]:
-    """The first step of each equal stage, then of the extension, then num_steps, rounded as #70 rounds them:
-    stage k of n starts at round(N (1/n + ... + 1/n)), k float terms and Python's round (ties to even), N the
-    scheduled steps (num_steps - extension_steps)."""
+    """The first step of each equal stage, of the extension, then num_steps: stage k of n starts at round(N (1/n +
+    ... + 1/n)), k float terms, Python's round (ties to even), N = num_steps - extension_steps, as #70 rounds."""
     n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
     return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
-
 
 def schedule(step: int, cfg: Config) -> StepSchedule:
     """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
@@ -631,7 +567,7 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     progress = 1.0 if stage >= stages else (step - starts[stage]) / (starts[stage + 1] - starts[stage])
 
     def staged(name: str) -> Any:  # a staged field's value now; the extension keeps the last (or has its own pair)
-        values = window_stages(cfg.window_stages) if name == "window_stages" else STAGED[name](getattr(cfg, name))
+        values = parse_stages(name, getattr(cfg, name))
         return values[min(stage, len(values) - 1)]
 
     # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #70's does (cooldown_frac 0: none).
@@ -648,10 +584,12 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     else:
         momentum = cfg.muon_momentum_end
     # The last validation (step num_steps, no training step) has its own windows; YaRN follows the training ones.
-    short, long = window_stages(cfg.final_val_windows)[0] if step == cfg.num_steps else staged("window_stages")
-    yarn_windows = tuple(dict.fromkeys(long for _, long in window_stages(cfg.window_stages)[: stage + 1]))
+    final = parse_stages("final_val_windows", cfg.final_val_windows)[0]
+    short, long = final if step == cfg.num_steps else staged("window_stages")
+    trained = parse_stages("window_stages", cfg.window_stages)[: stage + 1]
+    yarn_windows = tuple(dict.fromkeys(long for _, long in trained))
     # A stage's last multi-token weight of several falls to 0 across it; padded with zeros to the most.
-    weights = mtp_stages(cfg.mtp_stages)
+    weights = parse_stages("mtp_stages", cfg.mtp_stages)
     mtp = list(weights[min(stage, len(weights) - 1)])
     if len(mtp) > 1:
         mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #70 interpolates, a + (b - a) t, bit for bit
@@ -662,24 +600,15 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, staged("seq_len_stages"),
                         staged("doc_len_stages"), yarn_windows, mtp, tied)
 
-
 def schedule_table(cfg: Config) -> list[StepSchedule]:
     """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
     return [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
 
-
-def window_table(schedules: list[StepSchedule], device: torch.device) -> Tensor:
-    """(steps, 2) int32 on the device: row s is step s's (long, short) window for the model."""
-    return torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
-
-
 def step_knobs(schedules: list[StepSchedule], device: torch.device) -> Callable[[int], tuple[Tensor, Tensor]]:
-    """Step -> what the model reads of its schedule, as rows of device tables made once (a new value never
-    recompiles): the (long, short) windows and the multi-token loss weights."""
-    windows = window_table(schedules, device)
+    """Step -> the model's (long, short) windows and multi-token weights: rows of device tables made once."""
+    windows = torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
     mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
     return lambda step: (windows[step], mtp[step])
-
 
 # -----------------------------------------------------------------------------
 # Optimizer
@@ -687,7 +616,6 @@ def step_knobs(schedules: list[StepSchedule], device: torch.device) -> Callable[
 # embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as
 # backward finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
 # functions, and the shards are all-gathered back into the parameters, awaited only where next read.
-
 
 # Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
 # 2% safety factor on the normalization.
@@ -697,15 +625,10 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 
-
 def polar_express(G: Tensor) -> Tensor:
-    """Approximately orthogonalize each matrix of G (batched over leading dims) in bf16.
-
-    After X <- X / (1.02 |X|_F + 1e-6), each iteration is X <- a X + (b A + c A^2) X with A = X X^T,
-    written as two baddbmm: the products accumulate in fp32 and a*X + B@X (and b*A + c*A@A) round to bf16
-    once, as the record's kernels do; rounding after every operation would double the error against an
-    exact (fp64) iteration.
-    """
+    """Approximately orthogonalize each matrix of G (batched) in bf16: after X <- X / (1.02 |X|_F + 1e-6), each
+    iteration is X <- a X + (b A + c A^2) X, A = X X^T, as two baddbmm that round to bf16 once each, as the record's
+    kernels do (rounding after every op would double the error against fp64)."""
     X = G.bfloat16()
     transposed = G.size(-2) > G.size(-1)
     if transposed:
@@ -720,18 +643,14 @@ def polar_express(G: Tensor) -> Tensor:
     X = X.view(shape)
     return X.mT if transposed else X
 
-
 def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
     rows, cols = shape[-2:]
     return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
 
-
 def normuon_(O: Tensor, v: Tensor, beta2: float, columns: Tensor | None = None) -> Tensor:
-    """NorMuon (#41): divide the orthogonalized update by the running RMS of its rows (or columns), kept in v
-    (fp32, updated in place), then give it back its own Frobenius norm. columns: per (square) matrix of a batch,
-    whether its statistic runs per column instead (a matrix stored transposed: #70 takes W_o's per output
-    channel, the columns of the W_o^T kept here)."""
+    """NorMuon (#41): divide the update by the running RMS of its rows (or columns), kept in v (fp32, in place),
+    then restore its Frobenius norm. columns: per matrix, whether per column instead (W_o, stored transposed)."""
     O = O.float()
     if columns is not None:
         O = torch.where(columns.view(-1, 1, 1), O.mT, O)
@@ -740,19 +659,15 @@ def normuon_(O: Tensor, v: Tensor, beta2: float, columns: Tensor | None = None) 
     out = scaled * (O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
     return out if columns is None else torch.where(columns.view(-1, 1, 1), out.mT, out)
 
-
 def normuon_columns(name: str, units: int) -> list[bool]:
-    """Which of a parameter's matrices take NorMuon's statistic per column: the attention's W_o, kept transposed
-    as the fourth of (q, k, v, o)."""
+    """Which of a parameter's matrices take NorMuon's statistic per column: W_o, the fourth of (q, k, v, o)."""
     return [name.endswith("attn.qkvo_w") and unit == 3 for unit in range(units)]
-
 
 def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
                  orthogonalize: Callable[[Tensor], Tensor] = polar_express, lr_mul: float | Tensor = 1.0,
                  wd: float = 0.0, columns: Tensor | None = None) -> None:
-    """Nesterov momentum, orthogonalization, NorMuon's scaling (state["v"], decay normuon_beta2), then a step of
-    lr * lr_mul * sqrt(max(1, rows/cols)); lr_mul is a float or a per-matrix tensor broadcasting over p.
-    Cautious weight decay (wd): p shrinks by wd * lr * (that step's lr) where the update has p's sign."""
+    """Nesterov momentum, orthogonalization, NorMuon, then a step of lr * lr_mul * sqrt(max(1, rows/cols)) (lr_mul:
+    a float or per-matrix tensor). Cautious weight decay: p shrinks by wd lr (step lr) where the update has p's sign."""
     buf = state["momentum"]
     buf.lerp_(grad, 1 - momentum)
     update = normuon_(orthogonalize(grad.lerp(buf, momentum)), state["v"], normuon_beta2, columns)
@@ -762,12 +677,10 @@ def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, m
         p.sub_((update * p >= 0) * p * (wd * lr * step_lr * lr_mul))
     p.add_(update, alpha=-step_lr)
 
-
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                  eps: float, wd: float = 0.0) -> None:
-    """Bias-corrected Adam; eps is added to the uncorrected sqrt(v). Cautious weight decay (wd): p also
-    shrinks by lr^2 * wd where the step has p's sign (#50). The state is fp32 (#56): for the bf16 embeddings
-    the step is computed in fp32 and rounded into p once."""
+    """Bias-corrected Adam, eps added to the uncorrected sqrt(v), fp32 state (#56). Cautious weight decay (#50): p
+    also shrinks by lr^2 * wd where the step has p's sign."""
     grad = grad.to(m.dtype)
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -777,7 +690,6 @@ def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: f
         p.sub_(u + (u * p > 0) * p * (lr * lr * wd))
     else:
         p.addcdiv_(m, v.sqrt().add_(eps), value=-step_size)
-
 
 @dataclass
 class ParamGroup:
@@ -789,10 +701,8 @@ class ParamGroup:
     wd: float = 0.0  # cautious weight decay
     betas: tuple[float, float] = (0.0, 0.0)  # Adam's
 
-
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
-    """Muon takes every block matrix but the gates; Adam the embedding (with the head's lr and betas: tied to it,
-    then its copy), the value embeddings and bigram table, the head, the scalars, the x0 lambdas and the gates."""
+    """Muon takes every block matrix but the gates; Adam the rest (the embedding with the head's lr and betas)."""
     named = dict(model.named_parameters())
     value_embeds = [n for n in named if n.startswith("value_embeds.") or n == "bigram.weight"]  # lr, wd alike
     gates = [n for n in named if n.endswith(("attn.gate_w", "attn.ve_gate_w"))]
@@ -818,37 +728,26 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
     return groups
 
-
 def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
-    """Async SUM reduce-scatter: each micro-step's loss is already scaled by 1/global_batch_seqs (gloo has no AVG)."""
-    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single and made the old name warn.
+    """Async SUM reduce-scatter (the loss is already scaled; gloo has no AVG). torch 2.13 renamed the collectives."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
-
 
 def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Work | None:
     """All-gather into one tensor; inp may be this rank's slice of out (in place)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, async_op=async_op)
 
-
 def grad_ready_order(model: nn.Module) -> list[str]:
-    """Parameter names in about the order backward finishes their gradients: reverse registration order,
-    except `scalars`, which every layer reads, so its gradient is final only at the very end."""
+    """Parameter names in about the order backward finishes them: reversed, `scalars` (read by every layer) last."""
     names = [n for n, _ in model.named_parameters()][::-1]
     return [n for n in names if n != "scalars"] + [n for n in names if n == "scalars"]
 
-
 def plan_buckets(groups: list[ParamGroup], ready_order: list[str], bucket_mb: float,
                  world_size: int) -> list[tuple[ParamGroup, list[str]]]:
-    """Split each group into buckets of one dtype (and one matrix shape for Muon), in gradient-ready order.
-
-    A bucket closes at about bucket_mb; a parameter is never split (it stays a view of one buffer), so
-    one larger than that gets a bucket to itself.
-    A Muon bucket takes at least world_size matrices, and a multiple of it where it can, so padding
-    is left to the last bucket of a shape. Buckets are ordered by when backward finishes their last
-    gradient: the fixed order in which every rank launches them.
-    """
+    """Split each group into buckets of one dtype (and Muon matrix shape) of about bucket_mb, in gradient-ready
+    order; a parameter is never split. A Muon bucket takes a multiple of world_size matrices where it can (padding
+    goes to a shape's last). Ordered by their last gradient: the order every rank launches them in."""
     pos = {n: i for i, n in enumerate(ready_order)}
     entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
     open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
@@ -873,15 +772,10 @@ def plan_buckets(groups: list[ParamGroup], ready_order: list[str], bucket_mb: fl
     closed += [(pos[names[-1]], g, names) for g, names, _ in open_buckets.values()]
     return [(g, names) for _, g, names in sorted(closed, key=lambda c: c[0])]
 
-
 class Bucket:
-    """Parameters of one group, dtype and (Muon) matrix shape, living in one flat buffer.
-
-    The buffer is a row of units (a matrix for Muon, an element for Adam) padded with zero units to a
-    multiple of the world size; rank r owns units [r*k, (r+1)*k) and keeps optimizer state for those
-    alone. Parameters and their .grad are views into the buffers, so the reduce-scatter reads the
-    accumulated gradients and the all-gather writes the parameters without copies.
-    """
+    """Parameters of one group, dtype and (Muon) matrix shape in one flat buffer of units (a matrix for Muon, an
+    element for Adam), padded to a multiple of the world size; rank r owns units [r*k, (r+1)*k) and their state.
+    Parameters and their .grad are views into the buffers: the collectives need no copies."""
 
     def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
         self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
@@ -914,8 +808,7 @@ class Bucket:
             self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device),
                           "v": torch.zeros(normuon_state_shape(shape), device=self.data.device)}
 
-            def of_shard(per_param: Callable[[str, int], list], padding: object) -> list:
-                """A value per matrix of this rank's shard, from each parameter's list of them (padding after)."""
+            def of_shard(per_param: Callable[[str, int], list], padding: object) -> list:  # per matrix of the shard
                 values = [v for n, count in zip(names, self.counts) for v in per_param(n, count)]
                 values += [padding] * (self.shard_units * world_size - len(values))
                 return values[self.first_unit:self.first_unit + self.shard_units]
@@ -923,8 +816,8 @@ class Bucket:
             group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier
             self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0),
                                        device=self.data.device).view(-1, 1, 1)
-            # NorMuon's per-column matrices (W_o), for a bucket holding any, even where this rank's shard has none:
-            # the transposes change the layout its reductions run in, and with it their rounding at every world size.
+            # W_o's per-column flags, for a bucket holding any, even where this rank's shard has none: the transposes
+            # change the reductions' layout, and so their rounding, at every world size.
             cols = of_shard(normuon_columns, False)
             attention = any(any(normuon_columns(n, c)) for n, c in zip(names, self.counts))
             self.columns = torch.tensor(cols, device=self.data.device) if attention else None
@@ -978,16 +871,10 @@ class Bucket:
                 rows = slice(lo - self.first_unit, hi - self.first_unit)
                 yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
 
-
 class ShardedMuonAdam:
-    """Muon + Adam, ZeRO-1 sharded: each rank does the update and keeps the state for 1/W of every bucket.
-
-    Per step: reduce-scatter each bucket's gradients (from backward hooks on the last micro-step, or
-    all after backward), update this rank's shard, all-gather the shards back into the parameters.
-    On steps without an Adam update (adam_every > 1) the Adam buckets do none of this: their gradients
-    keep accumulating in place, on every rank, until the step that reduces and applies their sum.
-    Call wait_for_params() before anything reads the parameters (forward, validation, checkpoint).
-    """
+    """Muon + Adam, ZeRO-1: per step, reduce-scatter each bucket's gradients (from backward hooks on the last
+    micro-step), update this rank's shard, all-gather it back. Between Adam steps the Adam gradients accumulate in
+    place on every rank. Call wait_for_params() before anything reads the parameters."""
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -1053,8 +940,7 @@ class ShardedMuonAdam:
 
     @torch.no_grad()
     def zero_grad(self, everything: bool = False) -> None:
-        """Zero the gradient buffers of the buckets just updated (or all) in place (set_to_none would detach
-        .grad from them)."""
+        """Zero the gradient buffers of the buckets just updated (or all), in place."""
         for b in self.buckets:
             if not (everything or self._updates(b)):
                 continue
@@ -1064,8 +950,7 @@ class ShardedMuonAdam:
 
     @torch.no_grad()
     def copy_param(self, src: str, dst: str) -> None:
-        """Make parameter dst a copy of src, its optimizer state too, on every rank (the untie, #53). Each is alone
-        in its buckets (its own group) with as many elements, so each rank owns the same units of both."""
+        """Make parameter dst a copy of src, optimizer state too (the untie, #53); each rank owns the same units."""
         self.wait_for_params()
         params = {n: p for b in self.buckets for n, p in zip(b.names, b.params)}
         params[dst].copy_(params[src])
@@ -1083,13 +968,9 @@ class ShardedMuonAdam:
         return sum(t.numel() * t.element_size() for t in self.state_tensors())
 
     def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
-        """This rank's shard keyed by parameter name, with the bucket layout: the only format of optimizer state.
-
-        params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor}: the state of units lo..hi-1 of that
-        parameter (matrices for Muon, flat elements for Adam); names this rank owns nothing of are absent.
-        Each state tensor is a view of the live state passed through `copy` (a clone by default; the
-        checkpointer's copy goes to a pinned host buffer), so saving one does not save its whole bucket.
-        """
+        """This rank's shard with the bucket layout: params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor},
+        the state of the units lo..hi-1 it owns of that parameter, each passed through `copy` (the checkpointer's
+        copies into pinned host buffers)."""
         params = {}
         for i, b in enumerate(self.buckets):
             for name, lo, hi, state in b.owned():
@@ -1099,9 +980,9 @@ class ShardedMuonAdam:
 
     @torch.no_grad()
     def load_state_dict(self, shards: list[dict]) -> None:
-        """Load the state_dict() of every rank of a saving run, at any world size and bucket layout: each
-        parameter's state is put together from the ranks' pieces (units lo..hi-1 each), then this rank
-        copies the units it owns now. ValueError says what does not fit."""
+        """Load every saving rank's state_dict(), at any world size and bucket layout: each parameter's state is put
+        together from the pieces, then this rank takes its units. ValueError says what does not fit."""
+
         saved = {n: (lay["kind"], lay["unit"], c) for lay in shards[0]["buckets"]
                  for n, c in zip(lay["names"], lay["counts"])}
         mine = {n: (b.kind, b.unit, c) for b in self.buckets for n, c in zip(b.names, b.counts)}
@@ -1128,7 +1009,6 @@ class ShardedMuonAdam:
                     t.copy_(full[name][k][lo:hi])
         self.step_count, self.adam_steps = shards[0]["step_count"], shards[0]["adam_steps"]
 
-
 # -----------------------------------------------------------------------------
 # Data
 # Shards are a 256-int32 header (magic, version, token count) then uint16 GPT-2 tokens; every
@@ -1143,11 +1023,9 @@ BOS_ID = 50256
 DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
 HERE = Path(__file__).resolve().parent  # the repository: where data/ and records/ are
 
-
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
-    """Write under a temporary name beside path, flush it to disk, then rename it over path: a reader sees
-    the old file or the whole new one, and a failed write leaves nothing behind."""
+    """Write beside path, fsync, rename over it: a reader sees the old file or the new one, a failure nothing."""
     tmp = path.with_name(f"{path.name}.tmp")
     try:
         with open(tmp, mode) as f:
@@ -1157,7 +1035,6 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
     """Write tokens in the shard format, atomically."""
@@ -1169,7 +1046,6 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
     with atomic_file(path) as f:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
-
 
 def shard_token_count(path: Path) -> int:
     """Validate a shard's header against its file size and return its token count."""
@@ -1191,7 +1067,6 @@ def shard_token_count(path: Path) -> int:
                          f"it is truncated or corrupt: delete it and download or tokenize it again")
     return count
 
-
 def load_shard(path: Path, vocab_size: int) -> np.ndarray:
     count = shard_token_count(path)
     tokens = np.fromfile(path, dtype="<u2", offset=4 * HEADER_INTS, count=count)
@@ -1201,10 +1076,8 @@ def load_shard(path: Path, vocab_size: int) -> np.ndarray:
                          f"outside the vocabulary (< {vocab_size})")
     return tokens
 
-
 def find_shards(pattern: str) -> list[Path]:
-    """The shards a glob names, in order. A relative pattern that matches nothing from the working directory is
-    tried under this file's folder too, so the defaults and presets work from anywhere."""
+    """The shards a glob names, in order; a relative one is also tried under this file's folder."""
     files = sorted(Path(p) for p in glob.glob(pattern))
     if not files and not Path(pattern).is_absolute():
         files = sorted(Path(p) for p in glob.glob(str(HERE / pattern)))
@@ -1216,7 +1089,6 @@ def find_shards(pattern: str) -> list[Path]:
         raise UsageError(f"no files match {pattern!r} (here or under {HERE}); {hint}")
     return files
 
-
 def more_data_hint(pattern: str, missing: bool = False) -> str:
     """Where more (or any) data for a glob comes from: FineWeb's downloader for its shards, else your own text."""
     if "fineweb10B" in pattern:
@@ -1225,26 +1097,17 @@ def more_data_hint(pattern: str, missing: bool = False) -> str:
         return "check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py"
     return "make more shards from text with data/tokenize_text.py"
 
-
 class DataExhausted(UsageError):
     """The training files ran out before the run's last step."""
 
-
 Pieces = list[tuple[int, int]]  # one sequence: (start, end) token ranges of the shard, concatenated
-
 
 POSITIONS_KEPT = 64  # recent steps whose stream position is kept: far more than a prefetch runs ahead
 
-
 class TrainTokenStream:
-    """BOS-aligned training sequences in one global order, shared by every world size.
-
-    Step k takes global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len); seq_len + 1 tokens
-    each (inputs and shifted targets). A sequence starts at a BOS and packs the documents from there in order,
-    each cut to its first max_doc_len tokens, the last one cut to fit; the next sequence starts at the document
-    after its last one (_take). A step is taken from one shard: when the shard cannot supply it, the next shard
-    is loaded and the rest dropped.
-    """
+    """BOS-aligned training sequences in one global order, shared by every world size. Step k takes
+    global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len), seq_len + 1 tokens each: from a BOS,
+    the documents in order, each cut to max_doc_len, the last to fit. A step comes from one shard."""
 
     def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int,
                  step_shape: Callable[[int], tuple[int, int]], epochs: int = 1, preload: bool = False):
@@ -1287,8 +1150,7 @@ class TrainTokenStream:
             self.preloader.shutdown(wait=True, cancel_futures=True)
 
     def _pack(self, i: int, need: int, max_doc_len: int) -> Pieces | None:
-        """`need` tokens from the document starting at bos[i] on, documents cut to max_doc_len, as contiguous
-        pieces (runs of whole documents, each ended by a cut one); None past the shard's last BOS."""
+        """`need` tokens from document bos[i] on, cut to max_doc_len, as contiguous pieces; None past the last BOS."""
         if max_doc_len not in self.long_docs:
             lengths = np.diff(self.bos, append=len(self.tokens))
             self.long_docs[max_doc_len] = np.flatnonzero(lengths > max_doc_len)
@@ -1306,9 +1168,8 @@ class TrainTokenStream:
         return pieces
 
     def _take(self, seq_len: int, max_doc_len: int) -> list[Pieces] | None:
-        """The step's sequences from self.pos within the shard, or None when the shard cannot supply them (#70's
-        rule): a sequence goes on at the document after the previous one's last, skipped even when only its BOS
-        was taken (a sequence that ends on a BOS), and a shard serves until a sequence needs a BOS it lacks."""
+        """The step's sequences from self.pos, or None when the shard cannot supply them. #70's rule: a sequence
+        starts at the document after the previous one's last, even when only its BOS was taken."""
         i = int(np.searchsorted(self.bos, self.pos))
         step: list[Pieces] = []
         while len(step) < self.batch_seqs:
@@ -1331,13 +1192,12 @@ class TrainTokenStream:
         return step
 
     def skip(self, steps: int) -> None:
-        """Pass over the sequences of `steps` steps (a resumed run's consumed data): no token is copied."""
+        """Pass over the sequences of `steps` steps: no token is copied."""
         for _ in range(steps):
             self.next_step()
 
     def seek(self, steps: int, position: tuple[int, int]) -> None:
-        """Continue after `steps` steps from position(steps) of the run that consumed them, whatever shapes it
-        took them in (a resumed run may change its stages)."""
+        """Continue after `steps` steps from position(steps) of the run that consumed them, whatever its shapes."""
         next_file, pos = position
         self.steps_served, self.next_file = steps, max(next_file - 1, 0)
         if next_file:
@@ -1346,17 +1206,15 @@ class TrainTokenStream:
         self.positions = {steps: (next_file, pos)}
 
     def position(self, steps: int) -> tuple[int, int]:
-        """Where the stream stood after serving `steps` steps (one of the last POSITIONS_KEPT)."""
         return self.positions[steps]
 
     def steps_available(self, wanted: int) -> int:
-        """Serve up to `wanted` steps without copying; how many the files supplied (the data check)."""
+        """How many of `wanted` steps the files supply."""
         try:
             self.skip(wanted - self.steps_served)
         except DataExhausted:
             pass
         return self.steps_served
-
 
 class TrainBatches:
     """This rank's rows of each training step: micro-step m of rank r holds global sequence m * W + r."""
@@ -1385,7 +1243,6 @@ class TrainBatches:
     def close(self) -> None:
         self.stream.close()
 
-
 class ValTokens:
     """The first val_tokens tokens (+1 target) of the val shards, cut into contiguous chunks, not BOS-aligned."""
 
@@ -1399,7 +1256,6 @@ class ValTokens:
         if have < need:
             raise UsageError(f"validation needs {need} tokens but the val files hold {have}; lower --val_tokens")
         self.tokens = np.concatenate(parts)
-
 
 class ValBatches:
     """This rank's validation chunks (rank, rank + W, ...), one (1, seq_len + 1) row per batch."""
@@ -1419,11 +1275,9 @@ class ValBatches:
     def close(self) -> None:
         pass
 
-
 def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
                      ) -> None:
-    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream
-    itself (a long document yields one sequence, the rest of it is skipped), reading shards until enough."""
+    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream itself."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, step_shape,
                               cfg.train_epochs)
     supplied = stream.steps_available(steps)
@@ -1432,32 +1286,23 @@ def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Cal
                          f"document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
                          f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
 
-
 def bind_thread_to_device(device: torch.device) -> None:
-    """The first call of a thread that makes CUDA calls (events, copies): a new thread's current device is
-    GPU 0, so without it every rank's prefetch and checkpoint threads would open a context there."""
+    """First call of a thread making CUDA calls: a new thread's current device is GPU 0, which would get contexts."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-
 class PrefetchLoader:
     """Batches from a source (TrainBatches or ValBatches), prepared ahead, copied to the device off the compute stream.
-
-    With depth K > 0 a background thread fills a ring of K pinned host buffers (allocated once) while the
-    model computes; the main thread copies batch N+1 to the GPU on a dedicated copy stream as soon as it
-    hands out batch N. The compute stream waits on the copy's event before reading, the device batch is
-    tied to the compute stream with record_stream, and a host buffer is refilled only after its copy's
-    event has completed. depth=0 does the same work synchronously in the main thread (debugging, A/B).
-    Errors in the thread surface in the main thread with their message; close() always stops the thread.
-    """
+    A thread fills a ring of `depth` pinned host buffers; batch N+1 is copied on a copy stream when batch N is
+    handed out, the compute stream waits on its event (record_stream ties it there), and a buffer is refilled only
+    once its copy is done. depth=0: the same work in the main thread. Errors in the thread surface in the caller."""
 
     def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device):
         self.source, self.depth, self.device = source, depth, device
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        # Flat, sized for the longest batch: a shorter one (a staged sequence length) is a contiguous view in front.
-        # The thread writes them through numpy only: no torch op off the main thread (the profiler records
-        # every thread's ops, and stopping it while another thread dispatches one can crash).
+        # Flat, sized for the longest batch (a shorter one is a view in front). The thread writes them through numpy
+        # only: stopping the profiler while another thread dispatches a torch op can crash.
         self.buffers = [torch.empty(math.prod(source.shape), dtype=torch.int32, pin_memory=cuda)
                         for _ in range(max(depth, 1))]
         self.arrays = [b.numpy() for b in self.buffers]
@@ -1544,8 +1389,8 @@ class PrefetchLoader:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(event)
             batch.record_stream(compute)
-        # With prefetching, batch N+1's copy is in flight while batch N computes. An error preparing it
-        # belongs to batch N+1: it is raised when that batch is asked for, not now.
+        # Batch N+1's copy is in flight while batch N computes; an error preparing it is raised when it is asked for.
+
         self.pending = None
         if self.depth:
             try:
@@ -1566,7 +1411,6 @@ class PrefetchLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
 # -----------------------------------------------------------------------------
 # Command line
 # --field=value parsing, --help from the Config's own comments, and validate_config, which refuses in one line any
@@ -1575,9 +1419,7 @@ class PrefetchLoader:
 COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 
-
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
-
 
 def _parse_value(name: str, kind: type | str, text: str) -> object:
     if kind in (bool, "bool | None"):
@@ -1593,7 +1435,6 @@ def _parse_value(name: str, kind: type | str, text: str) -> object:
         return kind(text)
     except ValueError:
         raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
-
 
 def parse_config(argv: list[str]) -> Config:
     """Defaults, then the presets' fields, then explicit --field=value overrides."""
@@ -1619,7 +1460,6 @@ def parse_config(argv: list[str]) -> Config:
         fields.update(PRESETS[preset])
     return Config(**{**fields, **overrides})
 
-
 def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
     """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
     a field is its documentation (--help prints it)."""
@@ -1631,7 +1471,6 @@ def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
         elif ":" in code:
             groups[-1][1].append((code.split(":")[0], comment))
     return groups
-
 
 def config_help() -> str:
     lines = ["usage: train_gpt.py [--field=value ...]     (on N GPUs: torchrun --standalone --nproc_per_node=N "
@@ -1648,7 +1487,6 @@ def config_help() -> str:
                                    initial_indent=f"  {name}: ", subsequent_indent="    "))
     return "\n".join(lines)
 
-
 def profile_steps(spec: str, num_steps: int) -> range:
     """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
     start, sep, end = spec.partition(":")
@@ -1663,77 +1501,46 @@ def profile_steps(spec: str, num_steps: int) -> range:
         raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
     return range(a, b)
 
+# The staged fields: "A,B,..." holds an entry per stage (--window_stages: then the extension's), an entry "X/Y/..."
+# numbers. name -> (numbers per entry, their type, what each may be, what an entry is, an example).
+STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] = {
+    "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks", "1/3,3/7,5/11,6/13"),
+    "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
+    "lr_stages": (range(1, 2), float, lambda m: 0 < m <= 100, "a multiplier in (0, 100]", "1,1.52,1.73"),
+    "doc_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "2048,2048,2048"),
+    "mtp_stages": (range(1, 65), float, lambda w: 0 <= w <= 100, "weights W/W/... in [0, 100]", "1/0.5/0.25,1/0.5,1"),
+    "final_val_windows": (range(2, 3), int, lambda w: w >= 0, "one SHORT/LONG pair of blocks", "6/20"),
+}
+STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
 
-def window_stages(spec: str, flag: str = "window_stages") -> list[tuple[int, int]]:
-    """--window_stages=S/L,S/L,... (or --final_val_windows=S/L) as (short, long) windows in blocks; UsageError when
-    malformed or a short window is longer than its long one."""
+def parse_stages(name: str, spec: str) -> list:
+    """A staged field's entries: a number each, or a tuple (the windows' (short, long), mtp's weights)."""
+    counts, kind, allowed, what, example = STAGE_FORMATS[name]
     try:
-        stages = [tuple(int(w) for w in pair.split("/")) for pair in spec.split(",")]
+        entries = [tuple(kind(x) for x in entry.split("/")) for entry in spec.split(",")]
     except ValueError:
-        stages = []
-    if not stages or any(len(st) != 2 or min(st) < 0 for st in stages):
-        shape = " per stage, comma-separated (e.g. 1/3,3/7,5/11,6/13)" if flag == "window_stages" else " (e.g. 6/20)"
-        raise UsageError(f"--{flag} expects SHORT/LONG blocks{shape}, got {spec!r}")
-    wrong = [f"{a}/{b}" for a, b in stages if a > b]
-    if wrong:
-        raise UsageError(f"--{flag}={spec}: the short window exceeds the long one in {', '.join(wrong)} "
-                         f"(SHORT/LONG, in blocks)")
-    return stages  # type: ignore[return-value]
-
-
-def stage_values(name: str, spec: str, kind: type) -> list:
-    """--seq_len_stages / --lr_stages / --doc_len_stages: one value per equal stage; UsageError when malformed."""
-    try:
-        values = [kind(v) for v in spec.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(not (math.isfinite(v) and v >= 0) for v in values):
-        raise UsageError(f"--{name} expects one non-negative {kind.__name__} per stage, comma-separated, got {spec!r}")
-    low, high = STAGE_RANGES.get(name, (-1, math.inf))
-    if any(not low < v <= high for v in values):
-        raise UsageError(f"--{name}={spec}: each stage's value must be above {low:g} and at most {high:g}")
-    return values
-
-
-def mtp_stages(spec: str) -> list[tuple[float, ...]]:
-    """--mtp_stages=W/W/...,...: per stage the loss weights of the next 1, 2, ... tokens; UsageError when malformed."""
-    try:
-        stages = [tuple(float(w) for w in weights.split("/")) for weights in spec.split(",")]
-    except ValueError:
-        stages = []
-    if not stages or any(not all(math.isfinite(w) and 0 <= w <= 100 for w in st) for st in stages):
-        raise UsageError(f"--mtp_stages expects weights W/W/... from 0 to 100 per stage, comma-separated (e.g. "
-                         f"1/0.5/0.25,1/0.5,1), got {spec!r}")
-    if any(st[0] == 0 for st in stages):
+        entries = []
+    if not entries or any(len(e) not in counts or not all(math.isfinite(x) and allowed(x) for x in e) for e in entries):
+        per_stage = "" if name == "final_val_windows" else " per stage, comma-separated"
+        raise UsageError(f"--{name} expects {what}{per_stage} (e.g. {example}), got {spec!r}")
+    if "window" in name and any(short > long for short, long in entries):
+        wrong = ", ".join(f"{a}/{b}" for a, b in entries if a > b)
+        raise UsageError(f"--{name}={spec}: the short window exceeds the long one in {wrong} (SHORT/LONG, in blocks)")
+    if name == "mtp_stages" and any(e[0] == 0 for e in entries):
         raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
                          f"without it the stage trains on nothing")
-    return stages
-
-
-# The (exclusive low, high) range of a staged value where non-negative is not enough: lengths of at least one
-# token, and an lr multiplier of every group's lr (the records use 1 to 1.73) far from an fp32 update's overflow.
-STAGE_RANGES = {"seq_len_stages": (0, math.inf), "doc_len_stages": (0, math.inf), "lr_stages": (0, 100)}
-
-# The staged fields besides --window_stages (whose count may include the extension's pair): one entry per stage.
-STAGED: dict[str, Callable[[str], list]] = {
-    "seq_len_stages": lambda spec: stage_values("seq_len_stages", spec, int),
-    "lr_stages": lambda spec: stage_values("lr_stages", spec, float),
-    "doc_len_stages": lambda spec: stage_values("doc_len_stages", spec, int),
-    "mtp_stages": mtp_stages,
-}
-
+    return [e[0] for e in entries] if counts == range(1, 2) else entries
 
 def num_stages(cfg: Config) -> int:
     """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
     the extension's pair when there is one). UsageError when they disagree."""
     counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED}
-    counts["--window_stages"] = len(window_stages(cfg.window_stages)) - (1 if cfg.extension_steps else 0)
+    counts["--window_stages"] -= 1 if cfg.extension_steps else 0
     if len(set(counts.values())) > 1:
         raise UsageError(f"the staged fields must list the same number of stages, got "
                          f"{', '.join(f'{k}: {v}' for k, v in counts.items())} (--window_stages also lists the "
                          f"extension's windows when --extension_steps > 0)")
     return max(counts.values())
-
 
 def paired_layers(cfg: Config) -> set[int]:
     """--paired_layers=I,J,... as a set of layers; UsageError unless each is a short-window layer (and heads pair)."""
@@ -1746,7 +1553,6 @@ def paired_layers(cfg: Config) -> set[int]:
                          f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
     return layers
 
-
 def skip_layers(cfg: Config) -> tuple[int, int]:
     """--skip=A:B as (A, B): block A's output joins block B's input. UsageError when malformed."""
     try:
@@ -1758,16 +1564,13 @@ def skip_layers(cfg: Config) -> tuple[int, int]:
                          f"output into block B's input, e.g. 3:6), got {cfg.skip!r}")
     return a, b
 
-
 def bench_length(cfg: Config) -> int:
     """The steps a --bench run trains: settle, timed, one profiler warmup, traced."""
     return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
 
-
 def run_length(cfg: Config) -> int:
     """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
     return bench_length(cfg) if cfg.bench else cfg.num_steps
-
 
 # The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning
 # rate or a beta of 1.5 stops the run at start-up with one line instead of training on it.
@@ -1791,7 +1594,6 @@ FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["normuon_beta2"], "in (0, 1)"),
     **dict.fromkeys(["seed"], ">= -1"),
 }
-
 
 def validate_config(cfg: Config, world_size: int) -> int:
     """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
@@ -1835,14 +1637,14 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
     if cfg.comm_overlap not in COMM_OVERLAP:
         raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
-    for name, parse in STAGED.items():
-        parse(getattr(cfg, name))
-    if len(window_stages(cfg.final_val_windows, "final_val_windows")) != 1:
+    for name in STAGE_FORMATS:
+        parse_stages(name, getattr(cfg, name))
+    if len(parse_stages("final_val_windows", cfg.final_val_windows)) != 1:
         raise UsageError(f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}")
     if num_stages(cfg) < 1:
         raise UsageError("--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension")
-    for seq_len in stage_values("seq_len_stages", cfg.seq_len_stages, int):
-        if not 0 < seq_len <= cfg.train_seq_len or seq_len % cfg.block_size:
+    for seq_len in parse_stages("seq_len_stages", cfg.seq_len_stages):
+        if seq_len > cfg.train_seq_len or seq_len % cfg.block_size:
             raise UsageError(f"--seq_len_stages: {seq_len} must be a multiple of --block_size={cfg.block_size} "
                              f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)")
     if cfg.extension_steps >= cfg.num_steps:
@@ -1877,7 +1679,6 @@ def validate_config(cfg: Config, world_size: int) -> int:
             raise UsageError("--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume")
     return cfg.global_batch_seqs // world_size
 
-
 @dataclass
 class Runtime:
     """Where this process runs: its rank, the world size and its device (set up in main())."""
@@ -1886,10 +1687,8 @@ class Runtime:
     local_rank: int
     device: torch.device
 
-
 FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
-
 
 def resolve_for_device(cfg: Config, cuda: bool) -> None:
     """Replace auto (None) in --compile, --fp8_head and the kernels by the device's choice and apply DISABLE_FP8, so
@@ -1924,11 +1723,9 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
         raise UsageError(f"the FP8 head needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} "
                          f"(torch._scaled_mm), got {', '.join(bad)}; change it or use --fp8_head=false")
 
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
 
 # CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and
 # through a scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a
@@ -1940,12 +1737,10 @@ CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where 
                   "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
 GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 
-
 def native_bf16_gemm() -> bool:
     """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
     return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
 
 class Fp32Gemms(TorchDispatchMode):
     """Inside it, every bf16 mm/addmm/bmm/baddbmm on the CPU (and its out= form) runs in fp32 and rounds its
@@ -1967,16 +1762,13 @@ class Fp32Gemms(TorchDispatchMode):
         result = func.overloadpacket.default(*wide, **kwargs)
         return result.bfloat16() if out is None else out.copy_(result)
 
-
 def bf16_gemm_path(choice: str, cuda: bool) -> str:
     """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
     return "native" if cuda or choice == "native" or (choice == AUTO and native_bf16_gemm()) else "fp32"
 
-
 def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
     """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
     return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
-
 
 def cpu_report() -> str:
     """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
@@ -1988,7 +1780,6 @@ def cpu_report() -> str:
     return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
             f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
-
 # -----------------------------------------------------------------------------
 # Metrics
 # Rank 0 writes logs/<run_id>.txt (source, environment, config, speedrun-grammar lines), a JSONL record per
@@ -1997,24 +1788,15 @@ def cpu_report() -> str:
 
 SEPARATOR = "=" * 100
 
-
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
-
 def print0(*args: object, **kwargs: object) -> None:
     """Print on rank 0 only; every other rank stays silent. For user-facing output (flushed)."""
     if _rank_and_world()[0] == 0:
         print(*args, **{"flush": True, **kwargs})
-
-
-def print_all(*args: object, **kwargs: object) -> None:
-    """Print on every rank, prefixed with `[rank R/W]`. For debugging per-rank state (flushed)."""
-    rank, world_size = _rank_and_world()
-    print(f"[rank {rank}/{world_size}]", *args, **{"flush": True, **kwargs})
-
 
 def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
     lines = [f"Running Python {sys.version.split()[0]} on {platform.platform()}",
@@ -2036,40 +1818,29 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
         lines.append(smi.stdout.rstrip())
     return "\n".join(lines)
 
-
 class RunLog:
-    """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value
-    that is not finite (a diverged loss) is written as NaN or Infinity, as Python's json reads it back. A
-    write that fails (a full disk) stops the run with one line saying so."""
+    """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
+    not finite is written as NaN or Infinity (Python's json reads it back). A failed write (a full disk) stops the
+    run with one line."""
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
-        self.file = self.jsonl = None
         self.paths = [p for p in (path, jsonl_path) if p is not None]
+        self.file, self.jsonl = (None if p is None else self._io(p, lambda p=p: open(p, "w", buffering=1 << 16))
+                                 for p in (path, jsonl_path))
         self.records = 0  # JSONL entries written: none until the first validation or step
-        if path is not None:
-            self.file = self._open(path)
-        if jsonl_path is not None:
-            self.jsonl = self._open(jsonl_path)
 
     @staticmethod
-    def _open(path: Path) -> IO:
+    def _io(name: object, action: Callable[[], Any]) -> Any:
         try:
-            return open(path, "w", buffering=1 << 16)
+            return action()
         except OSError as e:
-            raise UsageError(f"cannot write the log {path}: {e.strerror}") from None
-
-    @staticmethod
-    def _checked(f: IO, action: Callable[[], object]) -> None:
-        try:
-            action()
-        except OSError as e:
-            raise UsageError(f"cannot write the log {f.name}: {e.strerror}") from None
+            raise UsageError(f"cannot write the log {name}: {e.strerror}") from None
 
     def __call__(self, line: str, console: bool = True, flush: bool = False) -> None:
         """Write a line (and with flush, everything so far to disk) before printing it: a line seen is kept."""
         if self.file is None:
             return
-        self._checked(self.file, lambda: self.file.write(line + "\n"))
+        self._io(self.file.name, lambda: self.file.write(line + "\n"))
         if flush:
             self.flush()
         if console:
@@ -2078,14 +1849,14 @@ class RunLog:
     def record(self, entry: dict[str, object]) -> None:
         """Append one JSON object as one line of the JSONL log."""
         if self.jsonl is not None:
-            self._checked(self.jsonl, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
+            self._io(self.jsonl.name, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
             self.records += 1
 
     def flush(self) -> None:
         """Push what was written to the files: a hard stop (kill -9, the OOM killer) loses none of it."""
         for f in (self.file, self.jsonl):
             if f is not None:
-                self._checked(f, f.flush)
+                self._io(f.name, f.flush)
 
     def close(self, last_line: str | None = None) -> None:
         """Close the files, after a last line (why a run stopped early) when given."""
@@ -2109,37 +1880,25 @@ class RunLog:
                 kept = kept or target
         return kept
 
-
-# Peak dense (no sparsity) bf16 tensor-core TFLOP/s per GPU, matched as a substring of the CUDA device
-# name, most specific first ("NVIDIA H100 80GB HBM3" is the SXM part). --peak_tflops overrides it.
-PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
-    ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0),
-    ("L4", 121.0),
-]
-
+# Peak dense bf16 tensor-core TFLOP/s per GPU, by a substring of the CUDA device name, most specific first ("NVIDIA
+# H100 80GB HBM3" is the SXM part). --peak_tflops overrides it.
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
+                    ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+                    ("L40", 181.0), ("L4", 121.0)]
 
 def peak_tflops_for(gpu_name: str) -> float | None:
-    """The table's peak dense bf16 TFLOP/s for a CUDA device name, None when it is not listed."""
     return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key.lower() in gpu_name.lower()), None)
-
 
 def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
     """Peak FLOP/s of one device: --peak_tflops when set, else the table; None (MFU unknown) on a CPU."""
-    if override_tflops > 0:
-        return override_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    tflops = peak_tflops_for(torch.cuda.get_device_name(device))
+    tflops = override_tflops or (peak_tflops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     return None if tflops is None else tflops * 1e12
-
 
 def mfu_pct(flops_per_tok: float, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
     """Model FLOPs utilization in percent: achieved model FLOP/s over the devices' peak; None when unknown."""
     if not peak or not tokens_per_s:
         return None
     return 100 * flops_per_tok * tokens_per_s / (peak * world_size)
-
 
 def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
     """Peak memory allocated and reserved by torch on the device since the last reset, in MiB (None on a CPU)."""
@@ -2148,32 +1907,21 @@ def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
     return {"peak_memory_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
             "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
 
-
 def matmul_weights(model: nn.Module) -> int:
     """Parameters that feed a matmul, each used once per token: every parameter of two or more dimensions
     except embedding tables (a lookup, no matmul). Read from the model, so a new layer counts itself."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in tables)
 
-
 def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
     """Mean over query positions t = 1..T of min(t, W): keys seen under a causal sliding window."""
     w = min(window_tokens, seq_len)
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
-
 def flops_per_token(model: GPT, s: StepSchedule) -> float:
-    """Model FLOPs per trained token (forward + backward) at the windows of schedule entry `s`:
-
-        6 * N  +  sum over attention layers of 12 * heads * head_dim * T_eff(layer)
-
-    N = matmul_weights(model); 6 = 2 FLOPs per multiply-add x 3 (forward, and twice that backward).
-    Attention: QK^T and AV cost 2 * 2 * heads * head_dim FLOPs per query-key pair forward, x3 with
-    backward. T_eff = mean_keys_per_query(W, the step's seq_len), W the layer's window in tokens (at least one
-    block); a paired-head layer has half the heads over twice the positions: the same with 2 x seq_len. This
-    is the standard 6N + 12 * L * H * Dh * T with the causal, windowed key count in place of T; document
-    masking is ignored (an upper bound of the attention work actually done).
-    """
+    """Model FLOPs per trained token (forward + backward) at schedule entry `s`: 6 N + sum over attention layers of
+    12 heads head_dim T_eff, N = matmul_weights(model), T_eff = mean_keys_per_query(window tokens, seq_len) (paired
+    layers: half the heads over 2 seq_len). Document masking is ignored: an upper bound."""
     cfg = model.cfg
     windows = {"long": s.long_window, "short": s.short_window}
     attention = sum(12 * b.attn.num_heads * b.attn.head_dim *  # paired heads: half the heads, twice the queries
@@ -2182,12 +1930,10 @@ def flops_per_token(model: GPT, s: StepSchedule) -> float:
                     for b in model.blocks if b.attn is not None)
     return 6 * matmul_weights(model) + attention
 
-
 def format_eta(seconds: float) -> str:
     seconds = max(0, round(seconds))
     h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
-
 
 @dataclass
 class PendingLine:
@@ -2201,20 +1947,11 @@ class PendingLine:
     tokens: int  # tokens per rank in them
     schedule: StepSchedule  # of the last of them
 
-
 class Metrics:
-    """Per-step train metrics kept on the device; one collective per logging step; printed when landed.
-
-    Per step the loop calls begin_step, add_loss per micro-step (the detached summed token loss, added on the
-    device) and end_step: device adds and two CUDA events (the host clock on CPU), no collective, no host
-    sync. A logging step (logs_at) packs what differs between ranks (RANK_STATS, by name) into one vector,
-    all-gathers it, reduces mean/sum/min/max on the device and copies the result without blocking into a
-    pinned host slot; tokens, steps and the schedule, the same on every rank, stay on the host. Rank 0
-    prints the line once its copy's event has landed (poll), or at flush() (before a val line, at the end).
-    A loss that is not finite stops the run on every rank at the next logging step (_check_finite).
-    train_loss is the token mean since the previous line; tok/s and mfu use the GPU time of those steps
-    (rank 0's CUDA events; the slowest rank's host clock on CPU); train_time is the host clock.
-    """
+    """Train metrics kept on the device: per step, device adds and two CUDA events, no collective, no host sync. A
+    logging step all-gathers RANK_STATS in one vector, reduces mean/sum/min/max on the device and copies it without
+    blocking to a pinned host slot; rank 0 prints the line once it has landed (poll), or at flush(). A loss that is
+    not finite stops every rank at the next logging step. tok/s and mfu use the GPU time (CPU: the host clock)."""
 
     RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib", "stop")
     STATS = ("mean", "sum", "min", "max")
@@ -2355,7 +2092,6 @@ class Metrics:
                  f"step_avg:{step_avg:.2f}ms tok/s:{'-' if tok_s is None else f'{tok_s:.0f}'} "
                  f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}", flush=True)
 
-
 def git_commit(directory: Path) -> str | None:
     """HEAD of the git checkout holding `directory`; None when it is not one, git is missing, or anything fails."""
     try:
@@ -2366,7 +2102,6 @@ def git_commit(directory: Path) -> str | None:
     commit = proc.stdout.strip()
     ok = proc.returncode == 0 and len(commit) in (40, 64) and all(c in "0123456789abcdef" for c in commit)
     return commit if ok else None
-
 
 def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
                 gpu_names: list[str], schedules: list[StepSchedule]) -> dict[str, object]:
@@ -2390,14 +2125,12 @@ def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, flo
         "val_losses": [list(p) for p in val_points],
     }
 
-
 def write_json_atomic(path: Path, data: dict[str, object]) -> None:
     """Write JSON to a temporary file beside path, then rename it over path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
-
 
 # -----------------------------------------------------------------------------
 # Profiler
@@ -2407,7 +2140,6 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
 
 STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
 TRACE_REPORT = Path(__file__).resolve().parent / "records" / "trace_report.py"
-
 
 def trace_report(folder: Path, log: RunLog) -> dict | None:
     """records/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
@@ -2421,22 +2153,11 @@ def trace_report(folder: Path, log: RunLog) -> dict | None:
     spec.loader.exec_module(module)
     return module.bench_report(folder, print_line=log)
 
-
 class StepProfiler:
-    """The --profile / --bench hooks of the training loop; inert when neither is set.
-
-    --profile=START:END traces the 0-based training steps START..END-1 (log lines step:START+1 .. step:END):
-    CPU activity, plus CUDA kernels and copies on a GPU, one gzipped Chrome/Perfetto trace per rank,
-    <log_dir>/<run_id>/trace_rank<R>.json.gz. --bench replaces the run by a benchmark on the run's schedule
-    (its first steps): after the warmup, BENCH_SETTLE_STEPS untimed steps, bench_steps steps timed with CUDA
-    events (untraced), one profiler warmup step, bench_steps traced and timed steps; no validation. Each
-    rank then writes its figures to <log_dir>/<run_id>/bench_rank<R>.json.
-
-    `with profiler.step(step): ...` around each training step starts torch.profiler one step ahead of the
-    traced range (a discarded profiler warmup step), marks each traced step with record_function
-    train_step#<step>, exports the trace after the range, and (bench) records a timing mark at the start
-    of each timed step: a CUDA event on the compute stream, or the wall clock on the CPU.
-    """
+    """The --profile / --bench hooks of the training loop; inert when neither is set. --profile=START:END traces
+    training steps START..END-1 (CPU, and CUDA kernels and copies) to trace_rank<R>.json.gz. --bench runs the
+    schedule's first steps: BENCH_SETTLE_STEPS untimed, bench_steps timed (CUDA events; the CPU's clock), one
+    profiler warmup, bench_steps traced and timed; no validation; each rank writes bench_rank<R>.json."""
 
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
@@ -2480,9 +2201,8 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def step(self, step: int, settle: Callable[[], None] = lambda: None):
-        """Around training step `step`; settle() runs before the trace stops, so that no async collective
-        launched inside the trace ends after it (gloo records a work's end into the profiler: once the
-        profiler is gone, that crashes the process)."""
+        """Around training step `step`; settle() runs before the trace stops: a gloo collective ending after it
+        crashes the process."""
         if self.traced is None:
             yield
             return
@@ -2546,7 +2266,6 @@ class StepProfiler:
             dist.barrier()  # every rank's figures are on disk (the log dir is shared, as for checkpoints)
         return trace_report(self.folder, log) if rt.rank == 0 else None
 
-
 # -----------------------------------------------------------------------------
 # Checkpoints
 # --save_every / --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop (device-to-host
@@ -2564,23 +2283,18 @@ CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
 CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
 
-
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
-
 
 def checkpoint_dir(cfg: Config, step: int) -> Path:
     return Path(cfg.log_dir) / cfg.run_id / f"ckpt_{step}"
 
-
 def source_sha256() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-
 
 def train_files_identity(cfg: Config) -> list[list]:
     """[file name, token count] of each training shard: the token stream a saved data position refers to."""
     return [[p.name, shard_token_count(p)] for p in find_shards(cfg.train_files)]
-
 
 def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     """The metadata of a complete checkpoint directory (every file it lists there, with its size; load_part
@@ -2615,9 +2329,13 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
             raise UsageError(f"{where}: {name} has {actual} bytes, {CKPT_META} says {entry}: truncated or corrupt")
     return meta
 
-
-def check_resume_config(cfg: Config, meta: dict, folder: Path) -> None:
-    """Refuse a checkpoint whose shapes or data differ from this run's, or one past its last step."""
+def check_resume(cfg: Config) -> None:
+    """With --resume, refuse at start-up (every rank) an incomplete checkpoint, one whose shapes or data differ from
+    this run's, or one past its last step."""
+    if not cfg.resume:
+        return
+    folder = Path(cfg.resume)
+    meta = read_checkpoint_meta(folder)
     saved = meta["config"]
     diffs = [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
              if saved.get(k) != getattr(cfg, k)]
@@ -2629,14 +2347,6 @@ def check_resume_config(cfg: Config, meta: dict, folder: Path) -> None:
                          f"(it needs {len(meta.get('train_files') or [])} shard(s) with the same names and sizes)")
     if meta["step"] > cfg.num_steps:
         raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
-
-
-def check_resume(cfg: Config) -> None:
-    """With --resume, the checkpoint's completeness and its fit with this run (read on every rank, at start-up)."""
-    if cfg.resume:
-        folder = Path(cfg.resume)
-        check_resume_config(cfg, read_checkpoint_meta(folder), folder)
-
 
 def check_run_paths(cfg: Config) -> None:
     """Before anything is written: the log folder can be created and written, no earlier run's log is
@@ -2659,14 +2369,12 @@ def check_run_paths(cfg: Config) -> None:
     if (cfg.save_every or cfg.save_final) and run_dir.is_dir() and any(run_dir.glob("ckpt_*")):
         raise UsageError(f"{run_dir} already holds checkpoints and they are never overwritten; use another --run_id")
 
-
 def rng_state(device: torch.device) -> dict:
     np_state = np.random.get_state()
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
             "python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
-
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
@@ -2677,7 +2385,6 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
 
-
 def save_atomic(obj: object, path: Path) -> str:
     """torch.save obj to path atomically; returns the file's sha256. Serialized in memory first, so that a
     failed write is the file system's own error (a full disk: ENOSPC), not torch's zip writer's."""
@@ -2686,7 +2393,6 @@ def save_atomic(obj: object, path: Path) -> str:
     with atomic_file(path) as f:
         f.write(buffer.getbuffer())
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
-
 
 def load_part(path: Path, sha256: str) -> dict:
     """A checkpoint file, read once, checked against the checksum meta.json recorded, then loaded."""
@@ -2704,19 +2410,12 @@ def load_part(path: Path, sha256: str) -> dict:
         raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); resume from another "
                          f"checkpoint") from None
 
-
-def stale_temporaries(run_dir: Path) -> list[Path]:
-    """*.tmp files in a run's checkpoint folders: saves a killed process left half-written."""
-    return sorted(run_dir.glob("ckpt_*/*.tmp"))
-
-
 @dataclass
 class ResumePoint:
     step: int
     train_time_ms: float
     rng: dict
     data_position: tuple[int, int] | None  # the stream's (next file, position) after step; None: re-derive it
-
 
 def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
                      log: RunLog) -> ResumePoint:
@@ -2752,13 +2451,13 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
     if meta.get("source_sha256") != source_sha256():
         log(f"resume: train_gpt.py differs from the checkpoint's (sha256 {str(meta.get('source_sha256'))[:12]} -> "
             f"{source_sha256()[:12]})")
-    stale = stale_temporaries(folder.parent)
+    stale = sorted(folder.parent.glob("ckpt_*/*.tmp"))  # half-written by a killed save
     if stale:  # not removed here: the run that left them may still be running
+
         mib = sum(p.stat().st_size for p in stale) / 2**20
         log(f"resume: {folder.parent} holds {len(stale)} temporary file(s), {mib:.0f} MiB, left by an interrupted "
             f"save (e.g. {stale[0]}); delete them once that run has stopped")
     return ResumePoint(step, float(meta["train_time_ms"]), rng, position)
-
 
 def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
     """Restore --resume into the model and optimizer (before the warmup snapshot); the returned point carries
@@ -2775,7 +2474,6 @@ def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuon
     if error:
         raise UsageError(error)
     return point
-
 
 @dataclass
 class PendingCheckpoint:
@@ -2794,25 +2492,12 @@ class PendingCheckpoint:
         after.synchronize()  # poll() asks only once the writer has seen the copies land: no wait in practice
         return before.elapsed_time(after)
 
-
 class Checkpointer:
-    """Asynchronous checkpoints: at --save_every and --save_final, and when a stop signal ends the run.
-
-    save() issues device-to-host copies into pinned buffers on a side stream that the compute stream then
-    waits for (that wait, timed by events, is the GPU stall the log reports); a writer thread saves the files,
-    each under a temporary name then renamed: model.pt (rank 0: {name: tensor}), rank<R>.pt (every rank: its
-    optimizer shard in ShardedMuonAdam.state_dict()'s format, RNG states, step, train time, consumed steps,
-    config, source hash) and, last, meta.json (rank 0, once every rank file is on disk: every file's size).
-    A checkpoint is complete when meta.json lists every file with its size; a rank whose write fails leaves
-    rank<R>.failed (training goes on). --resume needs CKPT_MATCH_FIELDS and the train files to match; other
-    fields may change (a longer --num_steps moves the cooldown and window schedules). A run never writes
-    into an existing checkpoint.
-
-    due(step) says whether to save after `step` steps; save() issues the copies and queues the write (the
-    loop's stall is the time spent in it); poll() logs, in order, the checkpoints that are complete on disk;
-    close() waits for every pending write, also after an error (then rank 0 waits for the other ranks'
-    files for CKPT_ERROR_GRACE_S at most).
-    """
+    """Asynchronous checkpoints at --save_every, --save_final and a stop signal. save() copies to pinned buffers on
+    a side stream the compute stream then waits for (the GPU stall); a writer thread writes model.pt (rank 0),
+    rank<R>.pt (each rank's optimizer shard, RNG, step, config) and, once every rank's file is there, meta.json
+    (rank 0: each file's size and sha256), which makes it complete. A failed write leaves rank<R>.failed and
+    training goes on. poll() logs the completed ones; close() waits for all."""
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
                  start_step: int = 0):
@@ -2929,7 +2614,8 @@ class Checkpointer:
                 why = f"no space left on {p.folder}" if getattr(e, "errno", None) == errno.ENOSPC else \
                     f"{type(e).__name__}: {e}"
                 self.failures.append(f"{p.folder} ({why})")
-                print_all(f"checkpoint: {p.folder} FAILED ({why}); the run continues", file=sys.stderr)
+                print(f"[rank {self.rt.rank}] checkpoint: {p.folder} FAILED ({why}); the run continues",
+                      file=sys.stderr, flush=True)
                 self.log(f"checkpoint: {p.folder} FAILED ({why})", console=False, flush=True)
                 continue
             gpu_ms = p.gpu_stall_ms()
@@ -2953,14 +2639,12 @@ class Checkpointer:
         self.writer.shutdown(wait=True)
         self.enabled = False
 
-
 # -----------------------------------------------------------------------------
 # Training
 # Untimed warmup on real batches (compiles and autotunes), then the model and optimizer state are
 # restored in place; the clock runs only over training steps, stopped (with a synchronize) around
 # every validation. Each micro-step's summed loss is scaled by train_loss_scale and the gradients are
 # summed across ranks, so every world size takes the same update.
-
 
 @dataclass
 class TrainResult:
@@ -2969,7 +2653,6 @@ class TrainResult:
     model: GPT
     summary: dict | None = None  # what rank 0 wrote to logs/<run_id>.json
     bench: dict | None = None  # --bench: the report (rank 0)
-
 
 class TrainClock:
     """The official train time: training steps only. stop() and start() synchronize the device around what is
@@ -2991,7 +2674,6 @@ class TrainClock:
     def now(self) -> float:
         return self.ms + 1000 * (time.perf_counter() - self.t0)
 
-
 def group_summary(names: list[str]) -> str:
     """Parameter names with the layer index folded: blocks.{0-3,5}.attn.qkvo_w x5, embed.weight."""
     layers: dict[str, list[str]] = {}
@@ -3002,10 +2684,8 @@ def group_summary(names: list[str]) -> str:
     return ", ".join(k.format(f"{{{','.join(v)}}}" if len(v) > 1 else v[0]) + (f" x{len(v)}" if len(v) > 1 else "")
                      for k, v in layers.items())
 
-
 def check_model_fits(cfg: Config, device: torch.device) -> None:
-    """Refuse, before anything is allocated, a model whose parameters, their gradients and its tables alone
-    exceed the device's memory (a mistyped size would end in an allocator traceback). Sized on the meta device."""
+    """Refuse a model whose parameters, gradients and tables alone exceed the device's memory (sized on meta)."""
     with torch.device("meta"):
         model = GPT(cfg, use_flex=False, fp8_head=False)
     tensors = {**{n: (2, p) for n, p in model.named_parameters()}, **{n: (1, b) for n, b in model.named_buffers()}}
@@ -3018,7 +2698,6 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
                          f"gradients and tables ({big}: {sizes[big] / 1e9:,.1f} GB), more than the {device.type}'s "
                          f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --vocab_size, "
                          f"--model_dim, --num_layers)")
-
 
 def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
@@ -3042,7 +2721,6 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
             f"{torch._dynamo.config.recompile_limit})")
     return raw, model, optimizer
 
-
 def check_update_range(optimizer: ShardedMuonAdam, schedules: list[StepSchedule]) -> None:
     """Refuse at start-up a learning rate whose update scalars (lr, Muon's shape-scaled step, the weight decay's
     wd x lr x step) overflow fp32 at the schedule's largest multiplier: the step would stop in a traceback."""
@@ -3054,20 +2732,17 @@ def check_update_range(optimizer: ShardedMuonAdam, schedules: list[StepSchedule]
             raise UsageError(f"the learning rate of {group_summary(b.names)} reaches {lr:g} (lr {b.lr:g} x stage "
                              f"multiplier {top:g}): its update overflows fp32; lower the learning rates or --lr_stages")
 
-
 def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
-    """The graphs torch.compile builds in a run, per compiled function: the model's (static shapes), one per
-    training sequence length and validation's; Muon's orthogonalization, one per shape of a rank's shard batch;
-    each FP8 head op, two (the first shape static, then dynamic)."""
+    """The graphs torch.compile builds per function: the model one per sequence length (and validation's), Muon
+    one per shard shape, each FP8 op two (static, then dynamic)."""
+
     return {"model": len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1,
             "orthogonalize": len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"}),
             "fp8 ops": 2 if cfg.fp8_head else 0}
 
-
 def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]]:
     """Training step -> (seq_len, max_doc_len): the data stream's view of the schedule."""
     return lambda step: (schedules[step].seq_len, schedules[step].max_doc_len)
-
 
 def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
                  skip_steps: int = 0, position: tuple[int, int] | None = None) -> PrefetchLoader:
@@ -3081,12 +2756,9 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
         stream.seek(skip_steps, position)
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
-
 def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knobs: tuple[Tensor, Tensor],
                loss_scale: float, metrics: Metrics | None = None) -> None:
-    """One optimizer step on a (micro-steps, seq_len + 1) batch: forward and backward per micro-step (the
-    last one arms the optimizer's reduce-scatter hooks), then the sharded update. knobs: the step's windows and
-    multi-token weights for the model (step_knobs)."""
+    """One optimizer step on a (micro-steps, seq_len + 1) batch; the last backward arms the reduce-scatter hooks."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
     for m in range(batch.size(0)):
         optimizer.final_micro_step = m == batch.size(0) - 1
@@ -3096,7 +2768,6 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knob
             metrics.add_loss(loss.detach(), batch.size(1) - 1)
     optimizer.step()
     optimizer.zero_grad()
-
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor) -> float:
@@ -3113,32 +2784,6 @@ def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows
     model.train()
     return (totals[0] / totals[1]).item()
 
-
-def warmup_state_tensors(model: GPT, optimizer: ShardedMuonAdam) -> list[Tensor]:
-    """What training writes and the warmup reset puts back: the bucket buffers (every parameter is a view
-    into one, padding included: checked here) and the optimizer state. Not cloned: the gradient buffers
-    (zero between steps; zeroed again after the warmup), lr_mult and momentum (set before every step), the
-    reduce-scatter outputs (overwritten before read) and the step count (kept aside)."""
-    buffers = [b.data for b in optimizer.buckets]
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
-    for name, p in model.named_parameters():
-        assert any(lo <= p.data_ptr() < hi for lo, hi in spans), f"parameter {name} is not in a bucket buffer"
-    return buffers + optimizer.state_tensors()
-
-
-class StateSnapshot:
-    """Device-side clones of tensors, restored in place (the warmup reset): no copy through host memory."""
-
-    def __init__(self, tensors: list[Tensor]):
-        self.tensors = tensors
-        self.saved = [t.detach().clone() for t in tensors]
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for t, s in zip(self.tensors, self.saved):
-            t.copy_(s)
-
-
 def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
     """One line per span of training steps with the same shapes and windows: a staged run's plan."""
     def key(s: StepSchedule) -> tuple:
@@ -3153,7 +2798,6 @@ def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
                      f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
     return lines
 
-
 def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
     """The training steps the warmup replays (shape and windows): warmup_steps of each distinct sequence
     length, at its first step, since each length compiles its own graph (dynamic=False)."""
@@ -3162,33 +2806,40 @@ def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
         first.setdefault(s.seq_len, step)
     return [step for step in first.values() for _ in range(cfg.warmup_steps)]
 
-
 def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
            loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, int], None]) -> None:
-    """Untimed steps on real batches, one micro-step each, that compile and autotune (the shapes and windows
-    of the training steps in `plan`); then every tensor training writes (with --resume: the loaded state) is
-    put back from device-side clones."""
-    synchronize(rt.device)
-    t0 = time.perf_counter()
-    snapshot = StateSnapshot(warmup_state_tensors(model, optimizer))
-    counts = optimizer.step_count, optimizer.adam_steps
-    synchronize(rt.device)
-    t1 = time.perf_counter()
+    """Untimed steps on real batches, one micro-step each, at the shapes and windows of the steps in `plan`
+    (compile, autotune); then what training writes (with --resume: the loaded state) is put back from device-side
+    clones: the bucket buffers (every parameter is a view into one: checked) and the optimizer state."""
+    buffers = [b.data for b in optimizer.buckets]
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
+    for name, p in model.named_parameters():
+        assert any(lo <= p.data_ptr() < hi for lo, hi in spans), f"parameter {name} is not in a bucket buffer"
+    written, counts = buffers + optimizer.state_tensors(), (optimizer.step_count, optimizer.adam_steps)
+    times: list[float] = []
+
+    def lap() -> None:  # the device is idle at each mark: the laps time the snapshot, the steps, the restore
+        synchronize(rt.device)
+        times.append(time.perf_counter())
+
+    lap()
+    saved = [t.detach().clone() for t in written]
+    lap()
     with loader:
         for train_step_index in plan:
             step(next(loader)[:1], train_step_index)
     optimizer.wait_for_params()
-    synchronize(rt.device)
-    t2 = time.perf_counter()
-    snapshot.restore()
+    lap()
+    with torch.no_grad():
+        for t, clone in zip(written, saved):
+            t.copy_(clone)
     optimizer.zero_grad(everything=True)
     optimizer.step_count, optimizer.adam_steps = counts
-    del snapshot
-    synchronize(rt.device)
-    t3 = time.perf_counter()
-    log(f"warmup: snapshot {1000 * (t1 - t0):.1f} ms, {len(plan)} steps {t2 - t1:.1f} s, "
-        f"restore {1000 * (t3 - t2):.1f} ms (untimed; state restored)")
-
+    del saved
+    lap()
+    snapshot, steps, restore = (b - a for a, b in zip(times, times[1:]))
+    log(f"warmup: snapshot {1000 * snapshot:.1f} ms, {len(plan)} steps {steps:.1f} s, restore {1000 * restore:.1f} ms "
+        f"(untimed; state restored)")
 
 def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor, step: int,
              train_time_ms: float) -> tuple[int, float, float]:
@@ -3200,7 +2851,6 @@ def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: Ru
     log(f"step:{step}/{cfg.num_steps} val_loss:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms",
         flush=True)
     return step, loss, train_time_ms
-
 
 def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProfiler,
            val_points: list[tuple[int, float, float]], train_time_ms: float, schedules: list[StepSchedule]
@@ -3225,7 +2875,6 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
 
-
 def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]:
     """The training shards, checked to hold what the run trains on, and the validation tokens: read before
     anything is written, so a run without its data leaves nothing behind."""
@@ -3240,7 +2889,6 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]
     val_files = find_shards(cfg.val_files)
     check_train_data(cfg, train_files, run_length(cfg), step_shape(schedule_table(cfg)))
     return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
-
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens) -> TrainResult:
     last_step = run_length(cfg)
@@ -3316,17 +2964,14 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
                          f"{' and more (see the log)' if len(failures) > 1 else ''}")
     return result
 
-
 # -----------------------------------------------------------------------------
 # Main
 # Reads the launch environment (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), picks the device and the
 # process-group backend (NCCL on CUDA, gloo on CPU), seeds every rank alike, and runs training.
 
-
 # Expandable segments let validation's logits (val_seq_len x vocab, ~26 GB at the recipe's shape) reuse
 # the memory of training's (~5 GB each) without fragmenting fixed-size segments; the record sets it too.
 CUDA_ALLOC_CONF = "expandable_segments:True"
-
 
 def setup_runtime(cfg: Config) -> Runtime:
     """The process's rank and device, and the process group; resolves the config's device-dependent fields."""
@@ -3353,7 +2998,6 @@ def setup_runtime(cfg: Config) -> Runtime:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return Runtime(rank, world_size, local_rank, device)
 
-
 def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
     """Rank 0 draws the seed and run id when they are not given; every rank uses rank 0's."""
     ident = [cfg.seed if cfg.seed >= 0 else random.SystemRandom().randrange(2**31),
@@ -3362,22 +3006,16 @@ def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
         dist.broadcast_object_list(ident, src=0)
     cfg.seed, cfg.run_id = ident
 
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM, as SLURM, Kubernetes and torchrun stop a job: handled as Ctrl-C is."""
-
 
 STOPS = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}  # the last line of the log and of stderr
 EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + SIGINT, 128 + SIGTERM
 
-
 class StopSignal:
-    """The first SIGINT or SIGTERM (Ctrl-C; SLURM, Kubernetes and torchrun stop a job with SIGTERM, then kill
-    it) stops the run; later ones are ignored, so that they cannot break into the cleanup. Outside the training
-    loop it stops at once, through the cleanup (loaders closed, pending checkpoints finished, logs flushed).
-    Inside it (deferred) the loop goes on to a step boundary where every rank agrees to stop and exact resume is
-    possible, writes a checkpoint there and stops: within a step (one rank) or two logging intervals (the
-    ranks agree through the metrics' collective), plus an Adam step when --adam_every > 1, plus the write."""
+    """The first SIGINT or SIGTERM stops the run (later ones are ignored: they cannot break into the cleanup).
+    Outside the training loop at once; inside it (deferred), at the next step boundary every rank agrees on
+    (through the metrics' collective) where exact resume is possible, after a checkpoint."""
 
     def __init__(self):
         self.deferred = False
@@ -3401,9 +3039,7 @@ class StopSignal:
         asked = self.received is not None if rt.world_size == 1 else metrics.stop_agreed
         return asked and not last and (cfg.bench or step % cfg.adam_every == 0)  # between Adam steps: no resume
 
-
 STOP = StopSignal()
-
 
 def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Checkpointer", train_time_ms: float,
                          data_position: tuple[int, int]) -> None:
@@ -3418,7 +3054,6 @@ def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Che
             log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with this run's command and "
                 f"--resume={folder} (and a new --run_id, or none)", flush=True)
     raise kind()
-
 
 def run(argv: list[str]) -> TrainResult:
     """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
@@ -3463,7 +3098,6 @@ def run(argv: list[str]) -> TrainResult:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
 def main() -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
@@ -3479,7 +3113,6 @@ def main() -> None:
     except KeyboardInterrupt as e:  # the loaders and checkpoint writers were closed on the way out
         print0("\n".join([STOPS[type(e)], *getattr(e, "__notes__", [])]), file=sys.stderr)
         sys.exit(EXIT_CODES[type(e)])
-
 
 if __name__ == "__main__":
     main()

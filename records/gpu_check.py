@@ -157,7 +157,7 @@ def last_stage_args(*flags: str) -> list[str]:
     import train_gpt as T
 
     cfg = T.parse_config(list(flags))
-    args = [f"--{name}={getattr(cfg, name).split(',')[-1]}" for name in T.STAGED]
+    args = [f"--{name}={getattr(cfg, name).split(',')[-1]}" for name in T.STAGED if name != "window_stages"]
     args.append(f"--window_stages={','.join(cfg.window_stages.split(',')[-1 - (cfg.extension_steps > 0):])}")
     # One stage now: the embedding stays tied (the graph and its cost are the untied one's).
     return [*args, "--untie_stage=1"]
