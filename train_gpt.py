@@ -1601,82 +1601,68 @@ def validate_config(cfg: Config, world_size: int) -> int:
         value = getattr(cfg, name)
         if not (math.isfinite(value) and RULES[rule](value)):
             raise UsageError(f"--{name} must be {rule}, got {value}")
-    if cfg.global_batch_seqs % world_size:
-        raise UsageError(f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the world size "
-                         f"{world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)")
     if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
         raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
                          f"({cfg.num_layers} layers)")
-    layout = cfg.value_embeds
-    tables = sorted(set(layout) - {"-"})
-    if len(layout) != cfg.num_layers or not all(c.isdigit() for c in tables) or tables != [
-            str(i) for i in range(len(tables))]:
-        raise UsageError(f"--value_embeds={cfg.value_embeds!r} needs one character per layer ({cfg.num_layers}): the "
-                         f"table it adds (tables 0, 1, ... each used) or - for none, e.g. 012------012")
-    skip_layers(cfg)
-    if cfg.backout_layer >= cfg.num_layers:
-        raise UsageError(f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}")
-    if cfg.bigram_rows < 2:
-        raise UsageError(f"--bigram_rows={cfg.bigram_rows}: the table needs at least 2 rows (one is reserved for "
-                         f"position 0)")
-    if cfg.gate_channels % 2:
-        raise UsageError(f"the VE gates read half of --gate_channels={cfg.gate_channels} from x, half from the VE: "
-                         f"make it even")
-    if cfg.head_dim % 4:
-        raise UsageError(f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)")
-    if cfg.gate_channels > cfg.model_dim:
-        raise UsageError(f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}")
-    if cfg.num_heads * cfg.head_dim != cfg.model_dim:
-        raise UsageError(f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} must equal --model_dim="
-                         f"{cfg.model_dim} (value embeddings and skips add model_dim vectors to the heads' values)")
-    paired_layers(cfg)
-    for name in ["train_seq_len", "val_seq_len"]:
-        if getattr(cfg, name) % cfg.block_size:
-            raise UsageError(f"--{name}={getattr(cfg, name)} must be a multiple of --block_size={cfg.block_size}")
-    if cfg.val_tokens % cfg.val_seq_len:
-        raise UsageError(f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}")
-    if cfg.comm_overlap not in COMM_OVERLAP:
-        raise UsageError(f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}")
     for name in STAGE_FORMATS:
         parse_stages(name, getattr(cfg, name))
-    if len(parse_stages("final_val_windows", cfg.final_val_windows)) != 1:
-        raise UsageError(f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}")
-    if num_stages(cfg) < 1:
-        raise UsageError("--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension")
-    for seq_len in parse_stages("seq_len_stages", cfg.seq_len_stages):
-        if seq_len > cfg.train_seq_len or seq_len % cfg.block_size:
-            raise UsageError(f"--seq_len_stages: {seq_len} must be a multiple of --block_size={cfg.block_size} "
-                             f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)")
-    if cfg.extension_steps >= cfg.num_steps:
-        raise UsageError(f"--extension_steps={cfg.extension_steps} must be below --num_steps={cfg.num_steps} "
-                         f"(the extension is the end of the run)")
-    if num_stages(cfg) > cfg.num_steps - cfg.extension_steps:
-        raise UsageError(f"{num_stages(cfg)} stages need at least as many scheduled steps, got --num_steps="
-                         f"{cfg.num_steps} with --extension_steps={cfg.extension_steps}: a stage would get no step; "
-                         f"raise --num_steps or list fewer stages")
-    if cfg.untie_stage > num_stages(cfg):
-        raise UsageError(f"--untie_stage={cfg.untie_stage}: the stages are 1 to {num_stages(cfg)} (the last: the "
-                         f"extension)")
-    # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
-    if cfg.save_every % cfg.adam_every:
-        raise UsageError(f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}")
-    if cfg.save_final and cfg.num_steps % cfg.adam_every:
-        raise UsageError(f"--save_final needs --num_steps={cfg.num_steps} to be a multiple of --adam_every="
-                         f"{cfg.adam_every}")
-    if cfg.device not in ("auto", "cuda", "cpu"):
-        raise UsageError(f"--device must be auto, cuda or cpu, got {cfg.device!r}")
-    if cfg.cpu_bf16_gemm not in CPU_BF16_GEMMS:
-        raise UsageError(f"--cpu_bf16_gemm must be {', '.join(CPU_BF16_GEMMS)}, got {cfg.cpu_bf16_gemm!r}")
     if cfg.profile:
         profile_steps(cfg.profile, cfg.num_steps)
-    if cfg.bench:
-        if cfg.profile:
-            raise UsageError("--bench traces its own steps; leave out --profile")
-        if bench_length(cfg) > cfg.num_steps:
-            raise UsageError(f"--bench with --bench_steps={cfg.bench_steps} runs {bench_length(cfg)} steps but "
-                             f"--num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps")
-        if cfg.save_every or cfg.save_final or cfg.resume:
-            raise UsageError("--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume")
+    tables, stages = sorted(set(cfg.value_embeds) - {"-"}), num_stages(cfg)
+    long_seq = next((n for n in parse_stages("seq_len_stages", cfg.seq_len_stages)
+                     if n > cfg.train_seq_len or n % cfg.block_size), None)
+    refusals = [  # (a problem, its line), in order
+        (cfg.global_batch_seqs % world_size, f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the "
+         f"world size {world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)"),
+        (len(cfg.value_embeds) != cfg.num_layers or tables != [str(i) for i in range(len(tables))],
+         f"--value_embeds={cfg.value_embeds!r} needs one character per layer ({cfg.num_layers}): the table it adds "
+         f"(tables 0, 1, ... each used) or - for none, e.g. 012------012"),
+        (cfg.backout_layer >= cfg.num_layers,
+         f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}"),
+        (cfg.bigram_rows < 2, f"--bigram_rows={cfg.bigram_rows}: the table needs at least 2 rows (one is reserved for "
+         f"position 0)"),
+        (cfg.gate_channels % 2, f"the VE gates read half of --gate_channels={cfg.gate_channels} from x, half from the "
+         f"VE: make it even"),
+        (cfg.head_dim % 4, f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)"),
+        (cfg.gate_channels > cfg.model_dim, f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}"),
+        (cfg.num_heads * cfg.head_dim != cfg.model_dim, f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} "
+         f"must equal --model_dim={cfg.model_dim} (value embeddings and skips add model_dim vectors to the values)"),
+        *((getattr(cfg, n) % cfg.block_size, f"--{n}={getattr(cfg, n)} must be a multiple of --block_size="
+           f"{cfg.block_size}") for n in ("train_seq_len", "val_seq_len")),
+        (cfg.val_tokens % cfg.val_seq_len,
+         f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}"),
+        (cfg.comm_overlap not in COMM_OVERLAP,
+         f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}"),
+        (len(parse_stages("final_val_windows", cfg.final_val_windows)) != 1,
+         f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}"),
+        (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
+        (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
+         f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
+        (cfg.extension_steps >= cfg.num_steps, f"--extension_steps={cfg.extension_steps} must be below --num_steps="
+         f"{cfg.num_steps} (the extension is the end of the run)"),
+        (stages > cfg.num_steps - cfg.extension_steps, f"{stages} stages need at least as many scheduled steps, got "
+         f"--num_steps={cfg.num_steps} with --extension_steps={cfg.extension_steps}: a stage would get no step; raise "
+         f"--num_steps or list fewer stages"),
+        (cfg.untie_stage > stages, f"--untie_stage={cfg.untie_stage}: the stages are 1 to {stages} (the last: the "
+         f"extension)"),
+        # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
+        (cfg.save_every % cfg.adam_every,
+         f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}"),
+        (cfg.save_final and cfg.num_steps % cfg.adam_every,
+         f"--save_final needs --num_steps={cfg.num_steps} to be a multiple of --adam_every={cfg.adam_every}"),
+        (cfg.device not in ("auto", "cuda", "cpu"), f"--device must be auto, cuda or cpu, got {cfg.device!r}"),
+        (cfg.cpu_bf16_gemm not in CPU_BF16_GEMMS,
+         f"--cpu_bf16_gemm must be {', '.join(CPU_BF16_GEMMS)}, got {cfg.cpu_bf16_gemm!r}"),
+        (cfg.bench and cfg.profile, "--bench traces its own steps; leave out --profile"),
+        (cfg.bench and bench_length(cfg) > cfg.num_steps, f"--bench with --bench_steps={cfg.bench_steps} runs "
+         f"{bench_length(cfg)} steps but --num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps"),
+        (cfg.bench and (cfg.save_every or cfg.save_final or cfg.resume),
+         "--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume"),
+    ]
+    for problem, line in refusals:
+        if problem:
+            raise UsageError(line)
+    skip_layers(cfg), paired_layers(cfg)
     return cfg.global_batch_seqs // world_size
 
 @dataclass
