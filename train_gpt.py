@@ -1502,7 +1502,8 @@ def profile_steps(spec: str, num_steps: int) -> range:
     return range(a, b)
 
 # The staged fields: "A,B,..." holds an entry per stage (--window_stages: then the extension's), an entry "X/Y/..."
-# numbers. name -> (numbers per entry, their type, what each may be, what an entry is, an example).
+# numbers. name -> (numbers per entry, their type, what each may be, what an entry is, an example). The lr multiplier
+# scales every group's lr (the records use 1 to 1.73); at most 100 keeps it far from an fp32 update's overflow.
 STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] = {
     "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks", "1/3,3/7,5/11,6/13"),
     "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
