@@ -1509,7 +1509,8 @@ STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] 
     "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
     "lr_stages": (range(1, 2), float, lambda m: 0 < m <= 100, "a multiplier in (0, 100]", "1,1.52,1.73"),
     "doc_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "2048,2048,2048"),
-    "mtp_stages": (range(1, 65), float, lambda w: 0 <= w <= 100, "weights W/W/... in [0, 100]", "1/0.5/0.25,1/0.5,1"),
+    "mtp_stages": (range(1, 65), float, lambda w: 0 <= w <= 100, "1-64 weights W/W/... in [0, 100]",
+                   "1/0.5/0.25,1/0.5,1"),
     "final_val_windows": (range(2, 3), int, lambda w: w >= 0, "one SHORT/LONG pair of blocks", "6/20"),
 }
 STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
@@ -1663,7 +1664,8 @@ def validate_config(cfg: Config, world_size: int) -> int:
     for problem, line in refusals:
         if problem:
             raise UsageError(line)
-    skip_layers(cfg), paired_layers(cfg)
+    skip_layers(cfg)
+    paired_layers(cfg)
     return cfg.global_batch_seqs // world_size
 
 @dataclass
@@ -1812,9 +1814,11 @@ class RunLog:
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
-        self.file, self.jsonl = (None if p is None else self._io(p, lambda p=p: open(p, "w", buffering=1 << 16))
-                                 for p in (path, jsonl_path))
+        self.file, self.jsonl = self._open(path), self._open(jsonl_path)
         self.records = 0  # JSONL entries written: none until the first validation or step
+
+    def _open(self, path: Path | None) -> IO | None:
+        return None if path is None else self._io(path, lambda: open(path, "w", buffering=1 << 16))
 
     @staticmethod
     def _io(name: object, action: Callable[[], Any]) -> Any:

@@ -330,7 +330,7 @@ def test_flops_per_token_counts_the_recipes_shape():
     (["--gate_channels=7"], "the VE gates read half of --gate_channels=7"),
     (["--bigram_rows=1"], "--bigram_rows=1: the table needs at least 2 rows"),
     (["--paired_layers=3"], "--paired_layers='3' must list short-window"),
-    (["--mtp_stages=1/x"], r"--mtp_stages expects weights W/W/\.\.\. in \[0, 100\] per stage"),
+    (["--mtp_stages=1/x"], r"--mtp_stages expects 1-64 weights W/W/\.\.\. in \[0, 100\] per stage"),
     (["--mtp_stages=1/0.5,1", "--lr_stages=1,1.5,2"], "the staged fields must list the same number of stages"),
     (["--fp8_w_scale=0"], "--fp8_w_scale must be > 0"),
 ])
