@@ -1522,8 +1522,10 @@ def parse_stages(name: str, spec: str) -> list:
         entries = [tuple(kind(x) for x in entry.split("/")) for entry in spec.split(",")]
     except ValueError:
         entries = []
-    if not entries or any(len(e) not in counts or not all(math.isfinite(x) and allowed(x) for x in e) for e in entries):
-        per_stage = "" if name == "final_val_windows" else " per stage, comma-separated"
+    staged = name in STAGED  # the others take one entry
+    if not entries or not (staged or len(entries) == 1) or any(
+            len(e) not in counts or not all(math.isfinite(x) and allowed(x) for x in e) for e in entries):
+        per_stage = " per stage, comma-separated" if staged else ""
         raise UsageError(f"--{name} expects {what}{per_stage} (e.g. {example}), got {spec!r}")
     if "window" in name and any(short > long for short, long in entries):
         wrong = ", ".join(f"{a}/{b}" for a, b in entries if a > b)
@@ -1635,8 +1637,6 @@ def validate_config(cfg: Config, world_size: int) -> int:
          f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}"),
         (cfg.comm_overlap not in COMM_OVERLAP,
          f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}"),
-        (len(parse_stages("final_val_windows", cfg.final_val_windows)) != 1,
-         f"--final_val_windows expects one SHORT/LONG pair, got {cfg.final_val_windows!r}"),
         (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
         (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
          f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
