@@ -44,6 +44,10 @@ from typing import IO, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: its functions take group.WORLD as a default argument, so torch._dynamo's
+# lazy import of it after init_process_group would hold the group past destroy_process_group, and gloo's worker
+# threads, still running, would then race the interpreter's exit (a SIGABRT at exit, one run in a few on CPU).
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention

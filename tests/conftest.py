@@ -44,6 +44,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def live_threads() -> list[str]:
+    """The names of this process's threads, C++ ones (gloo's, the TCP store's) included: Linux's /proc."""
+    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+
+
 def _run_rank(rank: int, world_size: int, port: int, args: list[str], out: str) -> None:
     import train_gpt
 
@@ -51,15 +56,20 @@ def _run_rank(rank: int, world_size: int, port: int, args: list[str], out: str) 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     result = train_gpt.run(args)
-    if rank == 0:
-        Path(out).write_text(json.dumps(result.val_losses))
+    Path(f"{out}.{rank}").write_text(json.dumps({"val_losses": result.val_losses, "threads": live_threads()}))
+
+
+def spawn_world(world_size: int, args: list[str], tmp_path: Path) -> list[dict]:
+    """Run train_gpt.run(args) on world_size spawned gloo ranks; per rank, its val losses and the threads it still
+    runs once run() returned."""
+    out = tmp_path / f"world_{uuid.uuid4().hex}"
+    mp.spawn(_run_rank, args=(world_size, free_port(), args, str(out)), nprocs=world_size, join=True)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world_size)]
 
 
 def run_world(world_size: int, args: list[str], tmp_path: Path) -> list[tuple[int, float]]:
-    """Run train_gpt.run(args) on world_size spawned gloo ranks; rank 0's val losses."""
-    out = tmp_path / f"val_{uuid.uuid4().hex}.json"
-    mp.spawn(_run_rank, args=(world_size, free_port(), args, str(out)), nprocs=world_size, join=True)
-    return [tuple(x) for x in json.loads(out.read_text())]
+    """Rank 0's val losses of spawn_world."""
+    return [tuple(x) for x in spawn_world(world_size, args, tmp_path)[0]["val_losses"]]
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SMALL, main_in_process, run_world, tiny_args
+from conftest import REPO, SMALL, main_in_process, run_world, spawn_world, tiny_args
 
 
 def test_training_on_sample_lowers_val_loss(tmp_path):
@@ -30,6 +30,15 @@ def test_world_size_one_and_two_take_the_same_steps(tmp_path):
     assert [s for s, _ in one] == [s for s, _ in two] == [0, 2, 4]
     for (_, a), (_, b) in zip(one, two):
         assert a == pytest.approx(b, abs=2e-3)
+
+
+@pytest.mark.slow
+def test_a_finished_run_has_released_its_process_group_and_its_threads(tmp_path):
+    # A group that outlives destroy_process_group keeps gloo's worker threads running into the interpreter's exit,
+    # where one still dropping the last tensor of a finished collective needs the GIL and aborts the process
+    # (SIGABRT, "terminate called without an active exception"): one W=2 run in a few, before this was pinned.
+    for rank in spawn_world(2, tiny_args(tmp_path, num_steps=2, val_every=0, **SMALL), tmp_path):
+        assert not [t for t in rank["threads"] if "gloo" in t or "tcpstore" in t], rank["threads"]
 
 
 def test_warmup_leaves_no_trace_in_training(tmp_path):
