@@ -18,10 +18,20 @@ if [ "$gpus" -eq 0 ]; then
             exit 2
         fi
     done
-    echo "run.sh: no CUDA GPU visible; running --preset=tiny on the CPU with data/sample/" >&2
     # glibc returns large freed blocks to the OS and page-faults them back every step: keep them.
     export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4000000000} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4000000000}
-    args=(--preset=tiny --device=cpu "$@")
+    # The tiny preset and the CPU, unless given (the trainer refuses a flag given twice).
+    defaults=(--preset=tiny --device=cpu)
+    for a in "$@"; do
+        case "$a" in
+            --preset|--preset=*) defaults=("${defaults[@]/--preset=tiny}") ;;
+            --device|--device=*) defaults=("${defaults[@]/--device=cpu}") ;;
+        esac
+    done
+    added=()
+    for d in "${defaults[@]}"; do [ -n "$d" ] && added+=("$d"); done
+    echo "run.sh: no CUDA GPU visible; running on the CPU${added[*]:+ with ${added[*]}}" >&2
+    args=("${added[@]}" "$@")
 fi
 nproc=${NPROC:-$((gpus > 0 ? gpus : 1))}
 if [ "$nproc" -le 1 ]; then

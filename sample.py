@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -71,8 +72,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = parser.parse_args(argv)
     try:
-        if args.tokens < 1 or args.temperature < 0 or args.top_k < 0:
-            raise T.UsageError("--tokens must be >= 1, --temperature and --top_k >= 0")
+        for name, ok, rule in (("tokens", args.tokens >= 1, ">= 1"), ("top_k", args.top_k >= 0, ">= 0"),
+                               ("temperature", math.isfinite(args.temperature) and args.temperature >= 0,
+                                "a finite number >= 0")):
+            if not ok:
+                raise T.UsageError(f"--{name} must be {rule}, got {getattr(args, name)}")
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                               "cpu" if args.device == "auto" else args.device)
         model = load_model(args.checkpoint, device)

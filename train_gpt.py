@@ -124,6 +124,7 @@ class Config:
     value_embed_wd_mul: float = 5.0  # ... of the value embeddings and the bigram table
     head_wd_mul: float = 150.0  # ... of the LM head
     adam_every: int = 2  # Adam steps every N steps, on the gradients summed since its last step (#39)
+    grad_scale: float = 2.0  # gradients are this x the mean over the step's sequences (#70: 2 / its grad_accum_steps)
     # schedule
     num_steps: int = 1547  # optimizer steps: the scheduled ones, then the extension
     extension_steps: int = 40  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46)
@@ -155,7 +156,7 @@ class Config:
     # run
     preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
     seed: int = -1  # -1 draws a random seed (always printed)
-    run_id: str = ""  # default: a fresh one; an id whose log exists is refused
+    run_id: str = ""  # a name, not a path (no '/', not '..'); default: a fresh one; an id whose log exists is refused
     overwrite: bool = False  # reuse a --run_id: replace that run's log and summary (never its checkpoints)
     log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints)
     val_every: int = 250  # validate every N steps; 0: only at the start and the end
@@ -196,6 +197,28 @@ YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window
 
 def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
+
+def weight_as(master: Tensor, x: Tensor) -> Tensor:
+    """A Muon matrix as the activations x read it. In bf16 it is #70's bf16 + 16-bit mantissa storage seen as bf16:
+    the fp32 master's upper 16 bits, i.e. truncated toward zero, not rounded; the gradient passes straight through
+    to the master. (A float copy of the model, as tests make, reads the master itself.)"""
+    if x.dtype != torch.bfloat16:
+        return master.to(x.dtype)
+    upper = (master.detach().view(torch.int32) & -65536).view(torch.float32)
+    return (master + (upper - master.detach())).bfloat16()
+
+def init_matrix_(w: Tensor, bound: float) -> None:
+    """U(-bound, bound) rounded to bf16, as #70 draws its banks in fp32 and stores them in bf16 with zero mantissas."""
+    with torch.no_grad():
+        w.copy_(w.uniform_(-bound, bound).bfloat16())
+
+def bigram_index(input_seq: Tensor, rows: int) -> Tensor:
+    """Each position's row of the bigram table: ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1) in int32 (#62), the
+    last row at position 0. #70 writes that row's index into x_0 before hashing: position 1 hashes it, not x_0, and
+    its product wraps around int32 (emulated in int64: inductor's integers must not overflow)."""
+    x = torch.cat([input_seq.new_full((1,), rows - 1), input_seq[1:]]).long()
+    cur, prev = ((mul * t + 2**31) % 2**32 - 2**31 for mul, t in zip(BIGRAM_MUL, (x[1:], x[:-1])))
+    return torch.cat([x[:1], (cur ^ prev) % (rows - 1)])
 
 def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
     """Causal, and no key before first_key[q]: the later of q's document start and its window's reach (FA3's)."""
@@ -254,25 +277,26 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
 class Rotary(nn.Module):
-    """Half-truncated RoPE: a quarter of the dims rotate at frequencies 1 .. 1/1024, a quarter not at all. YaRN
-    rewrites the tables in place: no recompile."""
+    """Half-truncated RoPE in #70's layout: dim pairs (2i, 2i + 1) of a head's first half turn at frequencies
+    1 .. 1/1024, its second half never. bf16 tables from fp32 angles, as #70's; YaRN rewrites them in place."""
 
     def __init__(self, head_dim: int, max_len: int):
         super().__init__()
-        n_rot = head_dim // 4
-        self.base = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n_rot), torch.zeros(head_dim // 2 - n_rot)])
-        self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
-        self.register_buffer("stationary", torch.cat([self.base == 0] * 2), persistent=False)  # the dims never turned
+        turning = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4)
+        self.base = torch.cat([turning.repeat_interleave(2), torch.zeros(head_dim // 2)])  # per dim, fp32
+        self.register_buffer("cos", torch.empty(max_len, head_dim, dtype=torch.bfloat16), persistent=False)
+        self.register_buffer("sin", torch.empty_like(self.cos), persistent=False)  # odd dims negated
+        self.register_buffer("stationary", self.base == 0, persistent=False)  # the dims never turned
         self.set_frequencies(self.base)
 
     @torch.no_grad()
     def set_frequencies(self, freqs: Tensor) -> None:
-        # Built where the tables live: only the head_dim/2 frequencies cross from the host, not the tables.
+        # Built where the tables live, with #70's fp32 ops: a GPU run's tables are #70's, bit for bit.
         positions = torch.arange(self.cos.size(0), dtype=torch.float32, device=self.cos.device)
         theta = torch.outer(positions, freqs.to(self.cos.device, torch.float32))
         self.cos.copy_(theta.cos())
         self.sin.copy_(theta.sin())
+        self.sin[:, 1::2] *= -1
 
     def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
         """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 does."""
@@ -282,8 +306,8 @@ class Rotary(nn.Module):
             x = x.unflatten(-2, (-1, 2))
         else:
             cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        y = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+        y = (x.float() * cos + swapped.float() * sin).type_as(x)  # one rounding, as #70's compiled kernel
         return y.flatten(-3, -2) if paired else y
 
 class CausalSelfAttention(nn.Module):
@@ -300,14 +324,13 @@ class CausalSelfAttention(nn.Module):
         # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
         # transposed (applied as y @ W_o) so the four share one shape; Muon treats W and W^T alike.
         self.qkvo_w = nn.Parameter(torch.empty(4, hdim, cfg.model_dim))
-        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
-        with torch.no_grad():
-            self.qkvo_w.uniform_(-bound, bound)
-        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
+        init_matrix_(self.qkvo_w, math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim))
+        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels, dtype=torch.bfloat16))
         # Per head, 2 sigmoid(W [x, ve]) on the value embedding, 1 at init (#55, #70's input); paired-head layers
         # read x alone (x[:gate_channels]).
         has_ve = cfg.value_embeds[layer] != "-"
-        self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if has_ve else None
+        self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels, dtype=torch.bfloat16)
+                                      ) if has_ve else None
         self.rotary = rotary_for(self.paired)  # shared by the layers of its length
         # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
         self.register_buffer("q_gain", torch.ones(()), persistent=False)
@@ -315,14 +338,14 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask: BlockMask | Tensor) -> Tensor:
         """lambdas: (lambda_qkv, lambda_o), folded into W_qkv and W_o (#47/#48)."""
         T, H, D = x.size(1), self.num_heads, self.head_dim
-        qkv = F.linear(x, (lambdas[0] * self.qkvo_w[:3].flatten(0, 1)).type_as(x))
+        qkv = F.linear(x, lambdas[0] * weight_as(self.qkvo_w[:3].flatten(0, 1), x))
         q, k, v = qkv.view(1, T, 3 * H, D).chunk(3, dim=-2)
         q, k = norm(q), norm(k)
         if ve is not None:
             half = self.ve_gate_w.size(1) // 2
             gate_in = x[..., : 2 * half] if self.paired else torch.cat([x[..., :half], ve[None, :, :half].type_as(x)],
                                                                       dim=-1)
-            v = v + 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w.type_as(x)))[..., None] * ve.view_as(v)
+            v = v + 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w))[..., None] * ve.view_as(v)
         q, k = self.rotary(q, self.paired) * self.q_gain, self.rotary(k, self.paired)
         if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
             q, k, v = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
@@ -336,9 +359,9 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2)
         if self.paired:  # back to (1, T, H, D)
             y = y.reshape(1, T, H, D)
-        gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w.type_as(x)))
+        gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w))
         y = y * gate.unsqueeze(-1)
-        return F.linear(y.flatten(-2), (lambdas[1] * self.qkvo_w[3]).T.type_as(y))
+        return F.linear(y.flatten(-2), (lambdas[1] * weight_as(self.qkvo_w[3], y)).T)
 
 class MLP(nn.Module):
     def __init__(self, cfg: Config):
@@ -348,16 +371,15 @@ class MLP(nn.Module):
         # Both stored (dim, hidden) so they share a Muon shape group.
         self.c_fc = nn.Parameter(torch.empty(cfg.model_dim, hidden))
         self.c_proj = nn.Parameter(torch.zeros(cfg.model_dim, hidden))
-        bound = math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim)
-        with torch.no_grad():
-            self.c_fc.uniform_(-bound, bound)
+        init_matrix_(self.c_fc, math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        c_fc = weight_as(self.c_fc, x)
         if self.fused:
-            h = torch.ops.speedrun.relu2_mm(x.flatten(0, -2), self.c_fc).view(*x.shape[:-1], -1)
+            h = torch.ops.speedrun.relu2_mm(x.flatten(0, -2), c_fc).view(*x.shape[:-1], -1)
         else:
-            h = F.relu(x @ self.c_fc.type_as(x)).square()
-        return F.linear(h, self.c_proj.type_as(h))
+            h = F.relu(x @ c_fc).square()
+        return F.linear(h, weight_as(self.c_proj, h))
 
 class Block(nn.Module):
     def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable):
@@ -373,9 +395,9 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 def train_loss_scale(cfg: Config) -> float:
-    """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then the
-    mean over the step's sequences at every world size."""
-    return 1.0 / cfg.global_batch_seqs
+    """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then
+    grad_scale x the mean over the step's sequences at every world size."""
+    return cfg.grad_scale / cfg.global_batch_seqs
 
 def softcap(logits: Tensor, cfg: Config) -> Tensor:
     """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
@@ -423,7 +445,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, layer, rotary_for, flex) for layer in range(L))
         self.has_paired = any(b.attn is not None and b.attn.paired for b in self.blocks)
         # The head is also the embedding until the untie (#51), so it starts away from zero.
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=torch.bfloat16)
         nn.init.normal_(self.lm_head.weight, std=0.005)
         # 1 while the embedding is a lookup into the head (until the schedule unties it): a buffer the loop writes
         # in place (tie_embedding), so untying never recompiles.
@@ -431,8 +453,8 @@ class GPT(nn.Module):
         self.embed_tied_now = True  # what tie_embedding last wrote into embed_tied
         self.skip_from, self.skip_to = skip_layers(cfg)
         # Input gates of the skip (2 sigmoid(w x0[:gate_channels]), #55) and of the smear (#34): zero, open.
-        self.skip_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels))
-        self.smear_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels))
+        self.skip_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels, dtype=torch.bfloat16))
+        self.smear_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels, dtype=torch.bfloat16))
         self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
         # One vector of every learned scalar, by name: the skip's s of sigmoid(s) (init -1.5, #32), per-block a of
         # x <- a x + b x0 (init 1.1, #45), per-layer (lambda_qkv, lambda_o), the smear's lambda, backout's, and
@@ -453,14 +475,14 @@ class GPT(nn.Module):
         grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
         if long_windows[1:] == self.yarn_windows[1:]:
             return
-        freqs = next(b.attn.rotary.base for b in self.blocks if b.attn is not None).double()
+        attns = [b.attn for b in self.blocks if b.attn is not None]
+        freqs = attns[0].rotary.base.to(attns[0].rotary.cos.device)  # fp32 throughout, #70's order of operations
         scale = 1.0
         for old, new in zip(long_windows, long_windows[1:]):
-            turns = self.cfg.block_size * old * freqs / (2 * math.pi)
-            g = ((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
-            freqs = freqs * (old / new + g * (1 - old / new))
+            old_len, new_len = self.cfg.block_size * old, self.cfg.block_size * new
+            g = ((old_len * freqs / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+            freqs = freqs * (old_len / new_len + g * (1 - old_len / new_len))
             scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
-        attns = [b.attn for b in self.blocks if b.attn is not None]
         for rotary in {id(a.rotary): a.rotary for a in attns}.values():  # each shared table once
             rotary.set_frequencies(freqs)
         for attn in attns:
@@ -472,13 +494,6 @@ class GPT(nn.Module):
         if self.embed_tied_now != tied:
             self.embed_tied.fill_(float(tied))
             self.embed_tied_now = tied
-
-    def bigram_vectors(self, input_seq: Tensor) -> Tensor:
-        """(1, T, model_dim): row ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1) per position, the last at 0 (#62)."""
-        x, rows = input_seq.long(), self.cfg.bigram_rows
-        prev, cur = x[:-1], x[1:]
-        return self.bigram(torch.cat([x.new_full((1,), rows - 1), ((BIGRAM_MUL[0] * cur) ^ (BIGRAM_MUL[1] * prev))
-                                      % (rows - 1)]))[None]
 
     def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
         """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor."""
@@ -492,16 +507,16 @@ class GPT(nn.Module):
             masks["paired"] = build(windows[1], paired=True)
         # Both lookups, weighted by the tie flag: the same graph tied and untied.
         e = self.embed(input_seq)
-        e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight).type_as(e) + (1 - self.embed_tied) * e
+        e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight) + (1 - self.embed_tied) * e
         # The smear (#34): e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents.
-        gate = sc["smear"][0] * torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate.type_as(e)))
+        gate = sc["smear"][0] * torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate))
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
         x = x0 = norm(e[None])
-        bigram = self.bigram_vectors(input_seq)
+        bigram = self.bigram(bigram_index(input_seq, cfg.bigram_rows))[None]
         skip = backout = None
         for i, block in enumerate(self.blocks):
             if i == self.skip_to:
-                gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate.type_as(x0)))
+                gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate))
                 x = x + torch.sigmoid(sc["skip"][0]) * gate * skip
             t = self.ve_tables[i]
             x = block(x, x0, None if t is None else ves[t], (sc["resid"][i], self.x0_lambdas[i]),
@@ -519,7 +534,7 @@ class GPT(nn.Module):
         if self.training and self.fp8_head:  # the gradient reaching the head carries train_loss_scale
             logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(cfg, train_loss_scale(cfg)))
         else:
-            logits = F.linear(x, self.lm_head.weight.type_as(x))
+            logits = F.linear(x, self.lm_head.weight)
         return softcap(logits, cfg)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
@@ -653,14 +668,18 @@ def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
 
 def normuon_(O: Tensor, v: Tensor, beta2: float, columns: Tensor | None = None) -> Tensor:
-    """NorMuon (#41): divide the update by the running RMS of its rows (or columns), kept in v (fp32, in place),
-    then restore its Frobenius norm. columns: per matrix, whether per column instead (W_o, stored transposed)."""
-    O = O.float()
+    """NorMuon (#41) in #70's algebra: r = the mean square of each row (or column) of the bf16 update O, v <- lerp(v,
+    r, 1 - beta2) (fp32, in place), and each row scaled by v^-1/2 times the factor restoring O's Frobenius norm,
+    that scale rounded to bf16 and applied to O in bf16. columns: per matrix, whether per column (W_o, transposed)."""
     if columns is not None:
         O = torch.where(columns.view(-1, 1, 1), O.mT, O)
-    v.lerp_(O.square().mean(dim=-1 if v.size(-1) == 1 else -2, keepdim=True), 1 - beta2)
-    scaled = O * v.clamp_min(1e-10).rsqrt()
-    out = scaled * (O.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    dim = -1 if v.size(-1) == 1 else -2
+    mean_sq, n = O.float().square().mean(dim=dim, keepdim=True), O.size(dim)
+    norm = (mean_sq.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+    v.lerp_(mean_sq, 1 - beta2)
+    scale = v.clamp_min(1e-10).rsqrt()
+    new_norm = (mean_sq * n * scale.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    out = O * (scale * (norm / new_norm.clamp_min(1e-10))).type_as(O)
     return out if columns is None else torch.where(columns.view(-1, 1, 1), out.mT, out)
 
 def normuon_columns(name: str, units: int) -> list[bool]:
@@ -670,30 +689,28 @@ def normuon_columns(name: str, units: int) -> list[bool]:
 def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
                  orthogonalize: Callable[[Tensor], Tensor] = polar_express, lr_mul: float | Tensor = 1.0,
                  wd: float = 0.0, columns: Tensor | None = None) -> None:
-    """Nesterov momentum, orthogonalization, NorMuon, then a step of lr * lr_mul * sqrt(max(1, rows/cols)) (lr_mul:
-    a float or per-matrix tensor). Cautious weight decay: p shrinks by wd lr (step lr) where the update has p's sign."""
+    """Nesterov momentum, orthogonalization, NorMuon, then #70's step on the fp32 master p: p - p wd lr step_lr
+    where the update has p's sign or is zero (cautious weight decay), minus step_lr x the update; step_lr = lr x
+    lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)), both factors fp32 as #70's."""
+    grad = grad.float()
     buf = state["momentum"]
     buf.lerp_(grad, 1 - momentum)
-    update = normuon_(orthogonalize(grad.lerp(buf, momentum)), state["v"], normuon_beta2, columns)
-    update = update.type_as(p) * lr_mul
-    step_lr = lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1)))
-    if wd:
-        p.sub_((update * p >= 0) * p * (wd * lr * step_lr * lr_mul))
-    p.add_(update, alpha=-step_lr)
+    update = normuon_(orthogonalize(grad.lerp(buf, momentum)), state["v"], normuon_beta2, columns).float()
+    step_lr = torch.as_tensor(lr_mul * (lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1))))).float()  # no host sync
+    p.copy_(p - p * (update * p >= 0) * (wd * lr) * step_lr - update * step_lr)
 
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                  eps: float, wd: float = 0.0) -> None:
-    """Bias-corrected Adam, eps added to the uncorrected sqrt(v), fp32 state (#56). Cautious weight decay (#50): p
-    also shrinks by lr^2 * wd where the step has p's sign."""
-    grad = grad.to(m.dtype)
-    m.lerp_(grad, 1 - beta1)
+    """Bias-corrected Adam in #70's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v).
+    Cautious weight decay (#50): the update grows by lr^2 wd p where it has p's sign. p (bf16 without a master, as
+    #70's, or fp32) takes the update in one rounding."""
+    grad = grad.float()
+    m.mul_(beta1).add_(grad, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    if wd:
-        u = m / v.sqrt().add_(eps) * step_size
-        p.sub_(u + (u * p > 0) * p * (lr * lr * wd))
-    else:
-        p.addcdiv_(m, v.sqrt().add_(eps), value=-step_size)
+    update = m.div(v.sqrt().add_(eps)).mul_(lr * ((1 - beta2**step) ** 0.5 / (1 - beta1**step)))
+    p32 = p.float()
+    update.addcmul_(p32, update * p32 > 0, value=lr * lr * wd)
+    p.sub_(update)
 
 @dataclass
 class ParamGroup:
@@ -818,7 +835,7 @@ class Bucket:
                 return values[self.first_unit:self.first_unit + self.shard_units]
 
             group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier
-            self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0),
+            self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0), dtype=torch.float64,
                                        device=self.data.device).view(-1, 1, 1)
             # W_o's per-column flags, for a bucket holding any, even where this rank's shard has none: the transposes
             # change the reductions' layout, and so their rounding, at every world size.
@@ -1440,23 +1457,43 @@ def _parse_value(name: str, kind: type | str, text: str) -> object:
     except ValueError:
         raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
 
-def parse_config(argv: list[str]) -> Config:
-    """Defaults, then the presets' fields, then explicit --field=value overrides."""
+BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", AUTO)  # what may follow a bare bool flag
+
+def field_kinds() -> dict[str, type | str]:
     types = {"int": int, "float": float, "bool": bool, "str": str, "bool | None": "bool | None"}
-    kinds = {f.name: types[f.type] for f in dataclasses.fields(Config)}
-    overrides: dict[str, object] = {}
-    for arg in argv:
+    return {f.name: types[f.type] for f in dataclasses.fields(Config)}
+
+def read_options(argv: list[str]) -> dict[str, str]:
+    """The command line as {field: text}, read as argparse reads options: --field=value or --field value; a bool
+    field alone (--save_final) is true, or takes a true/false word after it. Refuses unknown fields, a missing
+    value and a field given twice (which of two values was meant is the user's to say)."""
+    kinds, options, args = field_kinds(), {}, list(argv)
+    while args:
+        arg = args.pop(0)
         if not arg.startswith("--"):
             raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
-        name, _, text = arg[2:].partition("=")
+        name, eq, text = arg[2:].partition("=")
         if name not in kinds:  # the closest spelling, else the fields ending in it (--lr: the lrs) or sharing a word
             near = (difflib.get_close_matches(name, kinds, n=1) or [k for k in kinds if k.endswith(f"_{name}")][:6]
                     or [k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6])
             hint = f"; did you mean --{' or --'.join(near)}?" if near else ""
             raise UsageError(f"unknown option --{name}{hint} (see --help)")
-        if kinds[name] not in (bool, "bool | None") and "=" not in arg:
+        flag = kinds[name] in (bool, "bool | None")
+        if not eq and args and not args[0].startswith("--") and (not flag or args[0].lower() in BOOL_WORDS):
+            text = args.pop(0)
+        elif not eq and not flag:
             raise UsageError(f"--{name} needs a value: --{name}=VALUE")
-        overrides[name] = _parse_value(name, kinds[name], text)
+        elif not eq:
+            text = "true"
+        if name in options:
+            raise UsageError(f"--{name} is given twice ({options[name]!r} and {text!r}): give it once")
+        options[name] = text
+    return options
+
+def parse_config(argv: list[str]) -> Config:
+    """Defaults, then the presets' fields, then explicit --field=value overrides."""
+    kinds = field_kinds()
+    overrides = {name: _parse_value(name, kinds[name], text) for name, text in read_options(argv).items()}
     fields: dict[str, object] = {}
     for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
         if preset not in PRESETS:
@@ -1477,8 +1514,10 @@ def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
     return groups
 
 def config_help() -> str:
-    lines = ["usage: train_gpt.py [--field=value ...]     (on N GPUs: torchrun --standalone --nproc_per_node=N "
-             "train_gpt.py ..., or ./run.sh ...)", "Every field of the Config dataclass, with its default:"]
+    lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
+             "--nproc_per_node=N train_gpt.py ..., or ./run.sh ...)",
+             "Every field of the Config dataclass, with its default (each given at most once; a bool field alone "
+             "is true):"]
     defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
     for group, fields in field_groups():
         lines.append(f"\n{group}:")
@@ -1580,34 +1619,52 @@ def run_length(cfg: Config) -> int:
     """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
     return bench_length(cfg) if cfg.bench else cfg.num_steps
 
-# The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning
-# rate or a beta of 1.5 stops the run at start-up with one line instead of training on it.
-RULES: dict[str, Callable[[float], bool]] = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
-                                             ">= -1": lambda v: v >= -1, "in [0, 1]": lambda v: 0 <= v <= 1,
-                                             "in [0, 1)": lambda v: 0 <= v < 1,
-                                             "in (0, 1)": lambda v: 0 < v < 1}
+# The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning rate or a
+# beta of 1.5 stops the run at start-up with one line instead of training on it. Every float field has both bounds:
+# the upper ones lie far above any recipe's values (lrs <= 0.6, weight decay multipliers 150) and keep each update's
+# scalars (lr x stage multiplier <= 100 x decay) finite in fp32, so a typo such as --muon_lr=1e30 is refused here.
 FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
-                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_scale", "logit_cap",
-                     "logit_temp", "block_size", "num_steps", "muon_lr", "embed_lr", "head_lr",
-                     "scalar_lr", "gate_lr", "adam_eps", "bucket_mb", "log_every", "bench_steps", "mlp_up_lr_mul",
-                     "mlp_down_lr_mul", "adam_every", "skip_gate_lr", "smear_gate_lr", "fp8_x_scale", "fp8_w_scale",
-                     "fp8_grad_scale", "gate_channels", "untie_stage"], "> 0"),
-    **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "peak_tflops",
-                     "save_every", "muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul", "value_embed_wd_mul",
+                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size", "num_steps",
+                     "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage"], "> 0"),
+    **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "save_every",
                      "extension_steps", "muon_momentum_cooldown_steps", "backout_layer"], ">= 0"),
+    **dict.fromkeys(["seed"], ">= -1"),
+    **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "skip_gate_lr", "smear_gate_lr"],
+                    "in (0, 10]"),
+    **dict.fromkeys(["mlp_up_lr_mul", "mlp_down_lr_mul", "attn_scale", "fp8_x_scale", "fp8_w_scale", "fp8_grad_scale",
+                     "grad_scale"], "in (0, 100]"),
+    **dict.fromkeys(["logit_cap", "logit_temp"], "in (0, 1000]"),
+    **dict.fromkeys(["logit_shift"], "in [-1000, 1000]"),
+    **dict.fromkeys(["muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul", "value_embed_wd_mul"], "in [0, 1000]"),
+    **dict.fromkeys(["adam_eps"], "in (0, 1]"),
     **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
     **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "scalar_beta1",
                      "scalar_beta2", "x0_beta1", "head_beta1"], "in [0, 1)"),
     **dict.fromkeys(["normuon_beta2"], "in (0, 1)"),
-    **dict.fromkeys(["seed"], ">= -1"),
+    **dict.fromkeys(["bucket_mb"], "in (0, 100000]"),
+    **dict.fromkeys(["peak_tflops"], "in [0, 100000]"),
 }
+
+def rule_holds(rule: str, value: float) -> bool:
+    """Whether a finite value meets a FIELD_RULES entry: "> B", ">= B" or an interval such as "in (0, 10]"."""
+    if not math.isfinite(value):
+        return False
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(", "))
+        above = low < value if rule[3] == "(" else low <= value
+        return above and (value < high if rule[-1] == ")" else value <= high)
+    op, bound = rule.split()
+    return value > float(bound) if op == ">" else value >= float(bound)
+
+# A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere.
+RUN_ID_MAX = 200  # with ".failed.jsonl" added, within the 255-byte file names of common file systems
 
 def validate_config(cfg: Config, world_size: int) -> int:
     """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
     for name, rule in FIELD_RULES.items():
         value = getattr(cfg, name)
-        if not (math.isfinite(value) and RULES[rule](value)):
+        if not rule_holds(rule, value):
             raise UsageError(f"--{name} must be {rule}, got {value}")
     if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
         raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
@@ -1620,6 +1677,11 @@ def validate_config(cfg: Config, world_size: int) -> int:
     long_seq = next((n for n in parse_stages("seq_len_stages", cfg.seq_len_stages)
                      if n > cfg.train_seq_len or n % cfg.block_size), None)
     refusals = [  # (a problem, its line), in order
+        (cfg.run_id in (".", "..") or any(c in cfg.run_id for c in "/\\\0") or len(cfg.run_id) > RUN_ID_MAX,
+         f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or '\\', not '.' or '..', "
+         f"at most {RUN_ID_MAX} characters"),
+        *((not getattr(cfg, n).strip(), f"--{n} is empty: give a glob of token shards, e.g. --{n}="
+           f"'{PRESETS['tiny'][n]}'") for n in ("train_files", "val_files")),
         (cfg.global_batch_seqs % world_size, f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the "
          f"world size {world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)"),
         (len(cfg.value_embeds) != cfg.num_layers or tables != [str(i) for i in range(len(tables))],
@@ -2697,7 +2759,6 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
 def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
     whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
-    check_model_fits(cfg, rt.device)
     on_cuda = rt.device.type == "cuda"
     raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
@@ -2715,17 +2776,6 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
         log(f"compile: graphs per function: {', '.join(f'{k} {v}' for k, v in graphs.items())} (recompile limit "
             f"{torch._dynamo.config.recompile_limit})")
     return raw, model, optimizer
-
-def check_update_range(optimizer: ShardedMuonAdam, schedules: list[StepSchedule]) -> None:
-    """Refuse at start-up a learning rate whose update scalars (lr, Muon's shape-scaled step, the weight decay's
-    wd x lr x step) overflow fp32 at the schedule's largest multiplier: the step would stop in a traceback."""
-    top = max(s.lr_mult for s in schedules)
-    for b in optimizer.buckets:
-        lr = b.lr * top
-        ratio = math.sqrt(max(1.0, b.unit[0] / b.unit[1])) if b.kind == "muon" else 1.0
-        if not max(lr * ratio, b.wd * lr * lr * ratio) < torch.finfo(torch.float32).max:
-            raise UsageError(f"the learning rate of {group_summary(b.names)} reaches {lr:g} (lr {b.lr:g} x stage "
-                             f"multiplier {top:g}): its update overflows fp32; lower the learning rates or --lr_stages")
 
 def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
     """The graphs torch.compile builds per function: the model one per sequence length (and validation's), Muon
@@ -2885,14 +2935,16 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]
     check_train_data(cfg, train_files, run_length(cfg), step_shape(schedule_table(cfg)))
     return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
 
-def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens) -> TrainResult:
+def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, argv: list[str]
+          ) -> TrainResult:
+    """The run from its first (or resumed) step to the summary; argv, the command line, for the resume command an
+    interrupted run prints."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     raw_model, model, optimizer = build_model(cfg, rt, log)
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
     start_step = resumed.step if resumed else 0
     schedules = schedule_table(cfg)
-    check_update_range(optimizer, schedules)
     knobs = step_knobs(schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
@@ -2930,8 +2982,12 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             if checkpointer.due(step):
                 checkpointer.save(step, clock.now(), loader.source.stream.position(step))
             if STOP.now(step, last, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
-                stop_with_checkpoint(step, cfg, log, checkpointer, clock.now(), loader.source.stream.position(step))
+                stop_with_checkpoint(step, cfg, log, checkpointer, clock.now(), loader.source.stream.position(step),
+                                     argv, rt.world_size)
             if last:
+                if STOP.received is not None:  # the signal said "after a checkpoint": say what happens instead
+                    log(f"{STOPS[STOP.received]}: the signal came during the last step, so the run finishes (summary "
+                        f"written, exit code 0) rather than checkpointing", flush=True)
                 break
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
@@ -3024,6 +3080,19 @@ class StopSignal:
             raise self.received()
         print0(f"{STOPS[self.received]}: stopping at the next step boundary, after a checkpoint", file=sys.stderr)
 
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM for one run, then hand them back to their previous handlers: a process that
+        imports this file and calls main() keeps its own signal handling afterwards."""
+        self.received = None
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.received = None  # a signal belongs to its run: a later run in this process starts afresh
+
     def defer(self, deferred: bool) -> None:
         """Inside the training loop or not (a signal that lands in its last step lets the run finish)."""
         self.deferred = deferred
@@ -3036,9 +3105,18 @@ class StopSignal:
 
 STOP = StopSignal()
 
+def resume_command(argv: list[str], folder: Path, world_size: int) -> str:
+    """The command to paste to continue this run from a checkpoint: its own options without --run_id and --resume
+    (the resumed run writes under a fresh id), then --resume=<folder>; torchrun's launch for several ranks."""
+    import shlex  # only for this line
+
+    options = [f"--{k}={v}" for k, v in read_options(argv).items() if k not in ("run_id", "resume")]
+    launch = ["python"] if world_size == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world_size}"]
+    return shlex.join([*launch, os.path.relpath(__file__), *options, f"--resume={folder}"])
+
 def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Checkpointer", train_time_ms: float,
-                         data_position: tuple[int, int]) -> None:
-    """Write (unless the loop's schedule just did) and wait for a checkpoint, say how to resume, and stop."""
+                         data_position: tuple[int, int], argv: list[str], world_size: int) -> None:
+    """Write (unless the loop's schedule just did) and wait for a checkpoint, print the resume command, and stop."""
     kind = STOP.received or Terminated  # another rank's signal: this rank stops as that one does
     if not cfg.bench:
         if not checkpointer.due(step):
@@ -3046,8 +3124,8 @@ def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Che
         checkpointer.close()
         folder = checkpoint_dir(cfg, step)
         if not checkpointer.failures:
-            log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with this run's command and "
-                f"--resume={folder} (and a new --run_id, or none)", flush=True)
+            log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with: "
+                f"{resume_command(argv, folder, world_size)}", flush=True)
     raise kind()
 
 def run(argv: list[str]) -> TrainResult:
@@ -3060,6 +3138,7 @@ def run(argv: list[str]) -> TrainResult:
         check_resume(cfg)
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
+        check_model_fits(cfg, rt.device)
         train_files, val = load_data(cfg, rt.device)
         check_run_paths(cfg)
         if rt.world_size > 1:
@@ -3075,7 +3154,7 @@ def run(argv: list[str]) -> TrainResult:
             log(SEPARATOR)
             log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
         with cpu_gemms(cfg.cpu_bf16_gemm):
-            result = train(cfg, rt, log, train_files, val)
+            result = train(cfg, rt, log, train_files, val, argv)
         if rt.world_size > 1:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
@@ -3098,10 +3177,9 @@ def main() -> None:
     if "--help" in argv or "-h" in argv:
         print0(config_help())
         return
-    signal.signal(signal.SIGINT, STOP)
-    signal.signal(signal.SIGTERM, STOP)
     try:
-        run(argv)
+        with STOP.installed():
+            run(argv)
     except UsageError as e:
         print0("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)
         sys.exit(2)

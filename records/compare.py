@@ -4,11 +4,11 @@ Reads this project's run logs (logs/<run_id>.txt, preferring a <run_id>.json sum
 upstream modded-nanogpt logs. A record folder stands for every run log (*.txt) inside it.
 
     python records/compare.py show RUN...
-    python records/compare.py diff A B
+    python records/compare.py diff A B       (first line: the verdict, reproduced or where the losses part)
     python records/compare.py stats RUN... [--target 3.28] [--baseline RUN...]
     python records/compare.py plot RUN... [-o compare.png]
 
-Bad input is reported as one `error:` line on stderr with exit code 2.
+Bad input is reported as one `error:` line on stderr with exit code 2, before any output.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class Run:
     config: dict[str, Any] | None = None
     gpu_names: list[str] = field(default_factory=list)
     cpu_info: str | None = None
+    cpu_short: str | None = None  # the CPU's name, vector ISA and bf16 GEMM path: show's narrow column
     world_size: int | None = None
     torch_version: str | None = None
     cuda_version: str | None = None
@@ -161,8 +162,9 @@ def split_code(text: str) -> tuple[str | None, list[str] | None]:
 
 def parse_log(text: str, name: str, path: Path) -> Run:
     """A Run from a log's text, in this project's format or upstream modded-nanogpt's."""
-    code, after_separator = split_code(text)
-    rest = after_separator if after_separator is not None else text.splitlines()
+    code, rest = split_code(text)
+    if rest is None:  # both formats put one after the code: a text without it (a README) is no log
+        raise LogError(f"{path}: not a run log: no line of 100 '=' (expected {LOG_SHAPE})")
     run = Run(name=name, path=path, code=code)
     steps: list[StepLine] = []
     smi_names: list[str] = []
@@ -182,8 +184,13 @@ def parse_log(text: str, name: str, path: Path) -> Run:
             run.gpu_names = [n.strip() for n in m.group(1).split(",") if n.strip()]
         elif m := CPU_RE.match(line):
             run.cpu_info = f"CPU ({m.group(1) or m.group(2)})"
+            parts = (m.group(1) or m.group(2)).split(", ")
+            named = [p for p in parts[:1] if not p.endswith("cores")]  # the old form names no CPU: "CPU (2 cores)"
+            run.cpu_short = " ".join([*(named or ["CPU"]), *(p[len("vector ISA "):] for p in parts
+                                                              if p.startswith("vector ISA "))])
         elif (m := GEMM_RE.match(line)) and run.cpu_info:
             run.cpu_info = f"{run.cpu_info[:-1]}, bf16 GEMM path {m.group(1)})"
+            run.cpu_short = f"{run.cpu_short}, {m.group(1)} GEMM"
         elif m := SMI_GPU_RE.match(line):
             smi_names.append(m.group(1).strip())
         elif m := TORCH_RE.match(line):
@@ -195,8 +202,8 @@ def parse_log(text: str, name: str, path: Path) -> Run:
         elif m := PEAK_RE.match(line):
             run.peak_memory_allocated_mib, run.peak_memory_reserved_mib = float(m.group(1)), float(m.group(2))
     if not steps:
-        found = "a line of 100 '=' but no" if after_separator is not None else "no"
-        raise LogError(f"{path}: not a run log: found {found} 'step:S/T ...' lines (expected {LOG_SHAPE})")
+        raise LogError(f"{path}: not a run log: found a line of 100 '=' but no 'step:S/T ...' lines (expected "
+                       f"{LOG_SHAPE})")
     run.gpu_names = run.gpu_names or smi_names
     if run.seed is None and run.config is not None:
         run.seed = _int(run.config.get("seed"))
@@ -364,8 +371,8 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
         for log in sorted(path.glob("*.txt")):
             try:
                 found.append(load_run(log))
-            except LogError:
-                continue
+            except LogError as e:  # notes beside the logs are fine, but say which files were left out
+                warn(f"skipped {e}")
         if not found:
             raise LogError(f"{raw}: no run logs in this folder (expected *.txt files holding {LOG_SHAPE})")
         runs.extend(found)
@@ -402,6 +409,9 @@ def load_single(raw: str) -> Run:
 # aligned table (first column left-aligned, numbers right-aligned).
 
 
+HARDWARE_WIDTH = 40  # show's table stays within a terminal's width
+
+
 def fmt(value: float | int | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -414,6 +424,18 @@ def describe_hardware(run: Run) -> str:
     if run.world_size is not None and run.world_size != len(run.gpu_names):
         parts.append(f"world size {run.world_size}")
     return ", ".join(parts) or "-"
+
+
+def short_hardware(run: Run) -> str:
+    """describe_hardware in at most HARDWARE_WIDTH characters for show's column, e.g. '8x H100 80GB HBM3' or
+    'AMD EPYC AVX512, native GEMM, W=2'; diff and stats name the hardware in full."""
+    parts = [f"{count}x {name.removeprefix('NVIDIA ')}" for name, count in Counter(run.gpu_names).items()]
+    if not parts and run.cpu_short:
+        parts.append(run.cpu_short)
+    if run.world_size is not None and run.world_size != len(run.gpu_names):
+        parts.append(f"W={run.world_size}")
+    text = ", ".join(parts) or "-"
+    return text if len(text) <= HARDWARE_WIDTH else text[:HARDWARE_WIDTH - 3] + "..."
 
 
 def describe_steps(run: Run) -> str:
@@ -450,7 +472,7 @@ def describe_loss(run: Run) -> str:
 def show_table(runs: Sequence[Run]) -> str:
     headers = ["run", "val loss", "time (s)", "steps", "step_avg (ms)", "tok/s", "hardware"]
     rows = [[run.name, describe_loss(run), fmt(run.train_time_s, ".2f"), describe_steps(run),
-             fmt(run.step_avg_ms, ".2f"), fmt(run.tokens_per_s, ",.0f"), describe_hardware(run)] for run in runs]
+             fmt(run.step_avg_ms, ".2f"), fmt(run.tokens_per_s, ",.0f"), short_hardware(run)] for run in runs]
     return format_table(headers, rows, left=(0, 6))
 
 
@@ -505,10 +527,45 @@ def matching_val_losses(a: Run, b: Run) -> list[tuple[int, float, float]]:
     return [(p.step, p.loss, b_at[p.step]) for p in a.val_points if p.step in b_at]
 
 
+def logged_losses(run: Run) -> dict[tuple[int, str], float]:
+    """Every loss a run logged, by (step, "train" or "val")."""
+    return {**{(p.step, "train"): p.loss for p in run.train_points},
+            **{(p.step, "val"): p.loss for p in run.val_points}}
+
+
+def same_loss(x: float, y: float) -> bool:
+    return x == y or (math.isnan(x) and math.isnan(y))  # two diverged runs agree on NaN
+
+
+def verdict(a: Run, b: Run) -> str:
+    """One line: whether B reproduced A (every train and val loss either logged equal, at the same steps), else
+    the first step where they differ and the largest difference."""
+    la, lb = logged_losses(a), logged_losses(b)
+    if not la or not lb:
+        return f"verdict: cannot tell: {' and '.join(r.name for r, l in ((a, la), (b, lb)) if not l)} logged no loss"
+    common = sorted(la.keys() & lb.keys())
+    if la.keys() == lb.keys() and all(same_loss(la[k], lb[k]) for k in common):
+        trains = sum(kind == "train" for _, kind in common)
+        return (f"verdict: reproduced: all {len(common)} logged losses equal ({trains} train, {len(common) - trains} "
+                f"val)")
+    parts = []
+    differ = [k for k in common if not same_loss(la[k], lb[k])]
+    if differ:
+        (step, kind), gaps = differ[0], {k: abs(lb[k] - la[k]) for k in differ}
+        worst = max(gaps, key=lambda k: math.inf if math.isnan(gaps[k]) else gaps[k])  # a NaN against a number: worst
+        parts.append(f"first difference at step {step} ({kind} loss {la[step, kind]!r} vs {lb[step, kind]!r}), "
+                     f"largest {gaps[worst]:.4g} ({worst[1]} loss, step {worst[0]})")
+    for run, mine, other in ((a, la, lb), (b, lb, la)):
+        only = sorted(mine.keys() - other.keys())
+        if only:
+            parts.append(f"{len(only)} logged loss(es) only in {run.name} (from step {only[0][0]})")
+    return f"verdict: not reproduced: {'; '.join(parts)}"
+
+
 def diff_report(a: Run, b: Run, with_code: bool = False) -> str:
-    """Losses at common steps, the final val loss and the times first, then the config fields that changed,
-    then the code change: its size, or (with_code) its hunks."""
-    out = [f"A: {a.path}", f"B: {b.path}", "", "== val loss at matching steps"]
+    """The verdict, then losses at common steps, the final val loss and the times, then the config fields that
+    changed, then the code change: its size, or (with_code) its hunks."""
+    out = [verdict(a, b), f"A: {a.path}", f"B: {b.path}", "", "== val loss at matching steps"]
     pairs = matching_val_losses(a, b)
     rows = [[str(step), f"{la:.4f}", f"{lb:.4f}", f"{lb - la:+.4f}"] for step, la, lb in pairs]
     out.append(format_table(["step", "A", "B", "B-A"], rows, left=()) if rows else "(no common validation steps)")
@@ -536,10 +593,10 @@ def diff_report(a: Run, b: Run, with_code: bool = False) -> str:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     a, b = load_single(args.a), load_single(args.b)
-    print(diff_report(a, b, args.code))
-    lacking = [run for run in (a, b) if run.code is None]
+    lacking = [run for run in (a, b) if run.code is None]  # refused before any output: half a diff misleads
     if lacking:
         raise LogError(f"{lacking[0].path}: no code snapshot (expected the script source above a line of 100 '=')")
+    print(diff_report(a, b, args.code))
     return 0
 
 
@@ -555,28 +612,30 @@ class GroupStats:
     names: list[str]
     losses: list[float]
     times_s: list[float]
+    warnings: list[str]  # what the statistics leave out or pool; stats_report prints each once
 
 
 def group_stats(runs: Sequence[Run], label: str) -> GroupStats:
     """Final val losses and train times; runs lacking one are left out of that metric (with a warning)."""
+    notes = []
     for run in runs:
         if run.final_val_loss is None:
-            warn(f"{run.name}: no validation line; left out of the {label} val loss statistics")
+            notes.append(f"{run.name}: no validation line; left out of the {label} val loss statistics")
         elif diverged(run):
-            warn(f"{run.name}: diverged (final val loss {run.final_val_loss}); left out of the {label} val loss "
-                 f"statistics")
+            notes.append(f"{run.name}: diverged (final val loss {run.final_val_loss}); left out of the {label} val "
+                         f"loss statistics")
         if run.train_time_s is None:
-            warn(f"{run.name}: no train time; left out of the {label} train time statistics")
+            notes.append(f"{run.name}: no train time; left out of the {label} train time statistics")
     hardware = sorted({describe_hardware(run) for run in runs} - {"-"})
     if len(hardware) > 1:
-        warn(f"the {label} ran on different hardware ({'; '.join(hardware)}); pooling them anyway")
+        notes.append(f"the {label} ran on different hardware ({'; '.join(hardware)}); pooling them anyway")
     ends = sorted({run.last_step for run in runs if run.last_step is not None})
     if len(ends) > 1:
-        warn(f"the {label} end at different steps ({', '.join(map(str, ends))}); computing anyway")
+        notes.append(f"the {label} end at different steps ({', '.join(map(str, ends))}); computing anyway")
     return GroupStats(names=[run.name for run in runs],
                       losses=[run.final_val_loss for run in runs
                               if run.final_val_loss is not None and not diverged(run)],
-                      times_s=[run.train_time_s for run in runs if run.train_time_s is not None])
+                      times_s=[run.train_time_s for run in runs if run.train_time_s is not None], warnings=notes)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -664,9 +723,10 @@ def stats_report(runs: Sequence[Run], target: float | None, baseline: Sequence[R
         warn(f"the runs are {len(groups)} different recipes: statistics per recipe, never pooled")
     if baseline and len(groups) > 1:
         raise LogError("--baseline compares one recipe's runs: give the runs of one recipe (see the groups above)")
-    out = []
+    out, notes = [], {}  # the warnings in order, each once: groups often share one (the same hardware mix)
     for label, members in groups:
         group = group_stats(members, "runs")
+        notes.update(dict.fromkeys(group.warnings))
         out += describe_group(f"runs{f' [{label}]' if label else ''}", group)
         aim = target if target is not None else recipe_target(members)
         out.append(f"  one-sided t-test, H1 mean val loss < {aim:g}: "
@@ -674,12 +734,15 @@ def stats_report(runs: Sequence[Run], target: float | None, baseline: Sequence[R
                    else "  no target: these are not FineWeb validation runs (--target gives one)")
         if baseline:
             base = group_stats(baseline, "baseline runs")
+            notes.update(dict.fromkeys(base.warnings))
             out += describe_group("baseline", base)
             need = "in each group"
             out.append(f"Welch t-test (two-sided), train time, runs vs baseline: "
                        f"{describe_test(welch_test(group.times_s, base.times_s), need)}")
             out.append(f"Welch t-test (two-sided), val loss, runs vs baseline: "
                        f"{describe_test(welch_test(group.losses, base.losses), need)}")
+    for note in notes:
+        warn(note)
     return "\n".join(out)
 
 
@@ -782,7 +845,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="one row per run: val loss, time, steps, step_avg, tok/s, hardware")
     show.add_argument("runs", nargs="+", metavar="RUN", help="run log (.txt) or record folder")
     show.set_defaults(func=cmd_show)
-    diff = sub.add_parser("diff", help="val loss at common steps, final loss and times, then config and code")
+    diff = sub.add_parser("diff", help="the verdict (every logged loss equal?), val loss at common steps, final loss "
+                                       "and times, then config and code")
     diff.add_argument("a", metavar="A", help="run log (.txt) or a folder holding one run")
     diff.add_argument("b", metavar="B", help="run log (.txt) or a folder holding one run")
     diff.add_argument("--code", action="store_true", help="show the code diff's hunks (default: its size)")

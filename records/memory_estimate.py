@@ -7,15 +7,30 @@ For the recipe (its Triton kernels on, as on a GPU, and its torch path), on 1 GP
 each), per rank:
 - static: the parameters' buckets, the gradient buckets (and the reduce-scatter's shard on 8), the optimizer
   state of the rank's shard, and the tables (RoPE), from the objects train_gpt.py builds;
+- warmup snapshot: the device-side clones of the parameter buckets and the optimizer state that train_gpt.warmup
+  holds while it trains every stage's length (it never validates): they add to the train peak;
 - saved: the activations one micro-step keeps for its backward, as torch.compile's partitioner (AOTAutograd,
   min-cut rematerialization) splits the training graph;
 - train peak: the most a micro-step holds beyond static, by a liveness walk of the forward and backward graphs
   (every node's output held from its op to its last use: no fusion, so an upper bound on what inductor's fused
-  kernels hold); the node where it peaks is named (the head's backward, where the logits' gradient lives);
+  kernels hold); the node where it peaks is named (the recipe's: its fused head; the torch path's: the head's
+  backward, where the fp32 logits' gradient lives);
 - validation peak: the same walk over one validation sequence's forward.
+total = static + the larger of train peak + warmup snapshot and validation peak: torch.cuda.max_memory_allocated
+over the whole run, warmup included, which is what the logs report.
 FlexAttention has no CPU/meta backward, so a stand-in with its memory takes its place: it keeps q, k, v, the
-output and the fp32 log-sum-exp for backward and returns dq, dk, dv. The fused head (--fused_head) is opaque to
-the trace; its chunk of logits and its fp32 gradient accumulator are added from its chunk size.
+output and the fp32 log-sum-exp for backward and returns dq, dk, dv (FA3's varlen kernel keeps the same). The
+fused head (--fused_head) is opaque to the trace; its own buffers (a chunk of logits; in training its fp32 dW and
+the FP8 gradient's copies) are added from its chunk size while it runs.
+
+With the repository's trainer, one more preset, "record #70 itself": record #70's own memory (its logs: 30704 MiB
+allocated per GPU on 8xH100), from the same traces with #70's storage and materialization (its train_gpt.py):
+bf16 parameters without fp32 copies (a 16-bit mantissa per Muon shard instead), autograd's bf16 gradients (the
+Adam ones kept from an even step through the next), bf16 RoPE tables of 2 x val_seq_len positions, deep copies of
+the parameters and the optimizer state through a warmup that also validates; validation through a plain bf16
+head: the (val_seq_len, vocab) bf16 logits exist (the torch path's validation graph); training through its FP8
+head and CE kernel: bf16 logits saved for backward, then their bf16 gradient, on top of the recipe's trunk. Its
+table after the main one sets #70's peak against the recipe's, term by term, on 8 GPUs.
 A total above 80 GB (10^9 bytes) fails (exit 1): an H100 has 79.6 GiB, and the CUDA context and the allocator's
 fragmentation take a few of them.
 """
@@ -27,7 +42,9 @@ import importlib.util
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch._functorch.aot_autograd import aot_function
@@ -50,6 +67,8 @@ else:
 
 PRESETS = ({"recipe": [], "recipe torch path": ["--relu2_kernel=false", "--fused_head=false"]}
            if TRAINER == REPO / "train_gpt.py" else {TRAINER.parent.name: []})
+RECORD70 = "record #70 itself"  # the preset of #70's own memory (the repository's trainer only)
+RECORD70_BANK_MATRICES = 8  # #70's Muon banks hold a multiple of 8 matrices: whole ones on each of up to 8 ranks
 LIMIT_BYTES = 80 * 10**9
 GiB = 2**30
 
@@ -155,10 +174,12 @@ def materialized(graph: torch.fx.Graph) -> set[int]:
     return keep
 
 
-def liveness_peak(graph: torch.fx.Graph, static: set[int]) -> tuple[int, torch.fx.Node | None]:
+def liveness_peak(graph: torch.fx.Graph, static: set[int], transient: Callable[[torch.fx.Node], int] = lambda n: 0
+                  ) -> tuple[int, torch.fx.Node | None]:
     """The most bytes live at once over the graph's nodes, each materialized storage from the node that makes
-    it (inputs: from the start) to the last node reading it (outputs: to the end), static storages left out;
-    and that node. Fused intermediates take no memory; no buffer reuse beyond that."""
+    it (inputs: from the start) to the last node reading it (outputs: to the end), static storages left out,
+    plus transient(node) while a node runs (an opaque op's own buffers); and that node. Fused intermediates take
+    no memory; no buffer reuse beyond that."""
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     every = materialized(graph)
@@ -184,22 +205,29 @@ def liveness_peak(graph: torch.fx.Graph, static: set[int]) -> tuple[int, torch.f
             if k not in made and k in real:
                 made.add(k)
                 live += size[k]
-        if live > peak:
-            peak, at = live, node
+        if live + transient(node) > peak:
+            peak, at = live + transient(node), node
         live -= sum(size[k] for k in made if last_use[k] == i)
     return peak, at
 
 
-def fused_head_workspace(cfg: T.Config) -> int:
-    """softcap_ce's own buffers: one chunk of bf16 logits (its gradient in place) and the fp32 dW accumulator."""
+def fused_head_workspace(cfg: T.Config, training: bool) -> int:
+    """softcap_ce's own buffers at their most (gpt_kernels.softcap_ce): one chunk of bf16 logits (its gradient in
+    place); in training also the fp32 dW accumulator and the chunk's fp32 dW, and with the FP8 head the gradient's
+    e5m2 copy and the transposed copy its dW GEMM reads (1 byte a logit each; without FP8 the chunk's dW is bf16)."""
     if not cfg.fused_head:
         return 0
-    return T.gpt_kernels.HEAD_CHUNK_ROWS * cfg.vocab_size * 2 + cfg.vocab_size * cfg.model_dim * 4
+    chunk = T.gpt_kernels.HEAD_CHUNK_ROWS * cfg.vocab_size
+    if not training:
+        return 2 * chunk
+    dw = cfg.vocab_size * cfg.model_dim
+    return 2 * chunk + 4 * dw + (2 * chunk + 4 * dw if cfg.fp8_head else 2 * dw)
 
 
 def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
     """One training micro-step at the last stage's length through AOTAutograd's partitioner, and one validation
-    forward: saved activations and each graph's liveness peak above the static tensors."""
+    forward: saved activations and each graph's liveness peak above the static tensors, the fused head's own
+    buffers counted while it runs (forward_trunk_peak: the forward's without them, for record70_rows)."""
     model = meta_model(cfg)
     last = T.schedule_table(cfg)[-2]  # the last training step (the table ends with the final validation)
     graphs: dict[str, torch.fx.GraphModule] = {}
@@ -230,15 +258,38 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
     forward_out = next(n for n in graphs["forward"].graph.nodes if n.op == "output").args[0]
     saved = {key(t): nbytes(t) for node in forward_out[1:] if isinstance(node, torch.fx.Node)
              for t in tensors(node.meta.get("val")) if key(t) not in static}
-    (fw_peak, fw_at), (bw_peak, bw_at) = (liveness_peak(graphs[g].graph, static) for g in ("forward", "backward"))
-    val_peak, val_at = liveness_peak(val.graph, leading_inputs(val.graph, len(state)))
-    workspace = fused_head_workspace(cfg)
-    where = lambda phase, node: (f"{phase}, {getattr(node.target, '_opname', node.name)} "  # noqa: E731
-                                 f"{'x'.join(map(str, node.meta['val'].shape))}")
-    return {"seq_len": last.seq_len, "saved": sum(saved.values()),
-            "train_peak": max(fw_peak, bw_peak) + workspace,
+    def head(training: bool) -> Callable[[torch.fx.Node], int]:  # the fused head's buffers, while it runs
+        size = fused_head_workspace(cfg, training)
+        return lambda node: size if getattr(node.target, "_opname", None) == "softcap_ce" else 0
+
+    fw_trunk, _ = liveness_peak(graphs["forward"].graph, static)
+    (fw_peak, fw_at), (bw_peak, bw_at) = (liveness_peak(graphs[g].graph, static, head(True))
+                                          for g in ("forward", "backward"))
+    val_peak, val_at = liveness_peak(val.graph, leading_inputs(val.graph, len(state)), head(False))
+    def where(phase: str, node: torch.fx.Node) -> str:  # the op and its output's shape (the fused head: its chunk)
+        name = getattr(node.target, "_opname", node.name)
+        if name == "softcap_ce":
+            return f"{phase}, softcap_ce's chunk {T.gpt_kernels.HEAD_CHUNK_ROWS}x{cfg.vocab_size}"
+        return f"{phase}, {name} {'x'.join(map(str, node.meta['val'].shape))}"
+
+    return {"seq_len": last.seq_len, "saved": sum(saved.values()), "forward_trunk_peak": fw_trunk,
+            "backward_peak": bw_peak, "train_peak": max(fw_peak, bw_peak),
             "train_peak_at": where("backward", bw_at) if bw_peak >= fw_peak else where("forward", fw_at),
-            "validation_peak": val_peak + workspace, "validation_peak_at": where("validation", val_at)}
+            "validation_peak": val_peak, "validation_peak_at": where("validation", val_at)}
+
+
+def peak_row(preset: str, world_size: int, micro_steps: int, static: dict[str, int], snapshot: int,
+             dynamic: dict[str, int | str], snapshot_in_validation: bool) -> dict:
+    """A row of the table: static, the phase whose peak is the larger (the warmup snapshot held through training,
+    and through validation too when the warmup validates) and the total per rank."""
+    train = dynamic["train_peak"] + snapshot
+    val = dynamic["validation_peak"] + (snapshot if snapshot_in_validation else 0)
+    phase = "train" if train >= val else "validation"
+    total = sum(static.values()) + max(train, val)
+    return {"preset": preset, "gpus": world_size, "micro_steps": micro_steps, **static, "static": sum(static.values()),
+            "warmup_snapshot": snapshot, **dynamic, "peak_phase": phase,
+            "peak_activations": dynamic[f"{phase}_peak"], "peak_snapshot": max(train, val) - dynamic[f"{phase}_peak"],
+            "total": total, "ok": total <= LIMIT_BYTES}
 
 
 def estimate(name: str, args: list[str]) -> list[dict]:
@@ -247,22 +298,97 @@ def estimate(name: str, args: list[str]) -> list[dict]:
     rows = []
     for world_size in (1, 8):
         static = static_bytes(cfg, world_size)
-        total = sum(static.values()) + max(dynamic["train_peak"], dynamic["validation_peak"])
-        rows.append({"preset": name, "gpus": world_size, "micro_steps": cfg.global_batch_seqs // world_size,
-                     **static, "static": sum(static.values()), **dynamic, "total": total, "ok": total <= LIMIT_BYTES})
+        # What train_gpt.warmup clones: every bucket's parameters and the optimizer state (while it trains).
+        snapshot = static["parameters"] + static["optimizer"] if cfg.warmup_steps else 0
+        rows.append(peak_row(name, world_size, cfg.global_batch_seqs // world_size, static, snapshot, dynamic, False))
+    return rows
+
+
+def record70_static(cfg: T.Config, world_size: int) -> dict[str, int]:
+    """#70's long-lived tensors on one rank, from this model's parameter shapes with #70's storage: parameters bf16
+    (1-D ones fp32), no fp32 copies; per Muon shape its banks hold a multiple of 8 matrices (the MLP bank's zero
+    layer: 22 -> 24), each rank's share with an fp32 momentum, a uint16 mantissa (the fp32 master's low half) and an
+    fp32 per-row second moment; fp32 Adam moments, sharded over the ranks for the vocabulary-sized tables (embed,
+    lm_head, value and bigram embeddings), whole for the small rest. Gradients are autograd's, one per parameter in
+    its dtype: the Adam ones live from an even step through the next (Adam steps on odd steps; a validation sees
+    them), the Muon ones from backward to the optimizer step (muon_gradients: part of a training step's peak).
+    RoPE: bf16 cos and sin of 2 x val_seq_len positions (its per-rank validation length), the paired layout's of
+    2 head_dim columns."""
+    model = meta_model(cfg)
+    out = dict.fromkeys(("parameters", "gradients", "optimizer", "muon_gradients"), 0)
+    matrices: Counter[tuple[int, int]] = Counter()
+    for group in T.build_param_groups(model, cfg):
+        for p in group.params:
+            if group.kind == "muon":
+                rows, cols = sorted(p.shape[-2:], reverse=True)  # #70 stores both MLP matrices (hidden, dim)
+                matrices[rows, cols] += p.numel() // (rows * cols)
+                continue
+            size = p.numel() * (2 if p.ndim > 1 else 4)
+            out["parameters"] += size
+            out["gradients"] += size
+            out["optimizer"] += 2 * 4 * p.numel() // (world_size if max(p.shape) >= cfg.vocab_size else 1)
+    for (rows, cols), count in matrices.items():
+        padded = -(-count // RECORD70_BANK_MATRICES) * RECORD70_BANK_MATRICES
+        share = padded // world_size
+        out["parameters"] += padded * rows * cols * 2
+        out["muon_gradients"] += padded * rows * cols * 2
+        out["optimizer"] += share * rows * cols * (4 + 2) + share * rows * 4
+    widths = 1 + (2 if T.paired_layers(cfg) else 0)  # head_dim columns: the normal tables, the paired ones
+    out["tables"] = 2 * (2 * cfg.val_seq_len) * cfg.head_dim * widths * 2
+    return out
+
+
+def record70_rows(cfg: T.Config, fused: dict, plain: dict) -> list[dict]:
+    """#70's own peak per rank: record70_static, the warmup's deep copies of its parameters and optimizer state
+    (#70's warmup validates at every step: they are there for both phases), and the larger of its validation (the
+    torch path's graph: a plain bf16 head over val_seq_len tokens, softcap and CE fused behind the GEMM) and its
+    training: the recipe's trunk (the fused-head traces without their workspace) plus 4 bytes per logit, the bf16
+    logits the CE kernel saves and their bf16 gradient (in the FP8 backward, the gradient's e5m2 copy and the
+    transposed one dW reads take the logits' 2 bytes), plus the Muon gradients backward allocates. fused, plain:
+    rows of the recipe and of its torch path (their traces' figures)."""
+    seq_len = int(fused["seq_len"])
+    head = 4 * seq_len * cfg.vocab_size
+    dynamic = {"seq_len": seq_len, "saved": int(fused["saved"]) + 2 * seq_len * cfg.vocab_size,
+               "validation_peak": plain["validation_peak"], "validation_peak_at": plain["validation_peak_at"],
+               "train_peak_at": f"backward, #70's head: bf16 logits and their gradient {seq_len}x{cfg.vocab_size}"}
+    rows = []
+    for world_size in (1, 8):
+        static = record70_static(cfg, world_size)
+        muon_gradients = static.pop("muon_gradients")
+        train = max(int(fused["forward_trunk_peak"]), int(fused["backward_peak"]) + head) + muon_gradients
+        rows.append(peak_row(RECORD70, world_size, 8 // world_size, static,
+                             static["parameters"] + static["optimizer"], {**dynamic, "train_peak": train}, True))
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
-    lines = ["| preset | GPUs | params | grads | optimizer | tables | static | saved activations | train peak (at) "
-             "| validation peak | total per rank |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| preset | GPUs | params | grads | optimizer | tables | static | warmup snapshot | saved activations "
+             "| train peak (at) | validation peak | total per rank |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['preset']} | {r['gpus']} | {g(r['parameters'])} | {g(r['gradients'])} | "
-                     f"{g(r['optimizer'])} | {g(r['tables'])} | {g(r['static'])} | {g(r['saved'])} | "
-                     f"{g(r['train_peak'])} ({r['train_peak_at']}) | {g(r['validation_peak'])} | "
-                     f"**{g(r['total'])}** |")
-    return "\n".join(lines) + "\n\nGiB per rank; total = static + the larger of the two peaks."
+                     f"{g(r['optimizer'])} | {g(r['tables'])} | {g(r['static'])} | {g(r['warmup_snapshot'])} | "
+                     f"{g(r['saved'])} | {g(r['train_peak'])} ({r['train_peak_at']}) | {g(r['validation_peak'])} | "
+                     f"**{g(r['total'])}** ({r['peak_phase']}) |")
+    text = "\n".join(lines) + ("\n\nGiB per rank; total = static + the larger of train peak + warmup snapshot and "
+                               "validation peak (+ the snapshot where the warmup validates: #70).")
+    by = {(r["preset"], r["gpus"]): r for r in rows}
+    if (RECORD70, 8) in by and ("recipe", 8) in by:
+        text += "\n\n" + comparison(by[RECORD70, 8], by["recipe", 8])
+    return text
+
+
+def comparison(theirs: dict, ours: dict) -> str:
+    """#70's peak against the recipe's on 8 GPUs, term by term: what each holds at the moment of its peak."""
+    g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
+    lines = [f"| 8 GPUs, GiB per rank at the peak | #70 itself ({theirs['peak_phase']}) | recipe ({ours['peak_phase']})"
+             " | recipe - #70 |", "|---|---:|---:|---:|"]
+    for name, field in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer"),
+                        ("RoPE tables", "tables"), ("warmup snapshot", "peak_snapshot"),
+                        ("activations at the peak", "peak_activations"), ("total", "total")):
+        lines.append(f"| {name} | {g(theirs[field])} | {g(ours[field])} | {g(ours[field] - theirs[field])} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -270,6 +396,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = [row for name, preset in PRESETS.items() for row in estimate(name, preset)]
+    if "recipe torch path" in PRESETS:  # the repository's trainer: #70 ran this recipe
+        one = {r["preset"]: r for r in rows if r["gpus"] == 1}
+        rows += record70_rows(recipe_config(PRESETS["recipe"]), one["recipe"], one["recipe torch path"])
     print(markdown(rows))
     for r in rows:
         if not r["ok"]:

@@ -43,9 +43,10 @@ def test_forward_backward_shapes_and_dtypes():
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
         assert torch.isfinite(p.grad.float()).all(), name
-    assert model.embed.weight.dtype == torch.bfloat16
-    assert all(t.weight.dtype == torch.bfloat16 for t in model.value_embeds)
-    assert model.lm_head.weight.dtype == torch.float32
+    # #70's dtypes: fp32 for the scalars and the Muon matrices' masters (read as bf16), bf16 for everything else
+    fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert fp32 == {"scalars", "x0_lambdas"} | {n for n in fp32 if n.endswith(("qkvo_w", "c_fc", "c_proj"))}, fp32
+    assert sum(n.endswith(("qkvo_w", "c_fc", "c_proj")) for n in fp32) == 3 * cfg.num_layers - 1
     assert model.blocks[2].attn is None  # "LS-L": the third layer has no attention
     assert model.blocks[0].attn.qkvo_w.shape == (4, cfg.num_heads * cfg.head_dim, cfg.model_dim)
 
@@ -74,18 +75,16 @@ def block_mask_as_dense(bm, length: int) -> torch.Tensor:
     return allowed
 
 
-def test_rotary_rotates_a_quarter_of_the_dims():
+def test_rotary_turns_the_first_half_in_pairs_and_keeps_the_second():
     rot = T.Rotary(head_dim=16, max_len=10)
     x = torch.randn(1, 10, 2, 16)
     y = rot(x)
     assert torch.equal(y[0, 0], x[0, 0])  # position 0: no rotation
-    # dims 4..7 and 12..15 pair with zero frequency: unchanged at every position
-    torch.testing.assert_close(y[..., 4:8], x[..., 4:8])
-    torch.testing.assert_close(y[..., 12:16], x[..., 12:16])
-    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))  # rotations keep the norm
-    # pair (0, 8) turns by exactly one radian per position at frequency 1
-    angle = torch.atan2(y[0, 3, 0, 8], y[0, 3, 0, 0]) - torch.atan2(x[0, 3, 0, 8], x[0, 3, 0, 0])
-    assert math.remainder(angle.item() + 3.0, 2 * math.pi) == pytest.approx(0.0, abs=1e-5)
+    torch.testing.assert_close(y[..., 8:], x[..., 8:], atol=0, rtol=0)  # frequency 0: unchanged at every position
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-2, atol=0)  # rotations keep the norm (bf16)
+    # pair (0, 1) turns by one radian per position at frequency 1 (bf16 tables: to about 2^-8)
+    angle = torch.atan2(-y[0, 3, 0, 1], y[0, 3, 0, 0]) - torch.atan2(-x[0, 3, 0, 1], x[0, 3, 0, 0])
+    assert math.remainder(angle.item() - 3.0, 2 * math.pi) == pytest.approx(0.0, abs=1e-2)
 
 
 def test_fp8_head_matches_bf16_matmul_forward_and_backward():

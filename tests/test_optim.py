@@ -26,7 +26,7 @@ def test_muon_step_equals_plain_reference():
         ref_p = ref_p - lr * update  # rows < cols: scale factor 1
     torch.testing.assert_close(buf, ref_buf)
     torch.testing.assert_close(state["v"], ref_v)
-    torch.testing.assert_close(p, ref_p, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p, ref_p, atol=8e-3 * lr, rtol=0)  # #70 rounds the update to bf16: a bf16 ulp at 2
 
 
 def test_muon_scales_tall_matrices():
@@ -35,7 +35,8 @@ def test_muon_scales_tall_matrices():
     T.muon_update_(p, g.clone(), state, 1.0, 0.0, 0.95)
     O = T.polar_express(g).float()
     scaled = O / (O**2).mean(dim=-1, keepdim=True).mul(0.05).sqrt()  # per row (tall), after one step of beta2 0.95
-    torch.testing.assert_close(p, -2.0 * scaled * O.norm() / scaled.norm())  # sqrt(32 / 8) = 2
+    # sqrt(32 / 8) = 2; #70 rounds the update to bf16
+    torch.testing.assert_close(p, -2.0 * scaled * O.norm() / scaled.norm(), rtol=1e-2, atol=1e-3)
 
 
 def test_adam_step_equals_torch_adam():

@@ -40,15 +40,17 @@ def rms(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-    """(T, H, D): pairs (x[j], x[j + D/2]) turn by pos * w_j, w_j = (1/1024)^(j / (D/4 - 1)) for j < D/4, else 0;
-    pos: (T, H) positions, by default token t's t."""
+    """(T, H, D): pairs (x[2j], x[2j + 1]) turn by pos * w_j, w_j = (1/1024)^(j / (D/4 - 1)) for j < D/4, else 0
+    (#70 §4.5's layout), with cos and sin as #70's tables hold them: bf16 of fp32 angles (§7.2). pos: (T, H)
+    positions, by default token t's t."""
     n, d = x.size(0), x.size(-1)
     w = torch.zeros(d // 2, dtype=torch.float64)
     w[: d // 4] = (1 / 1024) ** (torch.arange(d // 4, dtype=torch.float64) / (d // 4 - 1))
     pos = torch.arange(n, dtype=torch.float64)[:, None] if pos is None else pos.double()
-    theta = pos[..., None] * w
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * theta.cos() + x2 * theta.sin(), -x1 * theta.sin() + x2 * theta.cos()], -1)
+    theta = pos[..., None].float() * w.float()
+    cos, sin = theta.cos().bfloat16().double(), theta.sin().bfloat16().double()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], -1).flatten(-2)
 
 
 def token_mask(tokens: torch.Tensor, reach: float, paired: bool = False) -> torch.Tensor:
@@ -88,8 +90,12 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor, o
         gate = sigmoid(e[1:, :g] @ p["smear_gate"][0])
         e = torch.cat([e[:1], e[1:] + lam_smear * gate[:, None] * e[:-1]])
     x = x0 = rms(e)
-    ids, rows = [int(t) for t in inp], cfg.bigram_rows  # #70 §3.3: row h_t of the table, c_i of it per block
-    bigram = p["bigram.weight"][[rows - 1] + [((36313 * ids[t]) ^ (27191 * ids[t - 1])) % (rows - 1)
+    # #70 §3.3: row h_t of the table, c_i of it per block; #70 writes the reserved row's index into x_0 before
+    # hashing, and its int32 products wrap
+    ids, rows = [int(t) for t in inp], cfg.bigram_rows
+    ids[0] = rows - 1
+    int32 = lambda v: (v + 2**31) % 2**32 - 2**31  # noqa: E731
+    bigram = p["bigram.weight"][[rows - 1] + [(int32(36313 * ids[t]) ^ int32(27191 * ids[t - 1])) % (rows - 1)
                                               for t in range(1, len(ids))]]
     saved = backout = None
     for i, kind in enumerate(cfg.attn_pattern):
@@ -112,8 +118,7 @@ def spec_loss(cfg: T.Config, p: dict[str, torch.Tensor], tokens: torch.Tensor, o
             else:
                 q, k = rope(q), rope(k)
             if on["key_offset"] and kind == "L":  # §2.17: the un-rotated dims (w_j = 0) of key t from key t-1
-                still = torch.zeros(D, dtype=torch.bool)
-                still[D // 4: D // 2] = still[D // 4 + D // 2:] = True
+                still = torch.arange(D) >= D // 2
                 shifted = torch.cat([k[:1], k[:-1]])
                 k = torch.where(still, shifted, k)
             if not on["fold_lambdas"]:
@@ -163,6 +168,9 @@ def perturbed_model(cfg: T.Config) -> T.GPT:
             p.add_(0.05 * torch.randn_like(p))
         model.scalars.add_(0.5 * torch.randn_like(model.scalars))  # gates and lambdas well off their start
         model.x0_lambdas.add_(0.5 * torch.randn_like(model.x0_lambdas))
+        for name, p in model.named_parameters():  # Muon masters the bf16 forward reads as they are (zero mantissas)
+            if name.endswith(("qkvo_w", "c_fc", "c_proj")):
+                p.copy_(p.bfloat16())
     return model
 
 
@@ -266,7 +274,8 @@ def test_each_item_moves_the_gradients_beyond_the_tolerance():
 
 
 def test_initial_values_follow_the_spec():
-    cfg = T.parse_config(SHAPE + ["--model_dim=256", "--num_heads=2", "--head_dim=128"])
+    wider = ["--model_dim=256", "--num_heads=2", "--head_dim=128"]
+    cfg = T.parse_config([a for a in SHAPE if a.split("=")[0] not in {w.split("=")[0] for w in wider}] + wider)
     torch.manual_seed(0)
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     L = cfg.num_layers
@@ -332,7 +341,7 @@ def test_flops_per_token_counts_the_recipes_shape():
     (["--paired_layers=3"], "--paired_layers='3' must list short-window"),
     (["--mtp_stages=1/x"], r"--mtp_stages expects 1-64 weights W/W/\.\.\. in \[0, 100\] per stage"),
     (["--mtp_stages=1/0.5,1", "--lr_stages=1,1.5,2"], "the staged fields must list the same number of stages"),
-    (["--fp8_w_scale=0"], "--fp8_w_scale must be > 0"),
+    (["--fp8_w_scale=0"], "--fp8_w_scale must be in (0, 100]"),
 ])
 def test_bad_model_settings_are_refused_in_one_line(args, message):
     with pytest.raises(T.UsageError, match=message):

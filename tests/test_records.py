@@ -177,7 +177,7 @@ def test_show_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].split()[:3] == ["run", "val", "loss"]
     ours = next(line for line in lines if line.startswith("ours"))
     assert ours.split()[:6] == ["ours", "3.2712", "2.00", "20", "100.00", "1,000,020"]
-    assert f"8x {H100}" in ours
+    assert ours.endswith("  8x H100 80GB HBM3")  # "NVIDIA " left out: the column stays narrow
     upstream = next(line for line in lines if line.startswith("upstream"))
     assert upstream.split()[:6] == ["upstream", "3.2795", "1.80", "20", "90.00", "-"]
 
@@ -267,6 +267,51 @@ def test_diff_identical_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     a = make_log(tmp_path / "a.txt", curve(3.28))
     rc, out, _ = run_main(capsys, "diff", str(a), str(a))
     assert rc == 0 and "(no differences)" in out and "(identical)" in out
+    assert out.splitlines()[0] == "verdict: reproduced: all 3 logged losses equal (0 train, 3 val)"
+
+
+def write_losses(log: Path, train: dict[int, float], val: dict[int, float]) -> None:
+    """The .jsonl and .json the trainer writes beside a log: full-precision train and val losses."""
+    records = [{"step": s, "train_loss": loss} for s, loss in train.items()]
+    log.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    log.with_suffix(".json").write_text(json.dumps({"val_losses": [[s, loss, 0.0] for s, loss in val.items()]}))
+
+
+def test_diff_says_first_whether_the_run_reproduced_every_logged_loss(tmp_path, capsys):
+    train, val = {s: 10 - s / 7 for s in range(1, 21)}, {0: 10.8258, 10: 4.0, 20: 3.28}
+    record, same, drift, short = (make_log(tmp_path / f"{n}.txt", curve(3.28)) for n in ("record", "same", "drift",
+                                                                                         "short"))
+    write_losses(record, train, val)
+    write_losses(same, train, val)
+    rc, out, _ = run_main(capsys, "diff", str(record), str(same))
+    assert rc == 0 and out.splitlines()[0] == "verdict: reproduced: all 23 logged losses equal (20 train, 3 val)"
+    # One ulp at step 4 and 0.25 at step 12: the first is where it starts, the second the largest.
+    write_losses(drift, {**train, 4: math.nextafter(train[4], 0), 12: train[12] + 0.25}, val)
+    rc, out, _ = run_main(capsys, "diff", str(record), str(drift))
+    assert rc == 0 and out.splitlines()[0] == (
+        f"verdict: not reproduced: first difference at step 4 (train loss {train[4]!r} vs "
+        f"{math.nextafter(train[4], 0)!r}), largest 0.25 (train loss, step 12)")
+    write_losses(short, {s: v for s, v in train.items() if s <= 10}, {s: v for s, v in val.items() if s <= 10})
+    rc, out, _ = run_main(capsys, "diff", str(record), str(short))
+    assert out.splitlines()[0] == "verdict: not reproduced: 11 logged loss(es) only in record (from step 11)"
+
+
+def test_show_keeps_the_hardware_column_narrow(tmp_path, capsys):
+    def cpu_log(name: str, cpu: str) -> Path:
+        log = make_log(tmp_path / f"{name}.txt", curve(3.28), gpus=0)
+        log.write_text(log.read_text().replace("world size 0", "world size 2").replace("config:", (
+            f"CPU run: {cpu}, 2 cores, 2 torch threads, vector ISA AVX512, native bf16 GEMM yes\nbf16 GEMM path: "
+            "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)\nconfig:")))
+        return log
+
+    logs = [cpu_log("epyc", "AMD EPYC"), cpu_log("long", "AMD EPYC 9R14 96-Core Processor"),
+            make_log(tmp_path / "gpu.txt", curve(3.28))]
+    rc, out, _ = run_main(capsys, "show", *map(str, logs))
+    rows = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert rc == 0 and rows["gpu"].endswith("  8x H100 80GB HBM3")
+    assert rows["epyc"].endswith("  AMD EPYC AVX512, native GEMM, W=2")
+    assert rows["long"].endswith("  AMD EPYC 9R14 96-Core Processor AVX51...")  # cut at 40 characters
+    assert max(map(len, out.splitlines())) <= 120
 
 
 # -----------------------------------------------------------------------------
@@ -378,20 +423,27 @@ def test_stats_warns_when_pooling_different_hardware(tmp_path, capsys):
 
 
 def no_code_log(tmp_path: Path) -> Path:
+    """A log whose separator has no code above it."""
     path = tmp_path / "nocode.txt"
-    path.write_text("\n".join(step_lines(curve(3.28), 20, 100.0, upstream=False)) + "\n")
+    path.write_text("\n".join([SEP, *step_lines(curve(3.28), 20, 100.0, upstream=False)]) + "\n")
     return path
 
 
-@pytest.mark.parametrize("case", ["missing", "not_a_log", "empty_folder", "diff_no_code", "plot_no_val"])
+@pytest.mark.parametrize("case", ["missing", "not_a_log", "readme", "separator_only", "empty_folder", "diff_no_code",
+                                  "plot_no_val"])
 def test_cli_bad_input(tmp_path: Path, case: str) -> None:
     good = make_log(tmp_path / "good.txt", curve(3.28))
     notes = tmp_path / "notes.txt"
     notes.write_text("some notes\nno step lines here\n")
+    readme = tmp_path / "README.md"  # the README quotes a run's last line
+    readme.write_text("# speedrun\n```\nstep:40/40 val_loss:7.4835 train_time:68508ms step_avg:1712.71ms\n```\n")
+    (tmp_path / "bare.txt").write_text(f"{SEP}\nno steps\n")
     (tmp_path / "empty").mkdir()
     args, message = {
         "missing": (["show", str(tmp_path / "nope.txt")], "no such file or directory"),
-        "not_a_log": (["show", str(notes)], "not a run log: found no 'step:S/T ...' lines (expected the script source"),
+        "not_a_log": (["show", str(notes)], "not a run log: no line of 100 '=' (expected the script source"),
+        "readme": (["diff", str(readme), str(good)], "README.md: not a run log: no line of 100 '='"),
+        "separator_only": (["stats", str(tmp_path / "bare.txt")], "found a line of 100 '=' but no 'step:S/T"),
         "empty_folder": (["stats", str(tmp_path / "empty")], "no run logs in this folder"),
         "diff_no_code": (["diff", str(good), str(no_code_log(tmp_path))], "no code snapshot (expected the script"),
         "plot_no_val": (["plot", str(make_log(tmp_path / "noval.txt", {})), "-o", str(tmp_path / "x.png")],
@@ -399,14 +451,24 @@ def test_cli_bad_input(tmp_path: Path, case: str) -> None:
     }[case]
     result = run_cli(*args)
     assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0]
-    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("error: ") and message in result.stderr.splitlines()[-1]
+    assert result.stdout == "" and "Traceback" not in result.stderr  # refused before printing anything
 
 
 def test_cli_help() -> None:
     result = run_cli("--help")
     assert result.returncode == 0 and all(c in result.stdout for c in ("show", "diff", "stats", "plot"))
+
+
+def test_stats_names_each_warning_once_and_the_files_of_a_folder_it_skips(tmp_path, capsys):
+    # Two recipes, each run on 8 and 4 GPUs: one hardware warning, not one per recipe.
+    for name, gpus, lr in (("a8", 8, 0.05), ("a4", 4, 0.05), ("b8", 8, 0.06), ("b4", 4, 0.06)):
+        make_log(tmp_path / "runs" / f"{name}.txt", curve(3.28), gpus=gpus, config=dict(CONFIG, muon_lr=lr))
+    (tmp_path / "runs" / "notes.txt").write_text("what we tried\n")
+    rc, out, err = run_main(capsys, "stats", str(tmp_path / "runs"))
+    assert rc == 0 and out.count("runs [muon_lr=") == 2
+    assert err.count("ran on different hardware") == 1
+    assert f"warning: skipped {tmp_path / 'runs' / 'notes.txt'}: not a run log" in err
 
 
 def test_log_without_code_still_shows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,7 +62,10 @@ def test_sampling_is_reproducible_and_greedy_is_top_1(checkpoint, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     ([], "does not exist (sample.py's CHECKPOINT argument takes a ckpt_<step> directory)"),
-    (["--tokens=0"], "--tokens must be >= 1"),
+    (["--tokens=0"], "--tokens must be >= 1, got 0"),
+    (["--temperature=nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--top_k=-1"], "--top_k must be >= 0, got -1"),
     (["--tokens=100000"], "this model takes at most 1024"),
 ])
 def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, flags, message):

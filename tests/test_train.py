@@ -137,8 +137,7 @@ def test_sigterm_writes_a_checkpoint_the_run_resumes_from_exactly(tmp_path):
             break
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143 and err.strip().splitlines()[-1] == "terminated" and "Traceback" not in err, err
-    stop = re.search(r"^terminated after step (\d+): checkpoint (\S+); resume with this run's command and "
-                     r"--resume=(\S+) ", out, re.M)
+    stop = re.search(r"^terminated after step (\d+): checkpoint (\S+); resume with: .* --resume=(\S+)$", out, re.M)
     assert stop and stop.group(2) == stop.group(3) and 2 <= int(stop.group(1)) < 12, out[-1500:]
     resumed = T.run(tiny_args(tmp_path, run_id="resumed", resume=stop.group(2), **fields))
     assert resumed.val_losses[-1] == full.val_losses[-1]  # (12, loss) bit for bit
@@ -159,8 +158,8 @@ def test_sigterm_writes_a_checkpoint_the_run_resumes_from_exactly(tmp_path):
     (["--fp8_head=true", "--vocab_size=50260"], {}, "the FP8 head needs --model_dim, --train_seq_len, --vocab_size "
                                                     "divisible by 16 (torch._scaled_mm), got --vocab_size=50260"),
     (["--num_heads=3"], {}, "--num_heads=3 x --head_dim=64 must equal --model_dim=128"),
-    (["--muon_lr=nan"], {}, "--muon_lr must be > 0, got nan"),
-    (["--muon_lr=-1"], {}, "--muon_lr must be > 0, got -1.0"),
+    (["--muon_lr=nan"], {}, "--muon_lr must be in (0, 10], got nan"),
+    (["--muon_lr=-1"], {}, "--muon_lr must be in (0, 10], got -1.0"),
     (["--adam_beta2=1.5"], {}, "--adam_beta2 must be in [0, 1), got 1.5"),
     (["--cooldown_frac=inf"], {}, "--cooldown_frac must be in [0, 1], got inf"),
     (["--lr=0.01"], {}, "unknown option --lr; did you mean --muon_lr or --embed_lr or --head_lr or --scalar_lr"),
@@ -175,23 +174,6 @@ def test_bad_input_stops_with_one_clear_line(tmp_path, monkeypatch, capsys, args
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
-
-
-def test_sizes_beyond_the_device_and_an_overflowing_lr_stop_in_one_line_and_free_the_run_id(tmp_path, monkeypatch,
-                                                                                          capsys):
-    # Refused before anything trains (sizes: before anything is allocated, from a meta-device build). The log of
-    # a run that recorded nothing is set aside as <run_id>.failed.txt, so a rerun with its run id is not refused.
-    for args, message in [(["--bigram_rows=10000000000"], "bigram.weight: 5,120.0 GB"),
-                          (["--vocab_size=2000000000"], "GB"),
-                          (["--muon_lr=1e200"], "reaches 1e+200 (lr 1e+200 x stage multiplier 1): its update "
-                                                "overflows fp32")]:
-        code, _, err = main_in_process(tiny_args(tmp_path, run_id="again") + args, monkeypatch, capsys)
-        lines = err.strip().splitlines()
-        assert code == 2 and lines[0].startswith("error: ") and message in lines[0] and "Traceback" not in err, err
-        assert lines[1:] == [f"(its log is kept as {tmp_path / 'logs' / 'again.failed.txt'}; the run id is free "
-                             f"for a rerun)"]
-        assert message in (tmp_path / "logs" / "again.failed.txt").read_text().splitlines()[-1]
-        assert not (tmp_path / "logs" / "again.txt").exists()
 
 
 @pytest.mark.slow

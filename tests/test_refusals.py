@@ -1,0 +1,127 @@
+"""What can be known at start-up is refused there: one `error:` line, exit code 2, and no file or folder written
+(no log set aside, no folder created, nothing outside --log_dir). Then the command line's own manners: argparse's
+two option forms, one value per flag, the signal handler's lifetime, the resume command an interrupt prints, and a
+signal during the final validation."""
+
+import dataclasses
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import train_gpt as T
+from conftest import REPO, SMALL, main_in_process, tiny_args
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model_dim=1048576", "--head_dim=524288"], "the model needs at least"),  # parameters beyond any memory
+    (["--vocab_size=100000000000"], "GB for its parameters, their gradients and tables"),
+    (["--bigram_rows=10000000000"], "bigram.weight: 5,120.0 GB"),
+    (["--vocab_size=1e11"], "--vocab_size expects int, got '1e11'"),
+    (["--muon_lr=1e30"], "--muon_lr must be in (0, 10], got 1e+30"),
+    (["--embed_wd_mul=1e300"], "--embed_wd_mul must be in [0, 1000], got 1e+300"),
+    (["--logit_shift=nan"], "--logit_shift must be in [-1000, 1000], got nan"),
+    (["--logit_shift=inf"], "--logit_shift must be in [-1000, 1000], got inf"),
+    (["--logit_temp=-inf"], "--logit_temp must be in (0, 1000], got -inf"),
+    (["--adam_eps=0"], "--adam_eps must be in (0, 1], got 0.0"),
+    (["--run_id=../escape"], "--run_id='../escape' names the run's files inside --log_dir: no '/'"),
+    (["--run_id=a/b"], "--run_id='a/b' names the run's files"),
+    (["--run_id=.."], "--run_id='..' names the run's files"),
+    (["--run_id=" + "r" * 201], "at most 200 characters"),
+    (["--train_files="], "--train_files is empty: give a glob of token shards, e.g. --train_files='data/sample/"),
+    (["--val_files= "], "--val_files is empty"),
+    (["--num_steps=3", "--num_steps", "4"], "--num_steps is given twice ('3' and '4'): give it once"),
+    (["--preset=tiny", "--preset", "tiny"], "--preset is given twice ('tiny' and 'tiny'): give it once"),
+    (["--log_every"], "--log_every needs a value: --log_every=VALUE"),
+    (["--seed", "--log_every=2"], "--seed needs a value: --seed=VALUE"),
+    (["--save_final", "maybe"], "unexpected argument 'maybe'"),
+])
+def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
+    work = tmp_path / "work"  # the run's folder: --log_dir is work/logs; ../escape would land in work/
+    work.mkdir()
+    monkeypatch.chdir(work)
+    given = {a[2:].split("=")[0] for a in args}  # these replace tiny_args' own
+    base = [a for a in tiny_args(work, run_id="r") if a[2:].split("=")[0] not in given]
+    code, out, err = main_in_process(base + args, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert out == "" and list(tmp_path.rglob("*")) == [work], list(tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(T.Config) if f.type in ("float", float)])
+def test_every_float_field_has_a_finite_range(name):
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(T.UsageError, match=f"--{name} must be "):
+            T.validate_config(dataclasses.replace(T.Config(), **{name: value}), 1)
+
+
+def test_options_read_as_argparse_reads_them():
+    spaced = T.parse_config(["--preset", "tiny", "--num_steps", "10", "--seed", "-1", "--save_final", "--compile",
+                             "false", "--fp8_head", "--logit_shift", "-2.5"])
+    joined = T.parse_config(["--preset=tiny", "--num_steps=10", "--seed=-1", "--save_final=true", "--compile=false",
+                             "--fp8_head=true", "--logit_shift=-2.5"])
+    assert spaced == joined and spaced.num_steps == 10 and spaced.seed == -1 and spaced.save_final
+    assert spaced.compile is False and spaced.fp8_head is True and spaced.logit_shift == -2.5
+
+
+def test_the_signal_handler_belongs_to_the_run_and_the_previous_one_comes_back(tmp_path, monkeypatch, capsys):
+    def mine(signum, frame):  # what the importing process (e.g. pytest) had installed
+        pass
+
+    seen = []
+    monkeypatch.setattr(T, "run", lambda argv: seen.append((signal.getsignal(signal.SIGINT),
+                                                            signal.getsignal(signal.SIGTERM))))
+    previous = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code, _, _ = main_in_process(tiny_args(tmp_path), monkeypatch, capsys)
+        assert code == 0 and seen == [(T.STOP, T.STOP)]
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+# One stage, Adam every step: a run that can stop and resume at any step (conftest's ONE_STAGE via tiny_args).
+FIELDS = dict(num_steps=8, val_every=0, **SMALL)
+
+
+def test_a_signal_during_the_final_validation_finishes_the_run_and_says_so(tmp_path, monkeypatch, capsys):
+    validate = T.validate
+
+    def sigterm_in_the_last(model, val, cfg, rt, log, windows, step, train_time_ms):
+        if step == cfg.num_steps:  # a SIGTERM arriving while the last validation runs (deferred: the loop's)
+            T.STOP(signal.SIGTERM, None)
+        return validate(model, val, cfg, rt, log, windows, step, train_time_ms)
+
+    monkeypatch.setattr(T, "validate", sigterm_in_the_last)
+    code, out, err = main_in_process(tiny_args(tmp_path, run_id="last", **FIELDS), monkeypatch, capsys)
+    assert code == 0 and "terminated: stopping at the next step boundary" in err, err
+    assert "terminated: the signal came during the last step, so the run finishes (summary written, exit code 0) " \
+           "rather than checkpointing" in out
+    assert json.loads((tmp_path / "logs" / "last.json").read_text())["steps"] == 8
+    assert not (tmp_path / "logs" / "last").exists()  # no checkpoint was promised in the end
+    assert T.STOP.received is None  # nor does the signal outlive its run
+
+
+@pytest.mark.slow
+def test_the_interrupt_prints_the_command_that_resumes_it_exactly(tmp_path):
+    full = T.run(tiny_args(tmp_path, run_id="full", **FIELDS))
+    args = [f"--{k} {v}" if k == "num_steps" else f"--{k}={v}" for k, v in
+            (a[2:].split("=", 1) for a in tiny_args(tmp_path, run_id="cut", **FIELDS))]  # the space form too
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *" ".join(args).split(" ")], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step:2/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    command = re.search(r"^interrupted after step \d+: checkpoint (\S+); resume with: (python .*)$", out, re.M)
+    assert command and "--run_id" not in command.group(2) and command.group(2).endswith(f"--resume={command[1]}")
+    resumed = subprocess.run(command.group(2), shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = re.search(r"^summary: (\S+)$", resumed.stdout, re.M).group(1)
+    assert json.loads((tmp_path / summary).read_text())["final_val_loss"] == full.val_losses[-1][1]  # bit for bit
