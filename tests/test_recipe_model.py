@@ -341,7 +341,7 @@ def test_flops_per_token_counts_the_recipes_shape():
     (["--paired_layers=3"], "--paired_layers='3' must list short-window"),
     (["--mtp_stages=1/x"], r"--mtp_stages expects 1-64 weights W/W/\.\.\. in \[0, 100\] per stage"),
     (["--mtp_stages=1/0.5,1", "--lr_stages=1,1.5,2"], "the staged fields must list the same number of stages"),
-    (["--fp8_w_scale=0"], "--fp8_w_scale must be in (0, 100]"),
+    (["--fp8_w_scale=0"], r"--fp8_w_scale must be in \(0, 100\]"),
 ])
 def test_bad_model_settings_are_refused_in_one_line(args, message):
     with pytest.raises(T.UsageError, match=message):

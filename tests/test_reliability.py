@@ -3,6 +3,7 @@ swapped checkpoint files, corpora of long documents, diverging runs, bad log fol
 failure a user met before it was fixed. (A full disk: test_checkpoint.py.)"""
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import train_gpt as T
 from conftest import REPO, SMALL, main_in_process, tiny_args
@@ -191,7 +193,17 @@ def test_the_data_check_counts_what_the_stream_serves(tmp_path, monkeypatch, cap
 
 
 def test_a_diverging_run_stops_at_the_next_logging_step_with_one_line(tmp_path, monkeypatch, capsys):
-    args = tiny_args(tmp_path, run_id="nan", num_steps=30, val_every=0, embed_lr=1e15, scalar_lr=1e15, **SMALL)
+    # The ranges refuse learning rates that would blow up (at most 10), so the scalars overflow by hand from the
+    # fifth step's update on: a divergence as the metrics see one.
+    adam_update, fp32_updates = T.adam_update_, itertools.count(1)
+
+    def overflowing(p, *args, **kwargs):
+        adam_update(p, *args, **kwargs)
+        if p.dtype == torch.float32 and next(fp32_updates) > 8:  # the scalars and the x0 lambdas: two a step
+            p.mul_(1e30).mul_(1e30)
+
+    monkeypatch.setattr(T, "adam_update_", overflowing)
+    args = tiny_args(tmp_path, run_id="nan", num_steps=30, val_every=0, **SMALL)
     code, out, err = main_in_process(args, monkeypatch, capsys)
     assert code == 2 and err.count("\n") == 1, err
     step = int(err.split(" at step ")[1].split(":")[0])

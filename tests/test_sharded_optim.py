@@ -72,10 +72,8 @@ def make_model(cfg: T.Config, variant: str) -> T.GPT:
     with torch.no_grad():  # break the zero inits so every parameter gets a gradient from step 1
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    if variant == "fp32":
-        model.embed.float()
-        model.value_embeds.float()
-        model.bigram.float()
+    if variant == "fp32":  # every parameter and table in fp32: the activations follow them
+        model.float()
     return model
 
 

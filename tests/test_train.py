@@ -258,9 +258,9 @@ def test_the_file_alone_trains_on_the_torch_path_and_refuses_the_kernels_it_lack
     alone = tmp_path / "alone"
     alone.mkdir()
     shutil.copy(REPO / "train_gpt.py", alone)
-    args = tiny_args(tmp_path, run_id="alone", num_steps=2, val_every=2, **SMALL)
-    run = subprocess.run([sys.executable, "train_gpt.py", *args], cwd=alone, capture_output=True, text=True,
-                         timeout=600)
+    args = tiny_args(tmp_path, num_steps=2, val_every=2, **SMALL)
+    run = subprocess.run([sys.executable, "train_gpt.py", *args, "--run_id=alone"], cwd=alone, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "fp8 head False" in (tmp_path / "logs" / "alone.txt").read_text()
     refused = subprocess.run([sys.executable, "train_gpt.py", *args, "--run_id=fp8", "--fp8_head=true"], cwd=alone,
