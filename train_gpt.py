@@ -27,6 +27,7 @@ import platform
 import queue
 import random
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -3108,8 +3109,6 @@ STOP = StopSignal()
 def resume_command(argv: list[str], folder: Path, world_size: int) -> str:
     """The command to paste to continue this run from a checkpoint: its own options without --run_id and --resume
     (the resumed run writes under a fresh id), then --resume=<folder>; torchrun's launch for several ranks."""
-    import shlex  # only for this line
-
     options = [f"--{k}={v}" for k, v in read_options(argv).items() if k not in ("run_id", "resume")]
     launch = ["python"] if world_size == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world_size}"]
     return shlex.join([*launch, os.path.relpath(__file__), *options, f"--resume={folder}"])

@@ -12,6 +12,14 @@ import train_gpt as T
 from conftest import SMALL, tiny_args
 
 
+def tiny_cfg(**overrides) -> T.Config:
+    cfg = T.parse_config(["--preset=tiny", "--device=cpu"])
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    T.resolve_for_device(cfg, cuda=False)
+    return cfg
+
+
 def test_bigram_rows_hash_the_reserved_row_at_position_one_with_int32_wraparound():
     torch.manual_seed(0)
     tokens = torch.randint(0, 50304, (4096,), dtype=torch.int32)
@@ -51,14 +59,6 @@ def test_an_adam_step_below_half_a_bf16_ulp_leaves_the_parameter_unchanged():
     T.adam_update_(p, torch.ones(1, 12).bfloat16(), torch.zeros(1, 12), torch.zeros(1, 12), 1, 8e-5, 0.9, 0.99,
                    1e-10)
     assert torch.equal(p, before)
-
-
-def tiny_cfg(**overrides) -> T.Config:
-    cfg = T.parse_config(["--preset=tiny", "--device=cpu"])
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    T.resolve_for_device(cfg, cuda=False)
-    return cfg
 
 
 def test_the_forward_reads_the_muon_masters_truncated_to_bf16_and_their_gradient_passes_through():
