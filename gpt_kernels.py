@@ -1,4 +1,5 @@
-"""The custom ops of train_gpt.py's model: the FP8 head's matmuls and record #70's Triton kernels.
+"""The custom ops of train_gpt.py's model: the FP8 head's matmuls, record #89's FP8 MLP and its weight quantizer,
+and the Triton kernels (#70's ReLU^2 GEMM, the softcapped cross-entropy with #89's numerics).
 
 Each is a torch.library op under torch.ops.speedrun with a fake kernel (what torch.compile traces) and an
 autograd rule; the torch path each one replaces stays in train_gpt.py's model as the reference. Importing this
@@ -48,8 +49,11 @@ def compiled_on_first_call(fn: Callable) -> Callable:
     """fn under torch.compile (fullgraph, dynamic shapes), built when first called: torch.compile imports dynamo,
     over a second of every process's start-up that a run without the FP8 head (a CPU run, --help) never needs.
     Dynamic shapes and tensor arguments only, so a run's staged lengths and a process's many tests share a graph
-    per device and autograd context, far below dynamo's recompile limit (a hard failure)."""
-    build = functools.cache(lambda: torch.compile(fn, dynamic=True, fullgraph=True))
+    per device and autograd context, far below dynamo's recompile limit (a hard failure). Every bf16 value is
+    rounded where eager rounds it (emulate_precision_casts): fused, Inductor would carry it on in fp32 (the FP8
+    MLP's post8 from an unrounded post)."""
+    build = functools.cache(lambda: torch.compile(fn, dynamic=True, fullgraph=True,
+                                                  options={"emulate_precision_casts": True}))
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
@@ -64,11 +68,10 @@ def _fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
     return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=x_s, scale_b=w_s)
 
 
-@compiled_on_first_call
-def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
-                      ) -> tuple[Tensor, Tensor]:
+def _fp8_grads_of_codes(g_f8: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
+                        ) -> tuple[Tensor, Tensor]:
     # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
-    g_f8 = _to_fp8(g, grad_s, torch.float8_e5m2)
+    # Both GEMMs accumulate exactly (fast accumulation off), as #51's and #89's backward do.
     x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
     w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
@@ -77,6 +80,15 @@ def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor,
     grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
                               scale_a=x_s, scale_b=grad_s).T
     return grad_x, grad_w
+
+
+@compiled_on_first_call
+def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
+                      ) -> tuple[Tensor, Tensor]:
+    return _fp8_grads_of_codes(_to_fp8(g, grad_s, torch.float8_e5m2), x, w, x_s, w_s, grad_s)
+
+
+_fp8_head_grads = compiled_on_first_call(_fp8_grads_of_codes)  # softcap_ce's kernel writes the e5m2 codes itself
 
 
 @torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
@@ -201,57 +213,106 @@ def _relu2_mm_grad(ctx, grad_out: Tensor) -> tuple:
 relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
 
 
-# Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75), for --fused_head: the logits are made
-# HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and, in place, its
-# gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
-# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does (validation, loss
-# only, too). u = cap sigmoid((z + shift) / temp) lies in [0, cap], so lse = cap + log sum exp(u - cap) needs no
-# running max.
+# Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75) with #89's numerics, for --fused_head: the
+# logits are made HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and
+# their gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
+# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does (validation, loss only,
+# too). #89's rounding: in training s = sigmoid((z + shift) / temp) is rounded to bf16 and u = cap s formed from
+# it; each row's gradient weighs the softmax by all K weights (S_w) even where t + k is past the end, while the loss
+# and the target term leave those k out (#89's tail quirk: the last K - 1 rows). Validation rounds u = cap s to the
+# logits' dtype (#89's compiled softcap: bf16). With FP8 scales the kernel writes the gradient as e5m2 codes of
+# dloss/dz / grad_s (nearest, saturating at +-57344: #89's cvt.rn.satfinite), which the head's FP8 backward GEMMs
+# take as they are.
 HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step (26 GB validating)
 
 
 @functools.cache
 def softcap_ce_launcher() -> Callable:
-    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    global tl, round_bf16, round_e5m2  # module globals, as Triton (its interpreter too) resolves a kernel's names there
     import triton
     import triton.language as tl
 
+    # Roundings by the bits, kept in fp32, so that the store's cast is exact: the GPU's casts round to nearest even,
+    # the interpreter's truncate (bf16) or round ties up and truncate subnormals (fp8). Finite x only.
     @triton.jit
-    def kernel(z_ptr, stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
-               V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
-        # One program per row t = row0 + r: the loss sum_k w_k (lse - u[y_(t+k)]) over the k with t + k < T, then
-        # dL/dz = (sum_k w_k softmax(u) - sum_k w_k onehot(y_(t+k))) * (cap / temp) s (1 - s), s = u / cap, over z.
+    def round_bf16(x):
+        b = x.to(tl.uint32, bitcast=True)
+        b += 0x7FFF + ((b >> 16) & 1)
+        return ((b >> 16) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def round_e5m2(x):
+        # 2 mantissa bits from 2^-14 up, saturating at 57344; below, multiples of 2^-16 (the fp32 ulp at 128)
+        a = tl.minimum(tl.abs(x), 57344.0)
+        b = a.to(tl.uint32, bitcast=True)
+        b += 0xFFFFF + ((b >> 21) & 1)
+        r = tl.where(a < 0.00006103515625, (a + 128.0) - 128.0, ((b >> 21) << 21).to(tl.float32, bitcast=True))
+        return tl.where(x < 0, -r, r)
+
+    @triton.jit
+    def kernel(z_ptr, z_stride, g_ptr, g_stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
+               grad_s, V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
+        # One program per row t = row0 + r, u its softcap (above): the loss sum_k w_k (lse - u[y_(t+k)]) over the k
+        # with t + k < T; GRAD: g = (S_w softmax(u) - sum_k w_k onehot(y_(t+k))) (cap / temp) s (1 - s) / grad_s in
+        # g_ptr's dtype, the sums' order #89's. u <= cap, so lse = cap + log sum exp(u - cap) needs no running max.
         # sigmoid and cdiv written out: tl's are jit functions, which the interpreter re-patches at every call.
         r = tl.program_id(0)
-        row = z_ptr + r.to(tl.int64) * stride
+        row = z_ptr + r.to(tl.int64) * z_stride
+        inv_temp = 1 / temp
+        bias = shift * inv_temp
         sums = tl.zeros((BLOCK_V,), dtype=tl.float32)
         for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
             cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
-            z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            sums += tl.where(cols < V, tl.exp(cap / (1 + tl.exp(-(z + shift) / temp)) - cap), 0.0)
+            s = 1 / (1 + tl.exp(-(tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_temp + bias)))
+            if GRAD:
+                u = cap * round_bf16(s)
+            else:
+                u = cap * s
+                if z_ptr.dtype.element_ty == tl.bfloat16:
+                    u = round_bf16(u)
+                elif z_ptr.dtype.element_ty == tl.float16:
+                    u = u.to(tl.float16).to(tl.float32)
+            sums += tl.where(cols < V, tl.exp(u - cap), 0.0)
         lse = cap + tl.log(tl.sum(sums, axis=0))
         ks = tl.arange(0, K)
         valid = row0 + r + ks < T
         ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
-        ws = tl.load(weights_ptr + ks, mask=valid, other=0.0)
-        z_y = tl.load(row + ys, mask=valid, other=0.0).to(tl.float32)
-        tl.store(loss_ptr + r, tl.sum(ws * (lse - cap / (1 + tl.exp(-(z_y + shift) / temp))), axis=0))
-        coef = tl.sum(ws, axis=0)
+        ws = tl.load(weights_ptr + ks)
+        s_y = 1 / (1 + tl.exp(-(tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) * inv_temp + bias)))
         if GRAD:
+            u_y = cap * round_bf16(s_y)
+        else:
+            u_y = cap * s_y
+            if z_ptr.dtype.element_ty == tl.bfloat16:
+                u_y = round_bf16(u_y)
+            elif z_ptr.dtype.element_ty == tl.float16:
+                u_y = u_y.to(tl.float16).to(tl.float32)
+        tl.store(loss_ptr + r, tl.sum(tl.where(valid, ws * (lse - u_y), 0.0), axis=0))
+        if GRAD:
+            coef = tl.sum(ws, axis=0)  # S_w
+            scale = cap * inv_temp * (1 / grad_s)
+            out = g_ptr + r.to(tl.int64) * g_stride
             for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
                 cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
-                a = (tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) + shift) / temp
-                s = 1 / (1 + tl.exp(-a))
+                a = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_temp + bias
+                s = round_bf16(1 / (1 + tl.exp(-a)))
                 picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
-                # 1 - s as sigmoid(-a) = 1 / (1 + exp(a)): no cancellation where the sigmoid saturates at cap
-                grad = (coef * tl.exp(cap * s - lse) - picked) * (cap / temp) * s / (1 + tl.exp(a))
-                tl.store(row + cols, grad.to(z_ptr.dtype.element_ty), mask=cols < V)
+                g = scale * (coef * tl.exp(cap * s - lse) - picked) * s * (1 - s)
+                if g_ptr.dtype.element_ty == tl.float8e5:
+                    g = round_e5m2(g)
+                elif g_ptr.dtype.element_ty == tl.bfloat16:
+                    g = round_bf16(g)
+                tl.store(out + cols, g.to(g_ptr.dtype.element_ty), mask=cols < V)
 
     def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
-               temp: float, grad: bool = True, block_v: int = 1024) -> None:
-        # weights: fp32, padded with zeros to a power of two (tl.arange's rule; softcap_ce pads them once)
-        kernel[(z.size(0),)](z, z.stride(0), targets, weights, losses, row0, targets.numel(), cap, shift, temp,
-                             V=z.size(1), K=weights.numel(), BLOCK_V=block_v, GRAD=grad)
+               temp: float, grad: Tensor | None = None, grad_s: float = 1.0, block_v: int = 1024) -> None:
+        """grad: where the gradient goes (z itself for the bf16 head; e5m2 codes for the FP8 one), None for the
+        loss alone (validation's rounding). weights: fp32, padded with zeros to a power of two (tl.arange's rule;
+        softcap_ce pads them once)."""
+        out = z if grad is None else grad
+        kernel[(z.size(0),)](z, z.stride(0), out, out.stride(0), targets, weights, losses, row0, targets.numel(), cap,
+                             shift, temp, grad_s, V=z.size(1), K=weights.numel(), BLOCK_V=block_v,
+                             GRAD=grad is not None)
 
     launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
     return launch
@@ -260,34 +321,38 @@ def softcap_ce_launcher() -> Callable:
 @torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
 def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
                scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u = cap sigmoid((x w^T +
-    shift) / temp), the terms past the end left out. scales: fp8_scales(), the head's GEMMs in FP8 as fp8_mm runs
-    them; [] runs them in x's dtype. with_grad=False (no autograd: validation) gives the loss alone, the
-    gradients empty."""
+    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u #89's softcap of x w^T
+    (above), the terms past the end left out; dloss/dx in x's dtype, dloss/dw in fp32 (#89's). scales: fp8_scales()
+    of loss scale 1 (grad_s sets the e5m2 codes' range; the loss scale reaches the gradients through autograd): the
+    head's GEMMs in FP8 as #89 runs them; [] runs them in x's dtype. with_grad=False (no autograd: validation)
+    gives the loss alone, with validation's rounding, the gradients empty."""
     if not with_grad:
-        grad_x, grad_w = x.new_empty(0), w.new_empty(0)
+        grad_x, grad_w = x.new_empty(0), w.new_empty(0, dtype=torch.float32)
     else:
         grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
     losses = torch.empty(x.size(0), dtype=torch.float32, device=x.device)  # per row, summed once at the end
     weights = F.pad(weights.float(), (0, max(2, 1 << (weights.numel() - 1).bit_length()) - weights.numel()))
     w_x = None if scales else w.type_as(x)  # the FP8 GEMMs cast w themselves
-    scales = _scales(scales, x)
+    grad_s = scales[2] if scales else 1.0
+    scale_tensors = _scales(scales, x)
     for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
         xc = x[row0: row0 + HEAD_CHUNK_ROWS]
-        z = _fp8_matmul(xc, w, *scales[:2]) if scales else xc @ w_x.T
-        softcap_ce_launcher()(z, targets, weights, losses[row0:], row0, cap, shift, temp, with_grad)  # z: dloss/dz
-        if not with_grad:
+        z = _fp8_matmul(xc, w, *scale_tensors[:2]) if scales else xc @ w_x.T
+        grad = None if not with_grad else torch.empty_like(z, dtype=torch.float8_e5m2) if scales else z
+        softcap_ce_launcher()(z, targets, weights, losses[row0:], row0, cap, shift, temp, grad, grad_s)
+        if grad is None:
             continue
-        gx, gw = _fp8_matmul_grads(z, xc, w, *scales) if scales else (z @ w_x, z.T @ xc)
+        gx, gw = _fp8_head_grads(grad, xc, w, *scale_tensors) if scales else (z @ w_x, z.T @ xc)
         grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
         grad_w += gw
-    return losses.sum(), grad_x, grad_w.to(w.dtype)
+    return losses.sum(), grad_x, grad_w
 
 
 @softcap_ce.register_fake
 def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
       scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    grads = (torch.empty_like(x), torch.empty_like(w)) if with_grad else (x.new_empty(0), w.new_empty(0))
+    grads = ((torch.empty_like(x), torch.empty_like(w, dtype=torch.float32)) if with_grad
+             else (x.new_empty(0), w.new_empty(0, dtype=torch.float32)))
     return x.new_empty((), dtype=torch.float32), *grads
 
 
@@ -296,8 +361,118 @@ def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
 
 
 def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
+    # grad_w stays fp32 through the loss scale; autograd rounds it once, to w's dtype
     grad_x, grad_w = ctx.saved_tensors
     return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None, None
 
 
 softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
+
+
+# FP8 MLP (#84's up-projection, #89's down-projection), training only: relu(x W_fc^T)^2 W_proj with both GEMMs in
+# float8_e4m3 (spec 4.8.2-4.8.3) and the backward in bf16 from the bf16 weights, x, pre and post ("straight-through",
+# 4.8.4), as #89's FusedLinearReLUSquareFunction. The weights' codes and scales come from quantize_mlp_weights_ once
+# per optimizer step; x's scale is its current amax, post's a delayed one (the caller's, from the post_amax this op
+# returned in the previous training forward). The bodies are torch, compiled on first call like the FP8 head's.
+@compiled_on_first_call
+def _mlp_fp8_forward(x: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor, down_scale: Tensor,
+                     act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    amax = x.abs().amax().clamp(min=1e-12).float()  # clamped in x's dtype, as #89's eager-written graph
+    x8 = (x.float() * (FP8_MAX_E4M3 / amax)).to(torch.float8_e4m3fn)
+    dequant = up_scale * amax / FP8_MAX_E4M3  # #89's buffer: s_up, times amax, over 448, fp32
+    # pre = bf16(dequant x the fast-accumulated dot) (Triton's fp8 default on sm90): one fp32 multiply, one rounding.
+    # cuBLAS scales the fp32 accumulator so; torch's CPU _scaled_mm scales the operands first, so there the
+    # accumulator comes out in fp32 and is scaled here.
+    one = torch.ones_like(dequant)
+    if x.is_cuda:
+        pre = torch._scaled_mm(x8, w8_fc.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=dequant,
+                               scale_b=one)
+    else:
+        pre = (torch._scaled_mm(x8, w8_fc.T, out_dtype=torch.float32, scale_a=one, scale_b=one) * dequant).bfloat16()
+    post = torch.relu(pre).square()
+    post8 = (post.float() * (1 / act_scale)).clamp(max=FP8_MAX_E4M3).to(torch.float8_e4m3fn)  # post >= 0
+    out = torch._scaled_mm(post8, w8_proj_t.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=act_scale,
+                           scale_b=down_scale)
+    return out, post.amax().float(), pre, post
+
+
+@compiled_on_first_call
+def _mlp_grads(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    d_pre = 2 * (g @ w_proj.T) * torch.relu(pre)  # bf16: 2h is exact, the product rounds once (#89's epilogue)
+    return d_pre @ w_fc, d_pre.T @ x, post.T @ g
+
+
+@torch.library.custom_op("speedrun::mlp_fp8_forward", mutates_args=())
+def mlp_fp8_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
+                    down_scale: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mlp_fp8's (out, post_amax) and the bf16 pre and post (M, hidden) its backward keeps, as #89 keeps them."""
+    return _mlp_fp8_forward(x, w8_fc, up_scale, w8_proj_t, down_scale, act_scale)
+
+
+@mlp_fp8_forward.register_fake
+def _(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
+      down_scale: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    hidden = x.new_empty(x.size(0), w_fc.size(0), dtype=torch.bfloat16)
+    return (x.new_empty(x.size(0), w_proj.size(1), dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32),
+            hidden, torch.empty_like(hidden))
+
+
+def _mlp_fp8_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs[:3], *output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+@torch.library.custom_op("speedrun::mlp_fp8_backward", mutates_args=())
+def mlp_fp8_backward(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of mlp_fp8 (grad_x, grad_w_fc, grad_w_proj), bf16: dpre = bf16(2 bf16(g W_proj^T) relu(pre)),
+    dpre W_fc, dpre^T x, post^T g. An op of its own, as fp8_mm_backward: a compiled caller traces it opaque."""
+    return _mlp_grads(g, x, w_fc, w_proj, pre, post)
+
+
+@mlp_fp8_backward.register_fake
+def _(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
+
+
+def _mlp_fp8_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
+    return *torch.ops.speedrun.mlp_fp8_backward(grad_out, *ctx.saved_tensors), None, None, None, None, None
+
+
+mlp_fp8_forward.register_autograd(_mlp_fp8_grad, setup_context=_mlp_fp8_setup)
+
+torch.library.define("speedrun::mlp_fp8", "(Tensor x, Tensor w_fc, Tensor w_proj, Tensor w8_fc, Tensor up_scale, "
+                     "Tensor w8_proj_t, Tensor down_scale, Tensor act_scale) -> (Tensor, Tensor)")
+
+
+@torch.library.impl("speedrun::mlp_fp8", "CompositeImplicitAutograd")
+def mlp_fp8(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
+            down_scale: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, post_amax): relu(x W_fc^T)^2 W_proj in FP8 for x (M, d) bf16, w_fc and w_proj (hidden, d) bf16 (the
+    gradients' operands), w8_fc (hidden, d) and w8_proj_t (d, hidden) their e4m3 codes with their 0-d fp32 scales
+    up_scale and down_scale (quantize_mlp_weights_'s up_scales[l], used_scales[l]), act_scale post's delayed
+    scale; post_amax = max(post), fp32 0-d, for the next step's act_scale. Gradients reach x, w_fc and w_proj.
+    Composite: it is mlp_fp8_forward, whose extra outputs (pre, post) autograd keeps for the backward."""
+    return tuple(torch.ops.speedrun.mlp_fp8_forward(x, w_fc, w_proj, w8_fc, up_scale, w8_proj_t, down_scale,
+                                                    act_scale)[:2])
+
+
+def quantize_mlp_weights_(bank: Tensor, w8_fc: Tensor, up_scales: Tensor, w8_proj_t: Tensor, used_scales: Tensor,
+                          next_scales: Tensor, bootstrap: bool, headroom: float = 1.12) -> None:
+    """#89's quantize_mlp_fp8 (spec 4.8.1), after every optimizer step, in place and without a host sync. bank (L,
+    2, hidden, d) bf16: [W_fc, W_proj] per layer. Up, current scaling: up_scales = bf16(bf16(amax) / 448) (bf16
+    ops), w8_fc = e4m3(bf16(W_fc / s)). Down, delayed: bootstrap sets next_scales as the up scale; w8_proj_t (L, d,
+    hidden) = e4m3(clamp(W_proj / next, +-448)) transposed (fp32 quotient); used_scales := next_scales; next_scales
+    := max(amax, 1e-12) headroom / 448 in fp32, for the next call (a weight grown past it saturates)."""
+    with torch.no_grad():
+        w_fc, w_proj = bank[:, 0], bank[:, 1]
+        up = w_fc.flatten(1).abs().amax(1).clamp(min=1e-12) / FP8_MAX_E4M3
+        up_scales.copy_(up)
+        w8_fc.copy_((w_fc / up[:, None, None]).to(torch.float8_e4m3fn))
+        amax = w_proj.flatten(1).abs().amax(1)
+        if bootstrap:
+            next_scales.copy_(amax.clamp(min=1e-12) / FP8_MAX_E4M3)
+        w8_proj_t.copy_(_to_fp8(w_proj, next_scales[:, None, None], torch.float8_e4m3fn).transpose(1, 2))
+        used_scales.copy_(next_scales)
+        next_scales.copy_(amax.float().clamp(min=1e-12) * (headroom / FP8_MAX_E4M3))

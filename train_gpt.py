@@ -1,4 +1,4 @@
-"""Speedrun GPT trainer: record #70 of the NanoGPT speedrun in one file, the recipe first, then the plumbing.
+"""Speedrun GPT trainer: record #89 of the NanoGPT speedrun in one file, the recipe first, then the plumbing.
 
 The FP8 head's ops and the Triton kernels live beside it in gpt_kernels.py (without it: the torch path).
 Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or
@@ -66,9 +66,10 @@ class UsageError(Exception):
 
 # -----------------------------------------------------------------------------
 # Hyperparameters
-# Record #70 (2026-02-03_VeTuned) on 8xH100, FlexAttention in place of FA3. One dataclass holds every number a
+# Record #89 (2026-07-17_FP8DownProjection) on 8xH100, FlexAttention in place of FA3. One dataclass holds every number a
 # user tunes and every systems switch, each overridable as --field=value; a recipe change is an edit here and
-# in the model. Earlier recipes run from their snapshots under records/ (#28: records/2026-11-25_record28/).
+# in the model. Earlier recipes run from their snapshots under records/ (#28: records/2026-11-25_record28/, #70:
+# records/2026-11-26_record70/).
 
 @dataclass
 class Config:
@@ -90,9 +91,12 @@ class Config:
     attn_pattern: str = "SSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
     paired_layers: str = "0,2,5,9"  # short-window layers whose heads j, j + H/2 attend as pairs (#58); "": none
     value_embeds: str = "-01-----234"  # per layer: the value-embedding table (0-9) its values add, - none (#63)
-    skip: str = "3:6"  # A:B: block A's output joins block B's input under a gate (#45/#55)
-    backout_layer: int = 7  # before the head, subtract lambda (init 0.5) x this layer's output (#40)
-    bigram_rows: int = 5 * 50304  # rows of the bigram hash embedding added at every block (#62)
+    skip: str = "3:6"  # A:B: layer A's output joins attention-less layer B under a gate (#45/#55)
+    attn_input_layer: int = 7  # later layers attend over this layer's normed output (#77); the MUDD mixes read it
+    bigram_rows: int = 15 * 50304  # rows of the bigram hash embedding added at every layer (#62)
+    bigram_dim: int = 192  # its width: it adds to the residual's first bigram_dim channels (#83)
+    bigram_sign_rows: int = 8192  # rows of the +-1 table its rows are multiplied by, per token pair (#83)
+    mudd_dim: int = 64  # hidden width of the two MUDD coefficient MLPs (#81/#85)
     attn_scale: float = 0.1  # attention logit scale (in place of 1/sqrt(head_dim))
     gate_channels: int = 12  # leading channels of the attention input that drive the head and VE gates
     logit_cap: float = 23.0  # logits are logit_cap * sigmoid((z + logit_shift) / logit_temp) (#54)
@@ -103,21 +107,21 @@ class Config:
     muon_lr: float = 0.023  # Muon (block matrices), Polar Express orthogonalization (#38)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # ... after muon_momentum_warmup_steps
-    normuon_beta2: float = 0.95  # NorMuon (#41): decay of the per-row (W_o: per-column) second moment of the update
-    mlp_up_lr_mul: float = 2.0  # Muon lr multiplier of the MLPs' c_fc (#42/#48)
-    mlp_down_lr_mul: float = 4.0  # ... of their c_proj (#48)
+    normuon_beta2: float = 0.9  # NorMuon (#41): decay of the per-row (wide: per-column) second moment of the update
+    mlp_down_lr_mul: float = 2.0  # Muon lr multiplier of W_proj over W_fc's (both x2 for their 4:1 shape) (#48)
     muon_wd: float = 1.2  # cautious weight decay (#43): wd*lr*(lr*lr_mul) where update and weight agree in sign
     embed_lr: float = 0.6  # Adam: value embeddings and the bigram table
     head_lr: float = 0.008  # Adam: LM head, and the embedding (tied to it, then its own)
-    scalar_lr: float = 0.04  # Adam: the scalar vector (skip, mixing, lambdas) and the x0 lambdas
+    scalar_lr: float = 0.04  # Adam: the scalar vector (attention lambdas, smear, skip) and the residual lambdas
+    lambda_lr: float = 0.008  # Adam: the post, x0 and bigram lambdas and the XSA strengths, with lambda_betas
+    mudd_lr: float = 0.002  # Adam: the MUDD MLPs (#81), with the scalars' betas
     gate_lr: float = 0.008  # Adam: the attention and VE gates, with the scalars' betas
     skip_gate_lr: float = 4e-4  # Adam: the skip's input gate (#55: 0.008 x 0.05), with the scalars' betas
     smear_gate_lr: float = 8e-5  # Adam: the smear's gate (#52: 0.008 x 0.01), with the scalars' betas
     adam_beta1: float = 0.75  # Adam's first-moment decay (value embeddings, bigram table)
     adam_beta2: float = 0.95  # Adam's second-moment decay
     head_beta1: float = 0.5  # ... beta1 of the LM head and the embedding
-    x0_beta1: float = 0.65  # ... of the x0 lambdas (the b of x <- a x + b x0)
-    scalar_beta1: float = 0.9  # ... of the scalar vector and the gates (#52)
+    scalar_beta1: float = 0.9  # ... of the scalar vector, the gates, MUDD and the per-layer lambdas (#52)
     scalar_beta2: float = 0.99  # ... and their beta2
     adam_eps: float = 1e-10  # Adam's epsilon (added to the raw sqrt(v))
     adam_wd: float = 0.005  # cautious weight decay for Adam (#50): (lr)^2*adam_wd*wd_mul where step and weight agree
@@ -125,18 +129,18 @@ class Config:
     value_embed_wd_mul: float = 5.0  # ... of the value embeddings and the bigram table
     head_wd_mul: float = 150.0  # ... of the LM head
     adam_every: int = 2  # Adam steps every N steps, on the gradients summed since its last step (#39)
-    grad_scale: float = 2.0  # gradients are this x the mean over the step's sequences (#70: 2 / its grad_accum_steps)
+    grad_scale: float = 1.0  # gradients are this x the mean over the step's sequences (#89: 1 / its grad_accum_steps)
     # schedule
-    num_steps: int = 1547  # optimizer steps: the scheduled ones, then the extension
-    extension_steps: int = 40  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46)
-    cooldown_frac: float = 0.55  # of the scheduled steps: lr falls linearly from the stage's to final_lr_frac
-    final_lr_frac: float = 0.1  # lr multiplier at the end of the cooldown
+    num_steps: int = 1390  # optimizer steps: the scheduled ones, then the extension
+    extension_steps: int = 10  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46)
+    cooldown_frac: float = 0.6  # of the scheduled steps: lr falls linearly from the stage's to final_lr_frac
+    final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
     window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows (blocks) per stage, then the extension's
     seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
     lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
-    doc_len_stages: str = "2048,2048,2048"  # "D,...": documents cut to D tokens per stage (#29)
+    doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
     mtp_stages: str = "1/0.5/0.25,1/0.5,1"  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0
     final_val_windows: str = "6/20"  # "S/L": the last validation's windows in blocks (#35, #62)
     untie_stage: int = 2  # the embedding, a lookup into the head until then, unties after this stage's first Adam step
@@ -144,11 +148,15 @@ class Config:
     device: str = "auto"  # auto | cuda | cpu
     compile: bool | None = None  # torch.compile the model and the orthogonalization; auto: on for CUDA, off for CPU
     fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
+    fp8_mlp: bool | None = None  # FP8 MLP matmuls in training (#84, #89); auto: on for CUDA (DISABLE_FP8=1: off)
     relu2_kernel: bool | None = None  # MLP up-projection + ReLU^2 in one Triton kernel (#59); auto: on for CUDA
     fused_head: bool | None = None  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
     fp8_x_scale: float = 100 / 448  # the FP8 head's input scale (value = fp8 x scale) (#51)
     fp8_w_scale: float = 1.6 / 448  # ... of its weight (#55)
     fp8_grad_scale: float = 0.75 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51)
+    fp8_down_w_headroom: float = 1.12  # the MLP down-projection's weight scale: last step's amax x this / 448 (#89)
+    fp8_down_act_headroom: float = 1.8  # ... its input's scale: the last training forward's amax x this / 448
+    fp8_down_exact_steps: int = 16  # the weight scale is the current amax (no headroom) after the first N steps
     prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, main thread
     bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
     comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
@@ -177,30 +185,35 @@ PRESETS: dict[str, dict[str, object]] = {
     "tiny": dict(
         seed=1337, train_files="data/sample/sample_train_*.bin", val_files="data/sample/sample_val_*.bin",
         train_seq_len=512, val_seq_len=1024, val_tokens=16384,
-        num_layers=4, model_dim=128, num_heads=2, head_dim=64, attn_pattern="LS-L", paired_layers="1",
-        value_embeds="0--1", skip="0:2", backout_layer=2, bigram_rows=2 * 50304, gate_channels=8, block_size=128,
+        num_layers=5, model_dim=128, num_heads=2, head_dim=64, attn_pattern="SL-SL", paired_layers="0",
+        value_embeds="0--12", skip="1:2", attn_input_layer=3, bigram_rows=2 * 50304, bigram_dim=32, mudd_dim=16,
+        block_size=128,
         num_steps=40, extension_steps=2, muon_momentum_warmup_steps=10, muon_momentum_cooldown_steps=5,
-        window_stages="0/1,1/2,1/3,1/3", seq_len_stages="256,384,512", final_val_windows="1/4",
+        window_stages="0/1,1/2,1/3,2/4", seq_len_stages="256,384,512", doc_len_stages="224,512,512",
+        final_val_windows="2/6",
         val_every=20, warmup_steps=2,
     ),
 }
 
 # -----------------------------------------------------------------------------
 # Model
-# Record #70's GPT: token, value and bigram embeddings, one gated skip, per-block mixing with x0, QK-norm,
-# half-truncated RoPE with YaRN, head gates, paired-head and key-offset attention, ReLU^2 MLP, backout,
-# soft-capped logits. One mask rule (FA3's token windows within documents), two kernels: FlexAttention block
-# masks on CUDA, a dense SDPA mask on CPU (FlexAttention has no CPU backward). The windows come in as a tensor.
+# Record #89's GPT: token, value and bigram embeddings, one gated skip, per-sublayer residual lambdas and x0 and
+# bigram injections, QK-norm, half-truncated RoPE with YaRN, head gates, paired-head, key-offset and XSA attention,
+# later layers attending over one saved layer's output, MUDD mixes, ReLU^2 MLP (FP8 in training), soft-capped
+# multi-token loss. One mask rule (FA3's token windows within documents), two kernels: FlexAttention block masks on
+# CUDA, a dense SDPA mask on CPU (FlexAttention has no CPU backward). The windows come in as a tensor.
 
 BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
 YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
 
+RMS_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm adds for bf16 and fp32 inputs (a float64 copy: the same)
+
 def norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))
+    return F.rms_norm(x, (x.size(-1),), eps=RMS_EPS)
 
 def weight_as(master: Tensor, x: Tensor) -> Tensor:
-    """A Muon matrix as the activations x read it. In bf16 it is #70's bf16 + 16-bit mantissa storage seen as bf16:
+    """A Muon matrix as the activations x read it. In bf16 it is #89's bf16 + 16-bit mantissa storage seen as bf16:
     the fp32 master's upper 16 bits, i.e. truncated toward zero, not rounded; the gradient passes straight through
     to the master. (A float copy of the model, as tests make, reads the master itself.)"""
     if x.dtype != torch.bfloat16:
@@ -209,17 +222,21 @@ def weight_as(master: Tensor, x: Tensor) -> Tensor:
     return (master + (upper - master.detach())).bfloat16()
 
 def init_matrix_(w: Tensor, bound: float) -> None:
-    """U(-bound, bound) rounded to bf16, as #70 draws its banks in fp32 and stores them in bf16 with zero mantissas."""
+    """U(-bound, bound) rounded to bf16, as #89 draws its banks in fp32 and stores them in bf16 with zero mantissas."""
     with torch.no_grad():
         w.copy_(w.uniform_(-bound, bound).bfloat16())
 
 def bigram_index(input_seq: Tensor, rows: int) -> Tensor:
     """Each position's row of the bigram table: ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1) in int32 (#62), the
-    last row at position 0. #70 writes that row's index into x_0 before hashing: position 1 hashes it, not x_0, and
+    last row at position 0. #89 writes that row's index into x_0 before hashing: position 1 hashes it, not x_0, and
     its product wraps around int32 (emulated in int64: inductor's integers must not overflow)."""
     x = torch.cat([input_seq.new_full((1,), rows - 1), input_seq[1:]]).long()
     cur, prev = ((mul * t + 2**31) % 2**32 - 2**31 for mul, t in zip(BIGRAM_MUL, (x[1:], x[:-1])))
     return torch.cat([x[:1], (cur ^ prev) % (rows - 1)])
+
+def sign_index(input_seq: Tensor, rows: int) -> Tensor:
+    """Each position's row of the bigram sign table (#83): (x_(t-1) xor x_t) mod rows; row 0 at position 0."""
+    return torch.cat([input_seq.new_zeros(1), (input_seq[:-1] ^ input_seq[1:]) % rows])
 
 def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
     """Causal, and no key before first_key[q]: the later of q's document start and its window's reach (FA3's)."""
@@ -278,8 +295,8 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
 class Rotary(nn.Module):
-    """Half-truncated RoPE in #70's layout: dim pairs (2i, 2i + 1) of a head's first half turn at frequencies
-    1 .. 1/1024, its second half never. bf16 tables from fp32 angles, as #70's; YaRN rewrites them in place."""
+    """Half-truncated RoPE in #89's layout: dim pairs (2i, 2i + 1) of a head's first half turn at frequencies
+    1 .. 1/1024, its second half never. bf16 tables from fp32 angles, as #89's; YaRN rewrites them in place."""
 
     def __init__(self, head_dim: int, max_len: int):
         super().__init__()
@@ -292,7 +309,7 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def set_frequencies(self, freqs: Tensor) -> None:
-        # Built where the tables live, with #70's fp32 ops: a GPU run's tables are #70's, bit for bit.
+        # Built where the tables live, with #89's fp32 ops: a GPU run's tables are #89's, bit for bit.
         positions = torch.arange(self.cos.size(0), dtype=torch.float32, device=self.cos.device)
         theta = torch.outer(positions, freqs.to(self.cos.device, torch.float32))
         self.cos.copy_(theta.cos())
@@ -300,7 +317,7 @@ class Rotary(nn.Module):
         self.sin[:, 1::2] *= -1
 
     def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
-        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #70 does."""
+        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #89 does."""
         T = x.size(-3)
         if paired:  # heads as (H/2, 2): the parity broadcasts over rows 2t and 2t + 1 of the table, no copy
             cos, sin = (t[: 2 * T].view(1, T, 1, 2, -1) for t in (self.cos, self.sin))
@@ -308,113 +325,84 @@ class Rotary(nn.Module):
         else:
             cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
-        y = (x.float() * cos + swapped.float() * sin).type_as(x)  # one rounding, as #70's compiled kernel
+        y = (x.float() * cos + swapped.float() * sin).type_as(x)  # one rounding, as #89's compiled kernel
         return y.flatten(-3, -2) if paired else y
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable = flex_attention):
-        super().__init__()
-        self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
-        # "long" or "short": which of the step's two windows this layer attends within
-        self.window = {"L": "long", "S": "short"}[cfg.attn_pattern[layer]]
-        self.flex = flex  # flex_attention, or a compiled copy when the model itself is not compiled
-        # Paired heads (#58, #70's layout): head j and head j + H/2 attend as one over 2T positions (t: 2t, 2t+1).
-        self.paired = layer in paired_layers(cfg)
-        self.key_offset = self.window == "long"  # #49: the long layers' keys
-        hdim = cfg.num_heads * cfg.head_dim
-        # q, k, v, o in one (4, hdim, dim) tensor; Muon orthogonalizes the four separately. o is stored
-        # transposed (applied as y @ W_o) so the four share one shape; Muon treats W and W^T alike.
-        self.qkvo_w = nn.Parameter(torch.empty(4, hdim, cfg.model_dim))
-        init_matrix_(self.qkvo_w, math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim))
-        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels, dtype=torch.bfloat16))
-        # Per head, 2 sigmoid(W [x, ve]) on the value embedding, 1 at init (#55, #70's input); paired-head layers
-        # read x alone (x[:gate_channels]).
-        has_ve = cfg.value_embeds[layer] != "-"
-        self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels, dtype=torch.bfloat16)
-                                      ) if has_ve else None
-        self.rotary = rotary_for(self.paired)  # shared by the layers of its length
-        # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
-        self.register_buffer("q_gain", torch.ones(()), persistent=False)
+MUDD_SCALE = 0.1  # the MUDD MLPs' outputs times this are the coefficients; their biases are stored divided by it
+MUDD_COEFS = (14, 5)  # block 0 (at the last layer's input) and block 1 (after the last layer): their coefficients
 
-    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask: BlockMask | Tensor) -> Tensor:
-        """lambdas: (lambda_qkv, lambda_o), folded into W_qkv and W_o (#47/#48)."""
-        T, H, D = x.size(1), self.num_heads, self.head_dim
-        qkv = F.linear(x, lambdas[0] * weight_as(self.qkvo_w[:3].flatten(0, 1), x))
-        q, k, v = qkv.view(1, T, 3 * H, D).chunk(3, dim=-2)
-        q, k = norm(q), norm(k)
-        if ve is not None:
-            half = self.ve_gate_w.size(1) // 2
-            gate_in = x[..., : 2 * half] if self.paired else torch.cat([x[..., :half], ve[None, :, :half].type_as(x)],
-                                                                      dim=-1)
-            v = v + 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_w))[..., None] * ve.view_as(v)
-        q, k = self.rotary(q, self.paired) * self.q_gain, self.rotary(k, self.paired)
-        if self.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
-            q, k, v = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
-        if self.key_offset:  # the un-rotated dims of each key from the previous position (#49; across documents)
-            k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if isinstance(mask, BlockMask):
-            y = self.flex(q, k, v, block_mask=mask, scale=self.scale)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        y = y.transpose(1, 2)
-        if self.paired:  # back to (1, T, H, D)
-            y = y.reshape(1, T, H, D)
-        gate = torch.sigmoid(F.linear(x[..., : self.gate_w.size(1)], self.gate_w))
-        y = y * gate.unsqueeze(-1)
-        return F.linear(y.flatten(-2), (lambdas[1] * weight_as(self.qkvo_w[3], y)).T)
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer does, read off the config once (#89: layers 0-10 of "SSSLSS-SSSL")."""
+    attn: int | None  # its index among the attention layers (its rows of the banks); None: the skip lands here
+    window: str  # "long" or "short": which of the step's two windows it attends within
+    paired: bool  # heads j and j + H/2 attend as one over 2T positions (#58)
+    xsa: bool  # an unpaired attention layer: subtracts a learned share of its output along v (#82)
+    ve_table: int | None  # the value-embedding table its values add (#63)
+    ve_gate: int | None  # its VE gate's row of ve_gate_bank (the last layer's row goes unused: MUDD gates it)
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.fused = cfg.relu2_kernel
-        hidden = cfg.mlp_ratio * cfg.model_dim
-        # Both stored (dim, hidden) so they share a Muon shape group.
-        self.c_fc = nn.Parameter(torch.empty(cfg.model_dim, hidden))
-        self.c_proj = nn.Parameter(torch.zeros(cfg.model_dim, hidden))
-        init_matrix_(self.c_fc, math.sqrt(3) * 0.5 / math.sqrt(cfg.model_dim))
+def layer_plans(cfg: Config) -> list[LayerPlan]:
+    paired, tables = paired_layers(cfg), [None if c == "-" else int(c) for c in cfg.value_embeds]
+    plans: list[LayerPlan] = []
+    for i, kind in enumerate(cfg.attn_pattern):
+        attn = sum(k != "-" for k in cfg.attn_pattern[:i]) if kind != "-" else None
+        gate = sum(t is not None for t in tables[:i]) if tables[i] is not None else None
+        plans.append(LayerPlan(attn, {"L": "long", "S": "short"}.get(kind, ""), i in paired,
+                               attn is not None and i not in paired, tables[i], gate))
+    return plans
 
-    def forward(self, x: Tensor) -> Tensor:
-        c_fc = weight_as(self.c_fc, x)
-        if self.fused:
-            h = torch.ops.speedrun.relu2_mm(x.flatten(0, -2), c_fc).view(*x.shape[:-1], -1)
-        else:
-            h = F.relu(x @ c_fc).square()
-        return F.linear(h, weight_as(self.c_proj, h))
+def mudd_bias_init(cfg: Config) -> Tensor:
+    """The MUDD biases (stored / MUDD_SCALE): at init the last layer's mixes are the other layers' defaults (VE gate 2,
+    residual sqrt(1.1), output 1, bigram 0.05) and the final mix is #40's backout, -0.5 x the attention input layer."""
+    b = torch.zeros(2, max(MUDD_COEFS))
+    for k, value in {6: 2.0, 7: 2.0, 8: 1.1**0.5, 9: 1.0, 11: 0.05, 12: 1.1**0.5, 13: 1.0}.items():
+        b[0, k] = value / MUDD_SCALE
+    b[1, 1] = -0.5 / MUDD_SCALE
+    return b.bfloat16()
 
-class Block(nn.Module):
-    def __init__(self, cfg: Config, layer: int, rotary_for: Callable[[bool], Rotary], flex: Callable):
-        super().__init__()
-        self.attn = CausalSelfAttention(cfg, layer, rotary_for, flex) if cfg.attn_pattern[layer] != "-" else None
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mix: tuple[Tensor, Tensor], sa_lambdas: Tensor,
-                masks: dict[str, BlockMask | Tensor], bigram: Tensor) -> Tensor:
-        x = mix[0] * x + mix[1] * x0 + bigram
-        if self.attn is not None:
-            x = x + self.attn(norm(x), ve, sa_lambdas, masks["paired" if self.attn.paired else self.attn.window])
-        return x + self.mlp(norm(x))
-
-def train_loss_scale(cfg: Config) -> float:
-    """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then
-    grad_scale x the mean over the step's sequences at every world size."""
-    return cfg.grad_scale / cfg.global_batch_seqs
+def with_bigram(x: Tensor, bigram: Tensor) -> Tensor:
+    """x with bigram added to its first bigram_dim channels (#83)."""
+    return torch.cat([x[..., : bigram.size(-1)] + bigram, x[..., bigram.size(-1):]], dim=-1)
 
 def softcap(logits: Tensor, cfg: Config) -> Tensor:
     """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
     return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
-def multi_token_loss(logits: Tensor, targets: Tensor, mtp: Tensor | None) -> Tensor:
-    """Multi-token cross-entropy (#53): sum_k mtp[k] * sum_t CE(z_t, y_(t+k)), terms past the end left out, across
-    documents as upstream; one logsumexp per position. mtp None: the next token's alone."""
-    if mtp is None:
-        return F.cross_entropy(logits, targets, reduction="sum")
-    lse, T = torch.logsumexp(logits, dim=-1), targets.size(0)
-    loss = logits.new_zeros(())
-    for k in range(mtp.size(0)):
-        picked = logits[: T - k].gather(1, targets[k:, None]).squeeze(1)
-        loss = loss + mtp[k] * (lse[: T - k] - picked).sum()
-    return loss
+class SoftcappedMTPLoss(torch.autograd.Function):
+    """#89's loss in torch, as its fused kernel computes it (gpt_kernels' softcap_ce on the GPU): per position t,
+    sum_k w_k CE(z_t, y_(t+k)) over the k inside the sequence (#53), z = cap bf16(sigmoid((l + shift) / temp)). The
+    gradient is the kernel's: its softmax term weighs every w_k, also past the sequence's end, so the last K - 1
+    positions' gradient is not their loss's (#89's quirk, ported as it ran)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float
+                ) -> Tensor:
+        # In place where it can: five (T, vocab) fp32 passes, not a dozen (the CPU's tiny run spends most of a step
+        # here).
+        s = torch.sigmoid((logits.float() + shift).div_(temp)).bfloat16().float()
+        z = s * cap
+        lse = z.logsumexp(dim=-1)
+        T, rows = targets.numel(), torch.arange(targets.numel(), device=targets.device)
+        losses = torch.zeros_like(lse)
+        for k in range(weights.numel()):
+            losses[: T - k] += weights[k] * (lse[: T - k] - z[rows[: T - k], targets[k:]])
+        grad = z.sub_(lse[:, None]).exp_().mul_(weights.sum())  # z's buffer: the softmax, times every weight
+        for k in range(weights.numel()):
+            grad.index_put_((rows[: T - k], targets[k:]), -weights[k].expand(T - k), accumulate=True)
+        ctx.save_for_backward(grad.mul_(s.sub_(s.square())).mul_(cap / temp))
+        ctx.dtype = logits.dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor) -> tuple:
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None
+
+
+def train_loss_scale(cfg: Config) -> float:
+    """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then
+    grad_scale x the mean over the step's sequences at every world size."""
+    return cfg.grad_scale / cfg.global_batch_seqs
 
 def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
     """The FP8 head's (x, W, gradient) scales; loss_scale folded into the gradient's keeps its e5m2 values the
@@ -422,52 +410,82 @@ def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
     return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
 class GPT(nn.Module):
-    """use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention
-    alone (an uncompiled model on CUDA: unfused flex would materialize the whole score matrix)."""
+    """Record #89's model. use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex:
+    compile flex_attention alone (an uncompiled model on CUDA: unfused flex would materialize the score matrix).
+    Parameter names are #89's optimizer labels; the Muon banks (qk, vo, mlp) are fp32 masters read as bf16."""
 
     def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False):
         super().__init__()
         self.cfg, self.use_flex, self.fp8_head = cfg, use_flex, fp8_head
-        L, d = cfg.num_layers, cfg.model_dim
+        L, d, H, D = cfg.num_layers, cfg.model_dim, cfg.num_heads, cfg.head_dim
+        self.plans = layer_plans(cfg)
+        self.skip_from, self.skip_to = skip_layers(cfg)
+        n_attn = sum(p.attn is not None for p in self.plans)
+        n_tables = len(set(cfg.value_embeds) - {"-"})
         max_len = max(cfg.train_seq_len, cfg.val_seq_len)
-        flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
-        self.embed = nn.Embedding(cfg.vocab_size, d).bfloat16()
-        self.ve_tables = [None if c == "-" else int(c) for c in cfg.value_embeds]  # per layer
-        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, d) for _ in set(cfg.value_embeds) - {"-"})
-        with torch.no_grad():
-            for table in self.value_embeds:
-                table.weight.mul_(0.01)  # N(0, 0.01^2) from nn.Embedding's N(0, 1), no other draw
-        self.value_embeds.bfloat16()
-        # The bigram hash table (#62), zero-initialized.
-        self.bigram = nn.Embedding.from_pretrained(torch.zeros(cfg.bigram_rows, d, dtype=torch.bfloat16), freeze=False)
-        # One RoPE table per length (paired layers: 2T positions), shared: ten layers' own fp32 tables at the
-        # recipe's 262,144 positions would be 1.75 GiB a GPU.
-        rotary_for = functools.cache(lambda paired: Rotary(cfg.head_dim, 2 * max_len if paired else max_len))
-        self.blocks = nn.ModuleList(Block(cfg, layer, rotary_for, flex) for layer in range(L))
-        self.has_paired = any(b.attn is not None and b.attn.paired for b in self.blocks)
+        self.flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
+        bound = math.sqrt(3) * 0.5 / math.sqrt(d)  # U(-bound, bound): the std of 0.5 / sqrt(d)
         # The head is also the embedding until the untie (#51), so it starts away from zero.
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=torch.bfloat16)
         nn.init.normal_(self.lm_head.weight, std=0.005)
+        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.embed.weight.copy_(self.lm_head.weight)
+        self.value_embeds = nn.Parameter(0.01 * torch.randn(n_tables, cfg.vocab_size, d, dtype=torch.bfloat16))
+        # The bigram hash table (#62), narrower than the residual, times a fixed +-1 row per token pair (#83).
+        self.bigram_embed = nn.Embedding(cfg.bigram_rows, cfg.bigram_dim, dtype=torch.bfloat16)
+        nn.init.zeros_(self.bigram_embed.weight)
+        self.register_buffer("bigram_sign_table",
+                             torch.randn(cfg.bigram_sign_rows, cfg.bigram_dim).sign().bfloat16())
+        # Input gates of the smear (#34) and the skip (2 sigmoid(w x0[:gate_channels]), #55): zero, open.
+        self.smear_gate = nn.Linear(cfg.gate_channels, 1, bias=False, dtype=torch.bfloat16)
+        self.skip_gate = nn.Linear(cfg.gate_channels, 1, bias=False, dtype=torch.bfloat16)
+        nn.init.zeros_(self.smear_gate.weight)
+        nn.init.zeros_(self.skip_gate.weight)
+        # Per attention layer: head output gates; per VE layer: the VE gates, 2 sigmoid(W [u, ve]) (#55, #70).
+        self.attn_gate_bank = nn.Parameter(torch.zeros(n_attn, H, cfg.gate_channels, dtype=torch.bfloat16))
+        self.ve_gate_bank = nn.Parameter(torch.zeros(n_tables, H, cfg.gate_channels, dtype=torch.bfloat16))
+        # Muon's matrices (#80): Q and K in head pairs, per attention layer H/2 of Q then H/2 of K, (2D, d) each; V and
+        # W_o per layer, (HD, d) each; W_fc and W_proj per layer, (4d, d) each (W_proj read as h W_proj).
+        self.qk_bank = nn.Parameter(torch.empty(n_attn * H, 2 * D, d))
+        self.vo_bank = nn.Parameter(torch.empty(2 * n_attn, H * D, d))
+        self.mlp_bank = nn.Parameter(torch.zeros(L, 2, cfg.mlp_ratio * d, d))
+        for bank in (self.qk_bank, self.vo_bank, self.mlp_bank[:, 0]):
+            init_matrix_(bank, bound)
+        # Per layer: (lambda_qkv, lambda_o) folded into the attention weights (#47/#48); then the smear's lambda and
+        # the skip's s of sigmoid(s) (init -1.5, #32).
+        self.scalars = nn.Parameter(torch.cat([torch.tensor((0.5, 1.0)).repeat(L), torch.tensor((0.0, -1.5))]))
+        # Per layer and sublayer (attention, MLP): the residual's scale (sqrt(1.1): 1.1 a layer) and the output's.
+        self.resid_lambdas = nn.Parameter(torch.full((L, 2), 1.1**0.5))
+        self.post_lambdas = nn.Parameter(torch.ones(L, 2))
+        self.x0_lambdas = nn.Parameter(torch.zeros(L))  # x0 added after each attention (#45)
+        self.bigram_lambdas = nn.Parameter(torch.full((L,), 0.05))  # the bigram vector, likewise
+        self.xsa_alphas = nn.Parameter(torch.zeros(L, H))  # XSA's share tanh(alpha) per head, 0: off (#82)
+        # MUDD (#81, #85): coefficients per token from the residual by a small MLP, (gelu(x W1^T) W2^T + b) x 0.1.
+        w1 = torch.empty(2, cfg.mudd_dim, d)
+        for block in w1:
+            nn.init.kaiming_uniform_(block, a=math.sqrt(5))
+        self.mudd_w1 = nn.Parameter(w1.bfloat16())
+        self.mudd_w2 = nn.Parameter(torch.zeros(2, max(MUDD_COEFS), cfg.mudd_dim, dtype=torch.bfloat16))
+        self.mudd_b2 = nn.Parameter(mudd_bias_init(cfg))
+        # One RoPE table per length (paired layers: 2T positions), shared by the layers.
+        self.rotary = Rotary(D, max_len)
+        self.rotary_paired = Rotary(D, 2 * max_len) if any(p.paired for p in self.plans) else None
+        # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
+        self.register_buffer("q_gain", torch.ones(()), persistent=False)
+        self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
         # 1 while the embedding is a lookup into the head (until the schedule unties it): a buffer the loop writes
         # in place (tie_embedding), so untying never recompiles.
         self.register_buffer("embed_tied", torch.ones(()), persistent=False)
         self.embed_tied_now = True  # what tie_embedding last wrote into embed_tied
-        self.skip_from, self.skip_to = skip_layers(cfg)
-        # Input gates of the skip (2 sigmoid(w x0[:gate_channels]), #55) and of the smear (#34): zero, open.
-        self.skip_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels, dtype=torch.bfloat16))
-        self.smear_gate = nn.Parameter(torch.zeros(1, cfg.gate_channels, dtype=torch.bfloat16))
-        self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
-        # One vector of every learned scalar, by name: the skip's s of sigmoid(s) (init -1.5, #32), per-block a of
-        # x <- a x + b x0 (init 1.1, #45), per-layer (lambda_qkv, lambda_o), the smear's lambda, backout's, and
-        # the bigram vector's per block. The b's, x0's weights, are a vector of their own: #70 steps them with
-        # other betas.
-        parts = {"skip": torch.tensor([-1.5]), "resid": torch.full((L,), 1.1),
-                 "lambdas": torch.tensor((0.5, 1.0)).repeat(L), "smear": torch.zeros(1),
-                 "backout": torch.full((1,), 0.5), "bigram": torch.full((L,), 0.1)}
-        ends = np.cumsum([len(t) for t in parts.values()]).tolist()
-        self.scalar_slices = {k: slice(e - len(t), e) for (k, t), e in zip(parts.items(), ends)}
-        self.scalars = nn.Parameter(torch.cat(list(parts.values())))
-        self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        # FP8 MLP state (#84, #89), in the checkpoint: e4m3 copies of W_fc (current scale) and of W_proj^T (delayed
+        # weight scale), made after each optimizer step (quantize_mlp_), and each layer's delayed input scale of the
+        # down-projection, set by each training forward for the next.
+        hidden = cfg.mlp_ratio * d
+        self.register_buffer("fp8_w_fc", torch.zeros(L, hidden, d, dtype=torch.float8_e4m3fn))
+        self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, hidden, dtype=torch.float8_e4m3fn))
+        for name in ("fp8_up_scales", "fp8_down_scales", "fp8_down_next_scales", "fp8_act_scales"):
+            self.register_buffer(name, torch.ones(L))
 
     @torch.no_grad()
     def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
@@ -476,18 +494,17 @@ class GPT(nn.Module):
         grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
         if long_windows[1:] == self.yarn_windows[1:]:
             return
-        attns = [b.attn for b in self.blocks if b.attn is not None]
-        freqs = attns[0].rotary.base.to(attns[0].rotary.cos.device)  # fp32 throughout, #70's order of operations
+        freqs = self.rotary.base.to(self.rotary.cos.device)  # fp32 throughout, #89's order of operations
         scale = 1.0
         for old, new in zip(long_windows, long_windows[1:]):
             old_len, new_len = self.cfg.block_size * old, self.cfg.block_size * new
             g = ((old_len * freqs / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
             freqs = freqs * (old_len / new_len + g * (1 - old_len / new_len))
             scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
-        for rotary in {id(a.rotary): a.rotary for a in attns}.values():  # each shared table once
-            rotary.set_frequencies(freqs)
-        for attn in attns:
-            attn.q_gain.fill_(scale)
+        for rotary in (self.rotary, self.rotary_paired):
+            if rotary is not None:
+                rotary.set_frequencies(freqs)
+        self.q_gain.fill_(scale)
         self.yarn_windows = long_windows
 
     @torch.no_grad()
@@ -496,65 +513,160 @@ class GPT(nn.Module):
             self.embed_tied.fill_(float(tied))
             self.embed_tied_now = tied
 
+    @torch.no_grad()
+    def quantize_mlp_(self, exact_down: bool) -> None:
+        """The FP8 MLP weights from the bf16 ones, after every optimizer step (#84, #89). exact_down: the down-
+        projection's weight scale is the current amax / 448, as for the first steps, not last step's x headroom."""
+        bank = weight_as(self.mlp_bank, self.lm_head.weight)
+        gpt_kernels.quantize_mlp_weights_(bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
+                                          self.fp8_down_scales, self.fp8_down_next_scales, exact_down,
+                                          self.cfg.fp8_down_w_headroom)
+
+    def mudd(self, x: Tensor, block: int) -> list[Tensor]:
+        """MUDD block's coefficients for each token of x, (1, T, 1) each."""
+        h = F.gelu(F.linear(x, self.mudd_w1[block]))
+        n = MUDD_COEFS[block]
+        return ((F.linear(h, self.mudd_w2[block, :n]) + self.mudd_b2[block, :n]) * MUDD_SCALE).split(1, dim=-1)
+
+    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, masks: dict[str, BlockMask | Tensor],
+                  qk: Tensor, vo: Tensor) -> Tensor:
+        """Layer i's attention over u (normed, (1, T, d)), aux_v added to its values; qk, vo: the banks in bf16."""
+        plan, (T, H, D) = self.plans[i], (u.size(1), self.cfg.num_heads, self.cfg.head_dim)
+        a, lambdas = plan.attn, self.scalars[2 * i: 2 * i + 2]
+        w_qkv = torch.cat([qk[a * H:(a + 1) * H].flatten(0, 1), vo[2 * a]])  # rows: Q, K (head pairs), V
+        q, k, v = F.linear(u, lambdas[0] * w_qkv).view(1, T, 3 * H, D).chunk(3, dim=-2)
+        q, k = norm(q), norm(k)
+        if aux_v is not None:
+            v = v + aux_v.view_as(v)
+        rotary = self.rotary_paired if plan.paired else self.rotary
+        q, k = rotary(q, plan.paired) * self.q_gain, rotary(k, plan.paired)
+        qs, ks, vs = q, k, v
+        if plan.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
+            qs, ks, vs = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
+        if plan.window == "long":  # the un-rotated dims of each key from the previous position (#49; across documents)
+            ks = torch.where(rotary.stationary, torch.cat([ks[:, :1], ks[:, :-1]], dim=1), ks)
+        qs, ks, vs = (t.transpose(1, 2) for t in (qs, ks, vs))
+        mask = masks["paired" if plan.paired else plan.window]
+        if isinstance(mask, BlockMask):
+            y = self.flex(qs, ks, vs, block_mask=mask, scale=self.cfg.attn_scale)
+        else:
+            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.cfg.attn_scale)
+        y = y.transpose(1, 2).reshape(1, T, H, D)
+        if plan.xsa:  # y minus tanh(alpha) of its component along the unit value (#82/#86)
+            unit_v = F.normalize(v, dim=-1, eps=1e-4)
+            share = torch.tanh(self.xsa_alphas[i]).bfloat16().type_as(y).view(1, 1, H, 1)  # bf16, as #89 reads it
+            y = y - share * (y * unit_v).sum(-1, keepdim=True) * unit_v
+        y = y * torch.sigmoid(F.linear(u[..., : self.cfg.gate_channels], self.attn_gate_bank[a])).unsqueeze(-1)
+        return F.linear(y.flatten(-2), lambdas[1] * vo[2 * a + 1])
+
+    def mlp(self, x: Tensor, i: int, w_fc: Tensor, w_proj: Tensor, amaxes: list[Tensor]) -> Tensor:
+        """relu(x W_fc^T)^2 W_proj; in training with fp8_mlp, #89's FP8 up- and down-projections (its input's max
+        goes to amaxes, for the next training step's scale)."""
+        if self.training and self.cfg.fp8_mlp:
+            out, amax = torch.ops.speedrun.mlp_fp8(x.flatten(0, 1), w_fc, w_proj, self.fp8_w_fc[i],
+                                                   self.fp8_up_scales[i], self.fp8_w_proj_t[i],
+                                                   self.fp8_down_scales[i], self.fp8_act_scales[i])
+            amaxes.append(amax)
+            return out.view_as(x)
+        if self.cfg.relu2_kernel:
+            h = torch.ops.speedrun.relu2_mm(x.flatten(0, 1), w_fc.T).view(*x.shape[:-1], -1)
+        else:
+            h = F.relu(F.linear(x, w_fc)).square()
+        return h @ w_proj
+
     def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
         """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor."""
-        cfg = self.cfg
-        # Each scalar is read 0-dim (sc[name][k]): a (1,) fp32 tensor times a bf16 activation would be fp32.
-        sc = {name: self.scalars[at] for name, at in self.scalar_slices.items()}
-        ves = [table(input_seq) for table in self.value_embeds]
+        cfg, L, H, D = self.cfg, self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim
+        T, last, half = input_seq.numel(), self.cfg.num_layers - 1, self.cfg.gate_channels // 2
         build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, cfg.block_size)
         masks = {"long": build(windows[0]), "short": build(windows[1])}
-        if self.has_paired:  # the short window, in blocks (or block_size positions) of the interleaved sequence
+        if self.rotary_paired is not None:  # the short window, in blocks (or block_size positions) of 2T positions
             masks["paired"] = build(windows[1], paired=True)
         # Both lookups, weighted by the tie flag: the same graph tied and untied.
         e = self.embed(input_seq)
         e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight) + (1 - self.embed_tied) * e
         # The smear (#34): e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents.
-        gate = sc["smear"][0] * torch.sigmoid(F.linear(e[1:, : self.smear_gate.size(1)], self.smear_gate))
+        gate = self.scalars[2 * L] * torch.sigmoid(self.smear_gate(e[1:, : cfg.gate_channels]))
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
-        x = x0 = norm(e[None])
-        bigram = self.bigram(bigram_index(input_seq, cfg.bigram_rows))[None]
-        skip = backout = None
-        for i, block in enumerate(self.blocks):
-            if i == self.skip_to:
-                gate = 2 * torch.sigmoid(F.linear(x0[..., : self.skip_gate.size(1)], self.skip_gate))
-                x = x + torch.sigmoid(sc["skip"][0]) * gate * skip
-            t = self.ve_tables[i]
-            x = block(x, x0, None if t is None else ves[t], (sc["resid"][i], self.x0_lambdas[i]),
-                      sc["lambdas"][2 * i: 2 * i + 2], masks, sc["bigram"][i] * bigram)
-            if i == self.skip_from:
-                skip = x
-            if i == cfg.backout_layer:
-                backout = x
-        # #40: the middle layers' output, useful downstream but not for the prediction
-        return norm(x - sc["backout"][0] * backout).flatten(0, 1)
+        # The lambdas in bf16, as #89 reads them (a float copy of the model reads them rounded the same way).
+        resid, post = self.resid_lambdas.bfloat16().unbind(1), self.post_lambdas.bfloat16().unbind(1)
+        x0_lambdas, bigram_lambdas = self.x0_lambdas.bfloat16(), self.bigram_lambdas.bfloat16()
+        signs = self.bigram_sign_table[sign_index(input_seq, cfg.bigram_sign_rows)]
+        bigram = (self.bigram_embed(bigram_index(input_seq, cfg.bigram_rows)) * signs)[None]
+        # Layer 0's bigram share goes into x in place in #89, and x0 is the same tensor: x0 carries it too (its quirk).
+        x = x0 = with_bigram(norm(e[None]), bigram * bigram_lambdas[0])
+        skip_gate = torch.sigmoid(self.scalars[2 * L + 1]) * 2 * torch.sigmoid(self.skip_gate(x0[..., : 2 * half]))
+        ves = self.value_embeds[:, input_seq]
+        qk, vo, mlp = (weight_as(bank, x) for bank in (self.qk_bank, self.vo_bank, self.mlp_bank))
+        saved: dict[int, Tensor] = {}  # the skip's source and the attention input layer's output
+        amaxes: list[Tensor] = []
+        for i, plan in enumerate(self.plans):
+            mu = None
+            if plan.attn is None:
+                x = x + skip_gate * saved[self.skip_from]
+            else:
+                u = norm(saved.get(cfg.attn_input_layer, x))  # #77: past that layer, all attend over its output
+                ve = None if plan.ve_table is None else ves[plan.ve_table][None].view(1, T, H, D)
+                aux_v = None
+                if i == last:  # MUDD block 0 (#81, #85): V, residual, VE gate and this layer's lambdas, per token
+                    last_input, mu = x, self.mudd(x, 0)
+                    src = saved[cfg.attn_input_layer]
+                    aux_v = (mu[0] * x0 + mu[1] * src + mu[2] * x).view(1, T, H, D)
+                    x = (1 + mu[5]) * x + mu[3] * x0 + mu[4] * src
+                    if ve is not None:
+                        aux_v = aux_v + torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, -1)[..., None] * ve
+                elif ve is not None:
+                    gate_in = torch.cat([u[..., :half], ve.flatten(-2)[..., :half]], dim=-1)
+                    aux_v = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[plan.ve_gate]))[..., None] * ve
+                out = self.attention(u, i, aux_v, masks, qk, vo)
+                if mu is not None:
+                    x = with_bigram(mu[8] * x + mu[9] * out + mu[10] * x0, mu[11] * bigram)
+                else:
+                    x = resid[0][i] * x + post[0][i] * out + x0 * x0_lambdas[i]
+                    x = with_bigram(x, bigram * bigram_lambdas[i]) if i > 0 else x
+            out = self.mlp(norm(x), i, mlp[i, 0], mlp[i, 1], amaxes)
+            x = mu[12] * x + mu[13] * out if mu is not None else resid[1][i] * x + post[1][i] * out
+            if i in (self.skip_from, cfg.attn_input_layer):
+                saved[i] = x
+        if amaxes:  # each down-projection's input scale for the next training step (#89)
+            self.fp8_act_scales.copy_(torch.stack(amaxes).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448))
+        # MUDD block 1 (#81): the last mix, in place of #70's backout
+        nu = self.mudd(x, 1)
+        x = (x + nu[0] * x0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
+             + nu[4] * saved[self.skip_from])
+        return norm(x).flatten(0, 1)
+
+    def head(self, x: Tensor) -> Tensor:
+        """The head's raw logits, (T, vocab). The FP8 head serves training only."""
+        if self.training and self.fp8_head:  # the gradient reaching the head carries train_loss_scale
+            return torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(self.cfg, train_loss_scale(self.cfg)))
+        return F.linear(x, self.lm_head.weight)
 
     def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
-        """Soft-capped fp32 logits, (T, vocab). The FP8 head serves training only."""
-        cfg, x = self.cfg, self.hidden(input_seq, windows)
-        if self.training and self.fp8_head:  # the gradient reaching the head carries train_loss_scale
-            logits = torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(cfg, train_loss_scale(cfg)))
-        else:
-            logits = F.linear(x, self.lm_head.weight)
-        return softcap(logits, cfg)
+        """Soft-capped logits, (T, vocab), in fp32: what validation's cross-entropy reads (#89 rounds the softcap to
+        the head's dtype there)."""
+        raw = self.head(self.hidden(input_seq, windows))
+        return softcap(raw, self.cfg).to(raw.dtype).float()
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
-        """Summed multi_token_loss in training, mean cross-entropy in eval; --fused_head: softcap_ce, no logits."""
-
+        """Summed multi-token loss in training (mtp: its weights), mean cross-entropy in eval; --fused_head: the head
+        and loss by gpt_kernels' softcap_ce, no logits tensor."""
         cfg = self.cfg
+        weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
         if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
-            weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
             loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
                                                  weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
                                                  fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],
                                                  self.training)[0]
             return loss if self.training else loss / target_seq.numel()
-        logits = self.logits(input_seq, windows)
-        return multi_token_loss(logits, target_seq, mtp) if self.training else F.cross_entropy(logits, target_seq)
+        if self.training:
+            return SoftcappedMTPLoss.apply(self.head(self.hidden(input_seq, windows)), target_seq, weights,
+                                           cfg.logit_cap, cfg.logit_shift, cfg.logit_temp).sum()
+        return F.cross_entropy(self.logits(input_seq, windows), target_seq)
 
 # -----------------------------------------------------------------------------
 # Schedule
-# Everything that varies with the step, in one place, rounded as #70 rounds it: the training loop sets the
+# Everything that varies with the step, in one place, rounded as #89 rounds it: the training loop sets the
 # optimizer from it and hands the windows and multi-token weights to the model (rows of device tables, so a new
 # value never recompiles), and the FLOP model and the metrics read the same values.
 
@@ -575,7 +687,7 @@ class StepSchedule:
 
 def stage_starts(cfg: Config) -> list[int]:
     """The first step of each equal stage, of the extension, then num_steps: stage k of n starts at round(N (1/n +
-    ... + 1/n)), k float terms, Python's round (ties to even), N = num_steps - extension_steps, as #70 rounds."""
+    ... + 1/n)), k float terms, Python's round (ties to even), N = num_steps - extension_steps, as #89 rounds."""
     n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
     return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
 
@@ -590,7 +702,7 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
         values = parse_stages(name, getattr(cfg, name))
         return values[min(stage, len(values) - 1)]
 
-    # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #70's does (cooldown_frac 0: none).
+    # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #89's does (cooldown_frac 0: none).
     cooldown_start = int(scheduled * (1 - cfg.cooldown_frac))
     t = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
     peak = staged("lr_stages")
@@ -612,7 +724,7 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     weights = parse_stages("mtp_stages", cfg.mtp_stages)
     mtp = list(weights[min(stage, len(weights) - 1)])
     if len(mtp) > 1:
-        mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #70 interpolates, a + (b - a) t, bit for bit
+        mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #89 interpolates, a + (b - a) t, bit for bit
     mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
     # The last tied step is the first Adam step at or after the untie stage's start.
     split = starts[cfg.untie_stage]
@@ -668,43 +780,36 @@ def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     rows, cols = shape[-2:]
     return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
 
-def normuon_(O: Tensor, v: Tensor, beta2: float, columns: Tensor | None = None) -> Tensor:
-    """NorMuon (#41) in #70's algebra: r = the mean square of each row (or column) of the bf16 update O, v <- lerp(v,
-    r, 1 - beta2) (fp32, in place), and each row scaled by v^-1/2 times the factor restoring O's Frobenius norm,
-    that scale rounded to bf16 and applied to O in bf16. columns: per matrix, whether per column (W_o, transposed)."""
-    if columns is not None:
-        O = torch.where(columns.view(-1, 1, 1), O.mT, O)
+def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
+    """NorMuon (#41) in #89's algebra: r = the mean square of each row (of a wide matrix: each column, as Q's and K's
+    head pairs, #80) of the bf16 update O, v <- lerp(v, r, 1 - beta2) (fp32, in place), and each row scaled by v^-1/2
+    times the factor restoring O's Frobenius norm, that scale rounded to bf16 and applied to O in bf16."""
     dim = -1 if v.size(-1) == 1 else -2
     mean_sq, n = O.float().square().mean(dim=dim, keepdim=True), O.size(dim)
     norm = (mean_sq.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
     v.lerp_(mean_sq, 1 - beta2)
     scale = v.clamp_min(1e-10).rsqrt()
     new_norm = (mean_sq * n * scale.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
-    out = O * (scale * (norm / new_norm.clamp_min(1e-10))).type_as(O)
-    return out if columns is None else torch.where(columns.view(-1, 1, 1), out.mT, out)
-
-def normuon_columns(name: str, units: int) -> list[bool]:
-    """Which of a parameter's matrices take NorMuon's statistic per column: W_o, the fourth of (q, k, v, o)."""
-    return [name.endswith("attn.qkvo_w") and unit == 3 for unit in range(units)]
+    return O * (scale * (norm / new_norm.clamp_min(1e-10))).type_as(O)
 
 def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
                  orthogonalize: Callable[[Tensor], Tensor] = polar_express, lr_mul: float | Tensor = 1.0,
-                 wd: float = 0.0, columns: Tensor | None = None) -> None:
-    """Nesterov momentum, orthogonalization, NorMuon, then #70's step on the fp32 master p: p - p wd lr step_lr
+                 wd: float = 0.0) -> None:
+    """Nesterov momentum, orthogonalization, NorMuon, then #89's step on the fp32 master p: p - p wd lr step_lr
     where the update has p's sign or is zero (cautious weight decay), minus step_lr x the update; step_lr = lr x
-    lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)), both factors fp32 as #70's."""
+    lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)), both factors fp32 as #89's."""
     grad = grad.float()
     buf = state["momentum"]
     buf.lerp_(grad, 1 - momentum)
-    update = normuon_(orthogonalize(grad.lerp(buf, momentum)), state["v"], normuon_beta2, columns).float()
+    update = normuon_(orthogonalize(grad.lerp(buf, momentum)), state["v"], normuon_beta2).float()
     step_lr = torch.as_tensor(lr_mul * (lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1))))).float()  # no host sync
     p.copy_(p - p * (update * p >= 0) * (wd * lr) * step_lr - update * step_lr)
 
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                  eps: float, wd: float = 0.0) -> None:
-    """Bias-corrected Adam in #70's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v).
+    """Bias-corrected Adam in #89's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v).
     Cautious weight decay (#50): the update grows by lr^2 wd p where it has p's sign. p (bf16 without a master, as
-    #70's, or fp32) takes the update in one rounding."""
+    #89's, or fp32) takes the update in one rounding."""
     grad = grad.float()
     m.mul_(beta1).add_(grad, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -719,34 +824,37 @@ class ParamGroup:
     lr: float
     params: list[nn.Parameter]
     names: list[str] = field(default_factory=list)
-    lr_muls: list[float] = field(default_factory=list)  # per parameter (Muon); Adam groups have one lr each
+    lr_muls: list[list[float]] = field(default_factory=list)  # per parameter, per matrix (Muon); Adam: one lr
     wd: float = 0.0  # cautious weight decay
     betas: tuple[float, float] = (0.0, 0.0)  # Adam's
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
-    """Muon takes every block matrix but the gates; Adam the rest (the embedding with the head's lr and betas)."""
+    """#89's table: Muon for the three banks (W_proj at mlp_down_lr_mul), Adam for the rest by kind."""
     named = dict(model.named_parameters())
-    value_embeds = [n for n in named if n.startswith("value_embeds.") or n == "bigram.weight"]  # lr, wd alike
-    gates = [n for n in named if n.endswith(("attn.gate_w", "attn.ve_gate_w"))]
-    muon = [n for n in named if n.startswith("blocks.") and named[n].ndim >= 2 and n not in gates]
-    mul = {"c_fc": cfg.mlp_up_lr_mul, "c_proj": cfg.mlp_down_lr_mul}
     betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.scalar_beta2)
-    head_betas = (cfg.head_beta1, cfg.adam_beta2)
+    head_betas, lambda_betas = (cfg.head_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.adam_beta2)
+    muon = ["qk_bank", "vo_bank", "mlp_bank"]
+    per_matrix = {"mlp_bank": [1.0, cfg.mlp_down_lr_mul] * cfg.num_layers}  # (W_fc, W_proj) per layer
 
     def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
         return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
 
-    groups = [group("muon", cfg.muon_lr, muon, lr_muls=[mul.get(n.split(".")[-1], 1.0) for n in muon],
-                    wd=cfg.muon_wd),
+    groups = [group("muon", cfg.muon_lr, muon, wd=cfg.muon_wd,
+                    lr_muls=[per_matrix.get(n, [1.0] * (named[n].numel() // math.prod(named[n].shape[-2:])))
+                             for n in muon]),
               group("adam", cfg.head_lr, ["embed.weight"], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas),
-              group("adam", cfg.embed_lr, value_embeds, wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
+              group("adam", cfg.embed_lr, ["value_embeds", "bigram_embed.weight"],
+                    wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
               group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
               group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
-              group("adam", cfg.scalar_lr, ["x0_lambdas"], betas=(cfg.x0_beta1, cfg.adam_beta2)),
-              group("adam", cfg.gate_lr, gates, wd=cfg.adam_wd, betas=scalar_betas),
-              group("adam", cfg.skip_gate_lr, ["skip_gate"], betas=scalar_betas),
-              group("adam", cfg.smear_gate_lr, ["smear_gate"], betas=scalar_betas)]
-    groups = [g for g in groups if g.params]  # no value embeddings: no group
+              group("adam", cfg.scalar_lr, ["resid_lambdas"], betas=lambda_betas),
+              group("adam", cfg.lambda_lr, ["post_lambdas", "x0_lambdas", "bigram_lambdas", "xsa_alphas"],
+                    betas=lambda_betas),
+              group("adam", cfg.gate_lr, ["attn_gate_bank", "ve_gate_bank"], wd=cfg.adam_wd, betas=scalar_betas),
+              group("adam", cfg.skip_gate_lr, ["skip_gate.weight"], betas=scalar_betas),
+              group("adam", cfg.smear_gate_lr, ["smear_gate.weight"], betas=scalar_betas),
+              group("adam", cfg.mudd_lr, ["mudd_w1", "mudd_w2"], wd=cfg.adam_wd, betas=scalar_betas),
+              group("adam", cfg.mudd_lr, ["mudd_b2"], betas=scalar_betas)]
     assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
     return groups
 
@@ -829,20 +937,11 @@ class Bucket:
         if self.kind == "muon":
             self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device),
                           "v": torch.zeros(normuon_state_shape(shape), device=self.data.device)}
-
-            def of_shard(per_param: Callable[[str, int], list], padding: object) -> list:  # per matrix of the shard
-                values = [v for n, count in zip(names, self.counts) for v in per_param(n, count)]
-                values += [padding] * (self.shard_units * world_size - len(values))
-                return values[self.first_unit:self.first_unit + self.shard_units]
-
-            group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier
-            self.lr_mul = torch.tensor(of_shard(lambda n, count: [group_mul[n]] * count, 1.0), dtype=torch.float64,
+            group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier (padding: 1)
+            muls = [m for n in names for m in group_mul[n]]
+            muls += [1.0] * (self.shard_units * world_size - len(muls))
+            self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units], dtype=torch.float64,
                                        device=self.data.device).view(-1, 1, 1)
-            # W_o's per-column flags, for a bucket holding any, even where this rank's shard has none: the transposes
-            # change the reductions' layout, and so their rounding, at every world size.
-            cols = of_shard(normuon_columns, False)
-            attention = any(any(normuon_columns(n, c)) for n, c in zip(names, self.counts))
-            self.columns = torch.tensor(cols, device=self.data.device) if attention else None
         else:
             self.state = {k: torch.zeros(shape, dtype=torch.float32, device=self.data.device) for k in ("m", "v")}
         self.pending = len(params)  # gradients not yet final in this step's last micro-step
@@ -948,7 +1047,7 @@ class ShardedMuonAdam:
             lr = b.lr * self.lr_mult
             if b.kind == "muon":
                 muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, c.normuon_beta2, self.orthogonalize,
-                             b.lr_mul, b.wd, b.columns)
+                             b.lr_mul, b.wd)
             else:
                 adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
                              c.adam_eps, b.wd)
@@ -1190,7 +1289,7 @@ class TrainTokenStream:
         return pieces
 
     def _take(self, seq_len: int, max_doc_len: int) -> list[Pieces] | None:
-        """The step's sequences from self.pos, or None when the shard cannot supply them. #70's rule: a sequence
+        """The step's sequences from self.pos, or None when the shard cannot supply them. #89's rule: a sequence
         starts at the document after the previous one's last, even when only its BOS was taken."""
         i = int(np.searchsorted(self.bos, self.pos))
         step: list[Pieces] = []
@@ -1627,21 +1726,23 @@ def run_length(cfg: Config) -> int:
 FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
                      "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size", "num_steps",
-                     "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage"], "> 0"),
+                     "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage", "bigram_dim",
+                     "bigram_sign_rows", "mudd_dim", "attn_input_layer"], "> 0"),
     **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "save_every",
-                     "extension_steps", "muon_momentum_cooldown_steps", "backout_layer"], ">= 0"),
+                     "extension_steps", "muon_momentum_cooldown_steps", "fp8_down_exact_steps"], ">= 0"),
     **dict.fromkeys(["seed"], ">= -1"),
-    **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "skip_gate_lr", "smear_gate_lr"],
+    **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "skip_gate_lr", "smear_gate_lr",
+                     "lambda_lr", "mudd_lr"],
                     "in (0, 10]"),
-    **dict.fromkeys(["mlp_up_lr_mul", "mlp_down_lr_mul", "attn_scale", "fp8_x_scale", "fp8_w_scale", "fp8_grad_scale",
-                     "grad_scale"], "in (0, 100]"),
+    **dict.fromkeys(["mlp_down_lr_mul", "attn_scale", "fp8_x_scale", "fp8_w_scale", "fp8_grad_scale",
+                     "grad_scale", "fp8_down_w_headroom", "fp8_down_act_headroom"], "in (0, 100]"),
     **dict.fromkeys(["logit_cap", "logit_temp"], "in (0, 1000]"),
     **dict.fromkeys(["logit_shift"], "in [-1000, 1000]"),
     **dict.fromkeys(["muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul", "value_embed_wd_mul"], "in [0, 1000]"),
     **dict.fromkeys(["adam_eps"], "in (0, 1]"),
     **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
     **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "scalar_beta1",
-                     "scalar_beta2", "x0_beta1", "head_beta1"], "in [0, 1)"),
+                     "scalar_beta2", "head_beta1"], "in [0, 1)"),
     **dict.fromkeys(["normuon_beta2"], "in (0, 1)"),
     **dict.fromkeys(["bucket_mb"], "in (0, 100000]"),
     **dict.fromkeys(["peak_tflops"], "in [0, 100000]"),
@@ -1688,8 +1789,15 @@ def validate_config(cfg: Config, world_size: int) -> int:
         (len(cfg.value_embeds) != cfg.num_layers or tables != [str(i) for i in range(len(tables))],
          f"--value_embeds={cfg.value_embeds!r} needs one character per layer ({cfg.num_layers}): the table it adds "
          f"(tables 0, 1, ... each used) or - for none, e.g. 012------012"),
-        (cfg.backout_layer >= cfg.num_layers,
-         f"--backout_layer={cfg.backout_layer} must be a layer below --num_layers={cfg.num_layers}"),
+        (not cfg.attn_input_layer < cfg.num_layers - 1 or cfg.attn_input_layer == skip_layers(cfg)[0],
+         f"--attn_input_layer={cfg.attn_input_layer} must be a layer other than the skip's source, before the last "
+         f"({cfg.num_layers - 1}): the MUDD mixes read it"),
+        (cfg.attn_pattern[-1] == "-" or "0" not in cfg.value_embeds,
+         "the last layer needs attention (MUDD's first block mixes its values) and --value_embeds a table 0 (the "
+         "last mix reads it)"),
+        (cfg.attn_pattern[skip_layers(cfg)[1]] != "-",
+         f"--skip={cfg.skip}: the skip lands in place of an attention, on a '-' layer of --attn_pattern"),
+        (cfg.bigram_dim > cfg.model_dim, f"--bigram_dim={cfg.bigram_dim} exceeds --model_dim={cfg.model_dim}"),
         (cfg.bigram_rows < 2, f"--bigram_rows={cfg.bigram_rows}: the table needs at least 2 rows (one is reserved for "
          f"position 0)"),
         (cfg.gate_channels % 2, f"the VE gates read half of --gate_channels={cfg.gate_channels} from x, half from the "
@@ -1747,7 +1855,7 @@ FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smal
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
 
 def resolve_for_device(cfg: Config, cuda: bool) -> None:
-    """Replace auto (None) in --compile, --fp8_head and the kernels by the device's choice and apply DISABLE_FP8, so
+    """Replace auto (None) in --compile, --fp8_head, --fp8_mlp and the kernels by the device's choice and apply DISABLE_FP8, so
     that from here on the config (and its copy in the log) says what the run does; then check what depends on
     the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
     rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
@@ -1758,10 +1866,12 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
                          "drop it (or use --device=cpu)")
     cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
     kernels = gpt_kernels is not None
-    cfg.fp8_head = (cuda and kernels if cfg.fp8_head is None else cfg.fp8_head) and not os.environ.get("DISABLE_FP8")
-    if cfg.fp8_head and not kernels:
-        raise UsageError("--fp8_head runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
-                         "--fp8_head=false")
+    for name in ("fp8_head", "fp8_mlp"):
+        on = cuda and kernels if getattr(cfg, name) is None else getattr(cfg, name)
+        setattr(cfg, name, on and not os.environ.get("DISABLE_FP8"))
+        if getattr(cfg, name) and not kernels:
+            raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
+                             f"--{name}=false")
     if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
         raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
                          f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
@@ -1774,10 +1884,11 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
                              f"installed and a CUDA device (or TRITON_INTERPRET=1 on the CPU, slow); or use "
                              f"--{name}=false")
     dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
-    bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
-    if cfg.fp8_head and bad:
-        raise UsageError(f"the FP8 head needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} "
-                         f"(torch._scaled_mm), got {', '.join(bad)}; change it or use --fp8_head=false")
+    for name, what in (("fp8_head", "the FP8 head"), ("fp8_mlp", "the FP8 MLP")):
+        bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
+        if getattr(cfg, name) and bad:
+            raise UsageError(f"{what} needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm), "
+                             f"got {', '.join(bad)}; change it or use --{name}=false")
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -1965,11 +2076,14 @@ def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
     return {"peak_memory_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
             "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
 
+# GPT's parameters of two or more dimensions that feed no matmul: tables read by index, per-layer scalars, a bias
+NO_MATMUL = ("embed.weight", "value_embeds", "bigram_embed.weight", "resid_lambdas", "post_lambdas", "xsa_alphas",
+             "mudd_b2")
+
 def matmul_weights(model: nn.Module) -> int:
-    """Parameters that feed a matmul, each used once per token: every parameter of two or more dimensions
-    except embedding tables (a lookup, no matmul). Read from the model, so a new layer counts itself."""
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return sum(p.numel() for p in model.parameters() if p.ndim >= 2 and id(p) not in tables)
+    """Parameters that feed a matmul, each used once per token: every parameter of two or more dimensions but
+    NO_MATMUL's. Read from the model, so a new layer counts itself."""
+    return sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and n not in NO_MATMUL)
 
 def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
     """Mean over query positions t = 1..T of min(t, W): keys seen under a causal sliding window."""
@@ -1982,10 +2096,9 @@ def flops_per_token(model: GPT, s: StepSchedule) -> float:
     layers: half the heads over 2 seq_len). Document masking is ignored: an upper bound."""
     cfg = model.cfg
     windows = {"long": s.long_window, "short": s.short_window}
-    attention = sum(12 * b.attn.num_heads * b.attn.head_dim *  # paired heads: half the heads, twice the queries
-                    mean_keys_per_query(max(windows[b.attn.window], 1) * cfg.block_size,
-                                        (2 if b.attn.paired else 1) * s.seq_len)
-                    for b in model.blocks if b.attn is not None)
+    attention = sum(12 * cfg.num_heads * cfg.head_dim *  # paired heads: half the heads, twice the queries
+                    mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size, (2 if p.paired else 1) * s.seq_len)
+                    for p in model.plans if p.attn is not None)
     return 6 * matmul_weights(model) + attention
 
 def format_eta(seconds: float) -> str:
@@ -2331,13 +2444,13 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 7  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
+CKPT_FORMAT = 8  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
 #                  5: value_embeds (was num_value_embeds) and v2's model fields; 6: x0_lambdas out of the scalars;
-#                  7: one recipe (#70), its on/off fields gone
+#                  7: one recipe (#70), its on/off fields gone; 8: #89's model (banks, MUDD, FP8 MLP state)
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
-                     "attn_pattern", "gate_channels", "block_size", "skip", "backout_layer", "paired_layers",
-                     "bigram_rows", "train_seq_len", "global_batch_seqs", "train_epochs")
+                     "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
+                     "bigram_rows", "bigram_dim", "bigram_sign_rows", "mudd_dim", "train_seq_len", "global_batch_seqs", "train_epochs")
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
 CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
 
@@ -2479,7 +2592,7 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
                      log: RunLog) -> ResumePoint:
     meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
     step, saved_world, files = meta["step"], meta["world_size"], meta["files"]
-    params = dict(model.named_parameters())
+    params = model.state_dict()  # the parameters and the persistent buffers (the sign table, the FP8 MLP state)
     state = load_part(folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"])
     if not isinstance(state, dict) or set(state) != set(params) or \
             any(state[n].shape != p.shape or state[n].dtype != p.dtype for n, p in params.items()):
@@ -2586,7 +2699,7 @@ class Checkpointer:
 
     def _host_state(self, copy: Callable[[Tensor], Tensor]) -> tuple[dict[str, Tensor] | None, dict]:
         """(rank 0's model state dict, this rank's optimizer state dict), each tensor passed through copy."""
-        model = {n: copy(p) for n, p in self.model.named_parameters()} if self.rt.rank == 0 else None
+        model = {n: copy(t) for n, t in self.model.state_dict().items()} if self.rt.rank == 0 else None
         return model, self.optimizer.state_dict(copy=copy)
 
     def due(self, step: int) -> bool:
@@ -2764,7 +2877,9 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
-    log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, "
+    if cfg.fp8_mlp:
+        raw.quantize_mlp_(exact_down=True)
+    log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, fp8 mlp {cfg.fp8_mlp}, "
         f"compile {cfg.compile}, world size {rt.world_size}, "
         f"grad accumulation {cfg.global_batch_seqs // rt.world_size}")
     for g in build_param_groups(raw, cfg):
@@ -2784,7 +2899,7 @@ def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
 
     return {"model": len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1,
             "orthogonalize": len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"}),
-            "fp8 ops": 2 if cfg.fp8_head else 0}
+            "fp8 ops": 2 if cfg.fp8_head or cfg.fp8_mlp else 0}
 
 def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]]:
     """Training step -> (seq_len, max_doc_len): the data stream's view of the schedule."""
@@ -2803,8 +2918,10 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
 
 def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knobs: tuple[Tensor, Tensor],
-               loss_scale: float, metrics: Metrics | None = None) -> None:
-    """One optimizer step on a (micro-steps, seq_len + 1) batch; the last backward arms the reduce-scatter hooks."""
+               loss_scale: float, metrics: Metrics | None = None, requantize: Callable[[], None] | None = None
+               ) -> None:
+    """One optimizer step on a (micro-steps, seq_len + 1) batch; the last backward arms the reduce-scatter hooks.
+    requantize: the FP8 MLP weights' update, once the parameters are gathered (GPT.quantize_mlp_)."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
     for m in range(batch.size(0)):
         optimizer.final_micro_step = m == batch.size(0) - 1
@@ -2814,6 +2931,9 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knob
             metrics.add_loss(loss.detach(), batch.size(1) - 1)
     optimizer.step()
     optimizer.zero_grad()
+    if requantize is not None:
+        optimizer.wait_for_params()
+        requantize()
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor) -> float:
@@ -2856,12 +2976,16 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
            loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, int], None]) -> None:
     """Untimed steps on real batches, one micro-step each, at the shapes and windows of the steps in `plan`
     (compile, autotune); then what training writes (with --resume: the loaded state) is put back from device-side
-    clones: the bucket buffers (every parameter is a view into one: checked) and the optimizer state."""
+    clones: the bucket buffers (every parameter is a view into one: checked), the optimizer state and the model's
+    persistent buffers (the FP8 MLP state)."""
     buffers = [b.data for b in optimizer.buckets]
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
     for name, p in model.named_parameters():
         assert any(lo <= p.data_ptr() < hi for lo, hi in spans), f"parameter {name} is not in a bucket buffer"
-    written, counts = buffers + optimizer.state_tensors(), (optimizer.step_count, optimizer.adam_steps)
+    params = dict(model.named_parameters())
+    persistent = [t for n, t in model.state_dict().items() if n not in params]  # the sign table, the FP8 MLP state
+    written = buffers + optimizer.state_tensors() + persistent
+    counts = optimizer.step_count, optimizer.adam_steps
     times: list[float] = []
 
     def lap() -> None:  # the device is idle at each mark: the laps time the snapshot, the steps, the restore
@@ -2949,10 +3073,14 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     knobs = step_knobs(schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
+    def requantize(exact_down: Callable[[], bool]) -> Callable[[], None] | None:  # after each step, with --fp8_mlp
+        return (lambda: raw_model.quantize_mlp_(exact_down())) if cfg.fp8_mlp else None
+
     # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
     warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k])),
-           plan, lambda batch, step: train_step(model, optimizer, batch, knobs(step), loss_scale))
+           plan, lambda batch, step: train_step(model, optimizer, batch, knobs(step), loss_scale,
+                                                requantize=requantize(lambda: True)))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
@@ -2993,7 +3121,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
             with profiler.step(step, settle=optimizer.wait_for_params):
-                train_step(model, optimizer, next(loader), knobs(step), loss_scale, metrics)
+                train_step(model, optimizer, next(loader), knobs(step), loss_scale, metrics,
+                           requantize(lambda: step < cfg.fp8_down_exact_steps))
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
         metrics.flush()

@@ -6,9 +6,9 @@
 On a GPU, bf16 at the recipe's shapes: --relu2_kernel (49,152 x 768 @ 768 x 3,072, then ReLU^2) and --fused_head
 (49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5) and three next tokens, FP8 where the GPU
 has it; and validation's loss alone over one 262,144-token sequence), each torch path compiled as the trainer
-compiles it. Where the GPU has FP8, also the MLP's two GEMMs in FP8 against bf16 (fp8_mlp: whether FP8 MLP
-projections would pay; no kernel of ours yet). --small runs shapes that Triton's interpreter manages on a CPU
-(TRITON_INTERPRET=1): that checks the script, its times say nothing. The whole step before and after:
+compiles it. Where the GPU has FP8, also #89's FP8 MLP (fp8_mlp: gpt_kernels.mlp_fp8) against the bf16 MLP.
+--small runs shapes that Triton's interpreter manages on a CPU (TRITON_INTERPRET=1): that checks the script, its
+times say nothing. The whole step before and after:
 train_gpt.py --bench with and without the flags, then records/compare.py on the two logs.
 """
 
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpt_kernels as K  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 MTP = [1.0, 0.5, 0.25]  # v2's first stage: three next tokens
@@ -83,7 +84,7 @@ def head_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
 
     def torch_loss() -> torch.Tensor:  # the model's training loss on the logits path (GPT.logits, GPT.forward)
         z = torch.ops.speedrun.fp8_mm(x, w, *scales) if fp8 else x @ w.type_as(x).T
-        return T.multi_token_loss(T.softcap(z, cfg), targets, mtp)
+        return T.SoftcappedMTPLoss.apply(z, targets, mtp, *caps).sum()
 
     torch_path = compile_(torch_loss)
     return (x, w), {"torch": lambda: torch_path().backward(),
@@ -98,8 +99,9 @@ def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
     targets = torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=g)
     one, caps = torch.ones(1, device=device), (cfg.logit_cap, cfg.logit_shift, cfg.logit_temp)
 
-    def torch_loss() -> torch.Tensor:  # GPT.forward in eval on the logits path
-        return F.cross_entropy(T.softcap(x @ w.type_as(x).T, cfg), targets)
+    def torch_loss() -> torch.Tensor:  # GPT.forward in eval on the logits path: the softcap in the head's dtype
+        z = x @ w.type_as(x).T
+        return F.cross_entropy(T.softcap(z, cfg).to(z.dtype).float(), targets)
 
     torch_path = compile_(torch_loss)
     return (x, w), {"torch": lambda: torch_path(),
@@ -107,36 +109,34 @@ def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
 
 
 def fp8_mlp_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
-    """Not a kernel yet: whether FP8 MLP projections (#84, #89) would pay. Both of the MLP's GEMMs, forward and
-    backward, through the FP8 head's op (e4m3 operands, e5m2 gradients) against the bf16 MLP as the model runs it.
-    The scales are static, each set once from the amax of its tensor here: no amax pass is timed, so the saving is
-    an upper bound (dynamic scaling reads each operand once more; delayed scaling (#89) keeps state instead)."""
+    """#89's FP8 MLP (gpt_kernels.mlp_fp8: e4m3 up- and down-projections, the backward in bf16) against the bf16
+    MLP as the model runs it. The weights are quantized once, outside the timing (quantize_mlp_weights_ runs once
+    per optimizer step, not per micro-step); post's delayed scale is the amax of a first call, with #89's headroom."""
     g = torch.Generator(device=device).manual_seed(0)
     hidden = cfg.mlp_ratio * cfg.model_dim
     x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=g)).to(dtype).requires_grad_()
-    w_up = (0.05 * torch.randn(hidden, cfg.model_dim, device=device, generator=g)).requires_grad_()  # c_fc.T
-    w_down = (0.05 * torch.randn(cfg.model_dim, hidden, device=device, generator=g)).requires_grad_()  # c_proj
+    bank = (0.05 * torch.randn(1, 2, hidden, cfg.model_dim, device=device, generator=g)).to(dtype)
+    w_fc, w_proj = (bank[0, i].clone().requires_grad_() for i in range(2))
     grad = torch.randn(rows, cfg.model_dim, device=device, generator=g).to(dtype)
-
-    def scale(t: torch.Tensor, fmt: torch.dtype) -> float:  # the tensor's amax onto the format's largest value
-        return float(t.abs().max()) / torch.finfo(fmt).max
-
-    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    f32 = dict(dtype=torch.float32, device=device)
+    codes = (torch.empty(1, hidden, cfg.model_dim, dtype=torch.float8_e4m3fn, device=device), torch.empty(1, **f32),
+             torch.empty(1, cfg.model_dim, hidden, dtype=torch.float8_e4m3fn, device=device), torch.empty(1, **f32),
+             torch.empty(1, **f32))
+    K.quantize_mlp_weights_(bank, *codes, bootstrap=True)
+    w8_fc, up, w8_proj_t, used, _ = codes
+    fp8_args = (w8_fc[0], up[0], w8_proj_t[0], used[0])
     with torch.no_grad():
-        pre = x.float() @ w_up.T
-        d_pre = 2 * pre.relu() * (grad.float() @ w_down)
-        up = scale(x, e4m3), scale(w_up, e4m3), scale(d_pre, e5m2)
-        down = scale(pre.relu().square(), e4m3), scale(w_down, e4m3), scale(grad, e5m2)
+        amax = torch.ops.speedrun.mlp_fp8(x, w_fc, w_proj, *fp8_args, torch.ones((), **f32))[1]
+    act_scale = amax * (1.8 / 448)
 
-    def bf16() -> torch.Tensor:  # MLP.forward's torch path
-        return F.linear(F.relu(F.linear(x, w_up.type_as(x))).square(), w_down.type_as(x))
+    def bf16() -> torch.Tensor:  # the model's MLP outside training's FP8
+        return F.relu(F.linear(x, w_fc)).square() @ w_proj
 
     def fp8() -> torch.Tensor:
-        h = F.relu(torch.ops.speedrun.fp8_mm(x, w_up, *up)).square()
-        return torch.ops.speedrun.fp8_mm(h, w_down, *down)
+        return torch.ops.speedrun.mlp_fp8(x, w_fc, w_proj, *fp8_args, act_scale)[0]
 
     torch_path, fp8_path = compile_(bf16), compile_(fp8)
-    return (x, w_up), {"torch": lambda: torch_path().backward(grad), "kernel": lambda: fp8_path().backward(grad)}
+    return (x, w_fc), {"torch": lambda: torch_path().backward(grad), "kernel": lambda: fp8_path().backward(grad)}
 
 
 def main() -> int:

@@ -4,8 +4,9 @@
 
 Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
 the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768 in each tile its autotuner may pick, and the softcapped
-multi-token cross-entropy (--fused_head) over the 50,304-column vocabulary with 1 to 3 loss weights (padded to 2
-or 4), with and without its gradient pass, each with the specialization Triton's JIT gives the real launch. For
+multi-token cross-entropy (--fused_head, #89's numerics) over the 50,304-column vocabulary with 1 to 3 loss weights
+(padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone
+(validation), each with the specialization Triton's JIT gives the real launch. For
 each: shared memory, registers per thread and spilled bytes (from cuobjdump, which ships with Triton). A compile
 error, shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
 """
@@ -54,12 +55,15 @@ def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, d
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
            for bm, bn, bk, warps, stages in K.RELU2_CONFIGS]
     ce = K.softcap_ce_launcher().kernel  # one HEAD_CHUNK_ROWS chunk of logits, its first row at row0
-    targets, losses = torch.empty(8, dtype=torch.int64), torch.empty(8)
+    targets, losses, e5m2 = torch.empty(8, dtype=torch.int64), torch.empty(8), torch.empty(8, dtype=torch.float8_e5m2)
+    # training with the FP8 head (e5m2 codes, grad_s #89's), with the bf16 head (in place), validation (loss alone)
+    modes = (("loss+grad e5m2", e5m2, 0.75 / 448, True), ("loss+grad bf16", bf16, 1.0, True),
+             ("loss", bf16, 1.0, False))
     for k in (2, 4):  # 1 or 2 weights pad to 2, 3 to 4 (softcap_ce)
-        for grad in (True, False):
-            out.append((f"softcap_ce bf16 K={k} {'loss+grad' if grad else 'loss'}", ce,
-                        (bf16, vocab, targets, torch.empty(k), losses, K.HEAD_CHUNK_ROWS, rows, 30.0, 5.0, 7.5),
-                        {"V": vocab, "K": k, "BLOCK_V": 1024, "GRAD": grad, **DEFAULTS}))
+        for mode, grad, grad_s, with_grad in modes:
+            out.append((f"softcap_ce bf16 K={k} {mode}", ce,
+                        (bf16, vocab, grad, vocab, targets, torch.empty(k), losses, K.HEAD_CHUNK_ROWS, rows, 23.0, 5.0,
+                         7.5, grad_s), {"V": vocab, "K": k, "BLOCK_V": 1024, "GRAD": with_grad, **DEFAULTS}))
     return out
 
 

@@ -1,7 +1,8 @@
 """Triton kernels against the torch path they replace, run by tests/test_kernels.py in a process of their own
 under Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is first imported, which importing
 torch.compile'd code does): values and gradients at sizes that do not divide the blocks (masked tails),
-negative pre-activations (the ReLU's zero side), saturated softcaps, and the ops' registration (opcheck).
+negative pre-activations (the ReLU's zero side), saturated softcaps, #89's cross-entropy numerics (the bf16
+sigmoid, the tail quirk, the e5m2 codes, against tests/reference89_optim.py too), and the ops' registration.
 Triton 3.6's interpreter misreads the relu2 GEMM's bf16 operands with numpy 2.4 (the cross-entropy kernel's
 bf16 reads right), so that kernel runs fp32 and fp16 here and bf16 in the GPU check. Not collected on its own
 (no test_ prefix)."""
@@ -12,8 +13,10 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gpt_kernels as K
+import reference89_optim as R
 import train_gpt as T
 
 pytest.importorskip("triton")
@@ -64,13 +67,15 @@ def test_relu2_op_passes_opcheck():
 
 
 def test_mlp_with_the_kernel_equals_the_torch_mlp():
-    cfg = T.parse_config(["--preset=tiny", "--model_dim=64", "--head_dim=32"])
-    torch.manual_seed(0)
-    plain = T.MLP(cfg)
-    fused = T.MLP(T.parse_config(["--preset=tiny", "--model_dim=64", "--head_dim=32", "--relu2_kernel=true"]))
-    fused.load_state_dict(plain.state_dict())
-    x = torch.randn(1, 50, 64)
-    torch.testing.assert_close(fused(x), plain(x), rtol=1e-4, atol=1e-6)
+    # GPT.mlp outside training's FP8 (validation; a run without the FP8 MLP): --relu2_kernel against the torch path
+    args = ["--preset=tiny", "--model_dim=64", "--head_dim=32", "--fp8_mlp=false"]
+    models = [T.GPT(T.parse_config([*args, f"--relu2_kernel={flag}"]), use_flex=False, fp8_head=False).eval()
+              for flag in ("false", "true")]
+    g = torch.Generator().manual_seed(0)
+    w_fc, w_proj = (0.1 * torch.randn(256, 64, generator=g) for _ in range(2))
+    x = torch.randn(1, 50, 64, generator=g)
+    plain, fused = (model.mlp(x, 0, w_fc, w_proj, []) for model in models)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("flag", ["relu2_kernel", "fused_head"])
@@ -80,11 +85,30 @@ def test_a_kernel_flag_is_refused_without_a_gpu_or_the_interpreter(monkeypatch, 
         T.resolve_for_device(T.parse_config(["--preset=tiny", f"--{flag}=true"]), cuda=False)
 
 
-def softcap_ce_reference(x, w, targets, weights, cap, shift, temp):
-    """The spec's loss (recipe_v2 §2.27) in float64, plainly: sum_k w_k sum_t (lse_t - u[t, y_(t+k)])."""
-    u = cap * torch.sigmoid((x.double() @ w.double().T + shift) / temp)
-    lse, n = torch.logsumexp(u, dim=-1), targets.numel()
-    return sum(wk * (lse[: n - k] - u[torch.arange(n - k), targets[k:]]).sum() for k, wk in enumerate(weights))
+def softcap89(logits: torch.Tensor, cap: float, shift: float, temp: float, training: bool = True) -> torch.Tensor:
+    """#89's softcap u of the logits, float64 (spec 4.10, 7.3): in training u = cap * bf16(s) with s the sigmoid of
+    (z / temp + shift / temp) in fp32; in validation u = cap * s rounded to the logits' dtype (#89's bf16)."""
+    inv = 1 / torch.tensor(temp, dtype=torch.float32)  # the kernel's: z / temp as z times 1 / temp, all fp32
+    s = torch.sigmoid(logits.float() * inv + shift * inv)
+    return cap * s.bfloat16().double() if training else (cap * s).to(logits.dtype).double()
+
+
+def softcap_ce_reference(logits, targets, weights, cap, shift, temp, training: bool = True, quirk: bool = True):
+    """(per-row losses, dloss/dlogits) in float64 from #89's u: loss_t = sum_k w_k (lse_t - u[t, y_(t+k)]) over t + k
+    < T; the gradient (S_w softmax(u) - sum_k w_k onehot(y_(t+k))) (cap / temp) s (1 - s), S_w the sum of all K
+    weights for every row (#89's tail quirk; quirk=False: the valid k's alone, the loss's true derivative)."""
+    u = softcap89(logits, cap, shift, temp, training)
+    n, lse = targets.numel(), torch.logsumexp(u, dim=-1)
+    losses, picked, s_w = torch.zeros(n, dtype=torch.float64), torch.zeros_like(u), torch.zeros(n, dtype=torch.float64)
+    for k, wk in enumerate(weights):
+        rows = torch.arange(n - k)
+        losses[rows] += wk * (lse[rows] - u[rows, targets[k:]])
+        picked[rows, targets[k:]] += wk
+        s_w[rows] += wk
+    if quirk:
+        s_w[:] = sum(weights)
+    s = u / cap
+    return losses, (s_w[:, None] * torch.softmax(u, dim=-1) - picked) * (cap / temp) * s * (1 - s)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,27 +122,121 @@ def ce_operands(m: int, d: int = 24, vocab: int = 300, spread: float = 1.0):
     return x, w, torch.randint(0, vocab, (m,), generator=g)
 
 
+def near_a_rounding_boundary(v: torch.Tensor, dtype: torch.dtype, eps: float) -> torch.Tensor:
+    """Where v (float64) lies within a relative eps of a tie between two neighbouring values of dtype."""
+    lo, hi = (v * (1 - eps)).float().to(dtype), (v * (1 + eps)).float().to(dtype)
+    return lo.view(torch.uint8 if dtype.itemsize == 1 else torch.int16) != hi.view(
+        torch.uint8 if dtype.itemsize == 1 else torch.int16)
+
+
 @pytest.mark.parametrize("weights, cap, shift, spread", [
     ([1.0], 30.0, 0.0, 1.0),  # #28's softcap
-    ([1.0, 0.5, 0.25], 23.0, 5.0, 1.0),  # v2: the asymmetric rescale and three next tokens
+    ([1.0, 0.5, 0.25], 23.0, 5.0, 1.0),  # #89's: the rescale and three next tokens
     ([1.0, 0.5], 23.0, 5.0, 400.0),  # |z| in the hundreds: the sigmoid saturates at 0 and at cap
 ])
-def test_softcap_ce_kernel_equals_the_spec_loss_and_its_gradients_across_chunks(monkeypatch, weights, cap, shift,
-                                                                                spread):
-    # 100 rows in chunks of 32 (the last of 4), a vocabulary of 300 in blocks of 1024 / 128: every tail masked.
+def test_softcap_ce_kernel_equals_89s_loss_and_gradients_across_chunks(monkeypatch, weights, cap, shift, spread):
+    # 100 rows in chunks of 32 (the last of 4), a vocabulary of 300 in blocks of 1024 / 128: every tail masked. The
+    # logits fp32 (the bf16 head with fp32 activations): the gradient's own rounding is fp32's.
     monkeypatch.setattr(K, "HEAD_CHUNK_ROWS", 32)
     x, w, targets = ce_operands(100, spread=spread)
-    mtp = torch.tensor(weights)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, _, _ = torch.ops.speedrun.softcap_ce(xs, ws, targets, mtp, cap, shift, 7.5, [])
+    loss, _, _ = torch.ops.speedrun.softcap_ce(xs, ws, targets, torch.tensor(weights), cap, shift, 7.5, [])
     (3.0 * loss).backward()  # a loss scale reaches the gradients as it would through autograd
-    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
-    want = softcap_ce_reference(xr, wr, targets, weights, cap, shift, 7.5)
-    (3.0 * want).backward()
+    losses, d_logits = softcap_ce_reference(x @ w.T, targets, weights, cap, shift, 7.5)
     assert torch.isfinite(loss) and torch.isfinite(xs.grad).all()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(xs.grad.double(), xr.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ws.grad.double(), wr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss.double(), losses.sum(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(xs.grad.double(), 3 * d_logits @ w.double(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ws.grad.double(), 3 * d_logits.T @ x.double(), rtol=1e-4, atol=1e-5)
+    # the sigmoid rounded to bf16: the loss is not the unrounded softcap's
+    u = cap * torch.sigmoid((x.double() @ w.double().T + shift) / 7.5)
+    lse = torch.logsumexp(u, -1)
+    exact = sum(wk * (lse[: 100 - k] - u[torch.arange(100 - k), targets[k:]]).sum() for k, wk in enumerate(weights))
+    assert spread > 1 or abs(loss.double() - exact) > 1e-6 * exact
+
+
+def test_softcap_ce_kernels_gradient_on_the_last_rows_is_89s_not_the_losss_derivative():
+    # #89's tail quirk: on the last K - 1 rows the softmax keeps the weight of all K next tokens, the targets past
+    # the end are left out; every other row's gradient is the loss's derivative.
+    x, w, targets = ce_operands(40)
+    weights = [1.0, 0.5, 0.25]
+    z = x @ w.T
+    losses = torch.empty(40)
+    K.softcap_ce_launcher()(z, targets, torch.tensor(weights + [0.0]), losses, 0, 23.0, 5.0, 7.5, z)  # z: dloss/dz
+    ref_losses, quirk = softcap_ce_reference(x @ w.T, targets, weights, 23.0, 5.0, 7.5)
+    _, true = softcap_ce_reference(x @ w.T, targets, weights, 23.0, 5.0, 7.5, quirk=False)
+    torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z.double(), quirk, rtol=1e-4, atol=1e-7)
+    assert torch.equal(quirk[:38], true[:38])
+    for row, missing in ((38, 0.25), (39, 0.75)):  # the weight whose target is past the end
+        extra = quirk[row] - true[row]  # missing x softmax x (cap / temp) s (1 - s): the softmax pushed down alone
+        torch.testing.assert_close(z[row].double() - true[row], extra, rtol=1e-4, atol=1e-7)
+        s = softcap89(x[row] @ w.T, 23.0, 5.0, 7.5) / 23
+        want = missing * torch.softmax(23 * s, -1) * (23 / 7.5) * s * (1 - s)
+        torch.testing.assert_close(extra, want, rtol=1e-9, atol=1e-12)
+        assert rel(z[row], true[row]) > 0.01
+
+
+def test_softcap_ce_kernels_e5m2_codes_are_89s_but_at_named_ties():
+    # The FP8 head's path: bf16 logits in, e5m2 codes of dloss/dz / grad_s out (nearest-even, saturating), against
+    # the independent reference's codes. They may differ only where the float64 value lies within 1e-5 of a tie
+    # between two codes, or the sigmoid within 1e-6 of a tie between two bf16 values (the interpreter's fp32 exp
+    # is not the float64 one); never by more than one code.
+    rows, vocab = 64, 1000
+    g = torch.Generator().manual_seed(4)
+    logits = (8 * torch.randn(rows, vocab, generator=g)).bfloat16()
+    logits[3, :10] = torch.tensor([-1e4, 1e4, -60, 60, 0, -5, 2e3, -2e3, 30, 100]).bfloat16()  # saturated sigmoids
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[10:13] = targets[9]  # the same token next, next but one: the target terms add up
+    grad_s = 0.75 / 448
+    for weights in ([1.0, 0.5, 0.25], [1.0]):
+        codes = torch.empty(rows, vocab, dtype=torch.float8_e5m2)
+        losses = torch.empty(rows)
+        padded = torch.tensor(weights + [0.0])  # 4 or 2: a power of two
+        K.softcap_ce_launcher()(logits, targets, padded, losses, 0, 23.0, 5.0, 7.5, codes, grad_s)
+        want_losses, want_codes, _ = R.softcap_ce89(logits, targets, weights, grad_s)
+        _, d_logits = softcap_ce_reference(logits, targets, weights, 23.0, 5.0, 7.5)
+        exact_s = torch.sigmoid(logits.double() / 7.5 + 5 / 7.5)
+        torch.testing.assert_close(losses.double(), want_losses, rtol=2e-6, atol=1e-5)
+        got, want = codes.view(torch.uint8), want_codes.view(torch.uint8)
+        differ = got != want
+        named = (near_a_rounding_boundary(d_logits / grad_s, torch.float8_e5m2, 1e-5)
+                 | near_a_rounding_boundary(exact_s, torch.bfloat16, 1e-6))
+        assert not (differ & ~named).any(), (differ & ~named).nonzero()[:5]
+        assert ((got.int() - want.int()).abs() <= 1).all() and differ.float().mean() < 1e-3
+        assert (codes.float() != 0).float().mean() > 0.5  # the codes carry the gradient (not flushed to zero)
+
+
+def test_softcap_ce_saturates_its_e5m2_codes_at_57344():
+    # A gradient scale far too small: |dloss/dz| / grad_s past e5m2's largest saturates (cvt.rn.satfinite), no inf.
+    logits = torch.zeros(4, 64).bfloat16()
+    targets = torch.tensor([1, 2, 3, 4])
+    codes, losses = torch.empty(4, 64, dtype=torch.float8_e5m2), torch.empty(4)
+    K.softcap_ce_launcher()(logits, targets, torch.tensor([1.0, 0.0]), losses, 0, 23.0, 0.0, 7.5, codes, 1e-9)
+    values = codes.float()
+    assert torch.isfinite(values).all() and (values[torch.arange(4), targets] == -57344).all()
+    assert ((values == 57344).sum(1) == 63).all()
+
+
+def test_softcap_ce_with_fp8_scales_runs_89s_head_forward_and_backward():
+    # The whole op against the independent reference of #89's head: e4m3 operands, the bf16 logits, the kernel's
+    # e5m2 codes, and the two backward GEMMs on those codes (fast accumulation off). The loss scale (1/8) reaches the
+    # gradients through autograd; grad_s carries none (fp8_scales(cfg, 1.0)).
+    cfg = T.parse_config([])
+    x, w, targets = ce_operands(96, d=32)
+    x, w = x.bfloat16(), (w / 8).bfloat16()
+    scales = T.fp8_scales(cfg, 1.0)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, gx, gw = torch.ops.speedrun.softcap_ce(xs, ws, targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5, scales)
+    (loss / 8).backward()
+    logits, _, _ = R.lm_head_fp8_89(x, w, *scales[:2])
+    losses, codes, _ = R.softcap_ce89(logits, targets, [1.0, 0.5], scales[2])
+    want_x, want_w = R.lm_head_fp8_backward89(x, w, codes, *scales)
+    assert gx.dtype == torch.bfloat16 and gw.dtype == torch.float32 and ws.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double(), losses.sum(), rtol=1e-5, atol=0)
+    assert rel(gx, want_x) < 1e-2 and rel(gw, want_w) < 1e-3, (rel(gx, want_x), rel(gw, want_w))
+    assert rel(xs.grad, want_x / 8) < 1e-2 and rel(ws.grad, want_w / 8) < 1e-2
+    bf16 = torch.ops.speedrun.softcap_ce(x, w, targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5, [])[0]
+    assert abs(loss - bf16) > 1e-5 * bf16  # the operands were quantized (not the bf16 head)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -127,56 +245,44 @@ def test_softcap_ce_kernel_in_half_precision_follows_the_reference(dtype):
     # under the interpreter).
     x, w, targets = ce_operands(64)
     loss, gx, gw = torch.ops.speedrun.softcap_ce(x.to(dtype), w, targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5, [])
-    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
-    want = softcap_ce_reference(xr, wr, targets, [1.0, 0.5], 23.0, 5.0, 7.5)
-    want.backward()
+    losses, d_logits = softcap_ce_reference(x @ w.T, targets, [1.0, 0.5], 23.0, 5.0, 7.5)
     assert gx.dtype == dtype and gw.dtype == torch.float32
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-3, atol=0)
-    assert rel(gx, xr.grad) < 2e-2 and rel(gw, wr.grad) < 2e-2
+    torch.testing.assert_close(loss.double(), losses.sum(), rtol=2e-3, atol=0)
+    assert rel(gx, d_logits @ w.double()) < 2e-2 and rel(gw, d_logits.T @ x.double()) < 2e-2
 
 
-def test_softcap_ce_with_fp8_scales_follows_the_fp8_head_path():
-    # --fused_head with the FP8 head: the same e4m3 operands and e5m2 gradient as fp8_mm followed by the
-    # softcapped cross-entropy in torch (its gradient scale then carries the loss scale; here 1/8).
-    cfg = T.parse_config([])
-    x, w, targets = ce_operands(96, d=32)
-    x = x.bfloat16()
-    loss, gx, gw = torch.ops.speedrun.softcap_ce(x, w, targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5,
-                                                 T.fp8_scales(cfg, 1.0))
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    z = torch.ops.speedrun.fp8_mm(xr, wr, *T.fp8_scales(cfg, 1 / 8))
-    u = 23.0 * torch.sigmoid((z.float() + 5.0) / 7.5)
-    lse = torch.logsumexp(u, dim=-1)
-    want = sum(m * (lse[: 96 - k] - u[torch.arange(96 - k), targets[k:]]).sum() for k, m in enumerate([1.0, 0.5]))
-    (want / 8).backward()
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=0)
-    assert rel(gx, 8 * xr.grad) < 3e-2 and rel(gw, 8 * wr.grad) < 3e-2  # e5m2 roundings (~5% from the exact)
-    exact = softcap_ce_reference(x, w, targets, [1.0, 0.5], 23.0, 5.0, 7.5)
-    assert abs(loss.double() - exact) / exact > 1e-5  # the operands were quantized (not the bf16 path)
-
-
-def test_softcap_ce_without_gradients_gives_the_same_loss():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_softcap_ce_without_gradients_is_89s_validation_loss(dtype):
+    # Validation: u = cap s in the logits' dtype (#89's compiled softcap: bf16), plain cross-entropy; no gradient.
     x, w, targets = ce_operands(70)
-    args = (targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5, [])
-    with_grad = torch.ops.speedrun.softcap_ce(x, w, *args)
-    loss, gx, gw = torch.ops.speedrun.softcap_ce(x, w, *args, False)
-    assert torch.equal(loss, with_grad[0]) and gx.numel() == gw.numel() == 0
+    x, w = x.to(dtype), w.to(dtype)
+    loss, gx, gw = torch.ops.speedrun.softcap_ce(x, w, targets, torch.ones(1), 23.0, 5.0, 7.5, [], False)
+    u = softcap89(x @ w.T, 23.0, 5.0, 7.5, training=False)
+    torch.testing.assert_close(loss.double(), F.cross_entropy(u, targets, reduction="sum"), rtol=1e-6, atol=0)
+    training = torch.ops.speedrun.softcap_ce(x, w, targets, torch.ones(1), 23.0, 5.0, 7.5, [])[0]
+    assert loss != training and gx.numel() == gw.numel() == 0  # the two roundings differ
 
 
-def test_softcap_ce_op_passes_opcheck():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_softcap_ce_op_passes_opcheck(fp8):
     x, w, targets = ce_operands(40, vocab=200)
-    torch.library.opcheck(torch.ops.speedrun.softcap_ce.default,
-                          (x.requires_grad_(), w.requires_grad_(), targets, torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5,
-                           []), test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    scales = T.fp8_scales(T.parse_config([]), 1.0) if fp8 else []
+    for with_grad in (True, False):
+        torch.library.opcheck(torch.ops.speedrun.softcap_ce.default,
+                              (x.requires_grad_(with_grad), w.requires_grad_(with_grad), targets,
+                               torch.tensor([1.0, 0.5]), 23.0, 5.0, 7.5, scales, with_grad),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
-def test_softcap_ce_compiled_in_one_graph_equals_eager():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_softcap_ce_compiled_in_one_graph_equals_eager(fp8):
     # Inside torch.compile(fullgraph=True) the op traces through its fake kernel and its autograd rule.
     x, w, targets = ce_operands(40, vocab=200)
     mtp = torch.tensor([1.0, 0.5])
+    scales = T.fp8_scales(T.parse_config([]), 1.0) if fp8 else []
 
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return 2 * torch.ops.speedrun.softcap_ce(x, w, targets, mtp, 23.0, 5.0, 7.5, [])[0]
+        return 2 * torch.ops.speedrun.softcap_ce(x, w, targets, mtp, 23.0, 5.0, 7.5, scales)[0]
 
     results = []
     for run in (fn, torch.compile(fn, fullgraph=True, dynamic=False)):
@@ -189,8 +295,8 @@ def test_softcap_ce_compiled_in_one_graph_equals_eager():
 
 
 def test_the_model_with_the_fused_head_equals_the_torch_path_loss_and_every_gradient():
-    # The recipe's loss (the rescale, three next tokens) through the whole model, fp32: --fused_head against the
-    # logits path, in training (the loss and every gradient) and in validation (the mean loss).
+    # #89's loss (the rescale, three next tokens, the bf16 sigmoid, the tail quirk) through the whole model, fp32:
+    # --fused_head against the logits path, in training (the loss and every gradient) and in validation.
     args = ["--preset=tiny", "--model_dim=64", "--head_dim=32", "--vocab_size=320", "--logit_cap=23",
             "--logit_shift=5"]
     torch.manual_seed(0)
@@ -242,9 +348,9 @@ def test_the_kernel_benchmark_runs_and_reports_both_paths_of_each_kernel(tmp_pat
     assert all(r["ms"] > 0 for r in results)
 
 
-def test_the_benchmarks_fp8_mlp_computes_the_bf16_mlps_gradients_in_fp8():
-    # Its two paths must do the same work: the FP8 one within FP8's error of the bf16 MLP (e4m3 operands, e5m2
-    # gradients: ~4% and ~6% per GEMM, ~9% through both and the square), and really in FP8 (bf16's is ~0.4%).
+def test_the_benchmarks_fp8_mlp_is_89s_fp8_mlp_against_the_bf16_one():
+    # Its two paths must do the same work: the FP8 one within FP8's error of the bf16 MLP (e4m3 forward; its bf16
+    # backward then differs through pre and post alone), and really in FP8 (bf16's own is ~0.4%).
     sys.path.insert(0, str(T.HERE / "records"))
     import kernel_bench as bench
     cfg = T.parse_config(["--model_dim=64", "--head_dim=32"])
@@ -255,4 +361,4 @@ def test_the_benchmarks_fp8_mlp_computes_the_bf16_mlps_gradients_in_fp8():
         fn()
         grads[path] = x.grad.clone(), w.grad.clone()
     for got, want in zip(grads["kernel"], grads["torch"]):
-        assert 0.02 < rel(got, want) < 0.15, rel(got, want)
+        assert 0.01 < rel(got, want) < 0.15, rel(got, want)

@@ -185,13 +185,13 @@ def test_a_resumed_run_needs_its_own_run_id(tmp_path, final_ckpt):
 
 
 def test_a_mismatch_stops_with_one_line(tmp_path, final_ckpt, monkeypatch, capsys):
-    code, _, err = main_in_process(args(tmp_path, "again", resume=final_ckpt, num_layers=6, attn_pattern="LS--SL",
-                                        value_embeds="0----0"),
+    code, _, err = main_in_process(args(tmp_path, "again", resume=final_ckpt, num_layers=6, attn_pattern="SL-SSL",
+                                        value_embeds="0---12"),
                                    monkeypatch, capsys)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("error: checkpoint ") and "needs --num_layers=4 (this run: 6)" in lines[0]
+    assert lines[0].startswith("error: checkpoint ") and "needs --num_layers=5 (this run: 6)" in lines[0]
 
 
 class FullDisk:

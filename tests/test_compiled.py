@@ -13,7 +13,6 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 import gpt_kernels as K
 import train_gpt as T
 from conftest import tiny_args
-from test_recipe import SMALL_MODEL
 
 pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute each on a cold cache
 
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute ea
 # the short window 0 -> 1 (window 0 is the case the CPU flex kernel crashed on); the multi-token weights fall and
 # YaRN rescales at each change. Two micro-steps per step: the graphs are the same as with eight, at a quarter of the
 # compute.
-REHEARSAL = dict(compile="true", fp8_head="true", train_seq_len=512, seq_len_stages="512,512,512",
+REHEARSAL = dict(compile="true", fp8_head="true", fp8_mlp="true", train_seq_len=512, seq_len_stages="512,512,512",
                  window_stages="0/1,1/2,1/3", lr_stages="1,1.5,1.7", doc_len_stages="2048,2048,2048",
                  mtp_stages="1/0.5/0.25,1/0.5,1", num_steps=6, global_batch_seqs=2, val_every=3, warmup_steps=2,
                  val_tokens=2048)
@@ -52,24 +51,23 @@ def test_windows_of_the_rehearsal_cross_zero(tmp_path):
     assert [s.short_window for s in steps] == [0, 0, 1, 1, 1, 1]
 
 
-# The tiny preset's model and the five-layer one (tests/test_recipe.py), compiled. Four heads: the paired layers
-# attend as two (with one, CPU inductor fuses the kernel's output into the next op, which its CPU FlexAttention
-# template does not support; the recipe pairs six heads into three).
-CFG = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32"])
-FIVE_LAYERS = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32"] +
-                             [f"--{k}={v}" for k, v in SMALL_MODEL.items()])
+# The tiny preset's model (#89's eleven layers' roles in five: a paired layer, the skip, the attention input layer,
+# MUDD), compiled. Four heads: the paired layer attends as two (with one, CPU inductor fuses the kernel's output into
+# the next op, which its CPU FlexAttention template does not support; the recipe pairs six heads into three).
+CFG = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32", "--fp8_mlp=true"])
 WINDOWS = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)  # (long, short) per call
 
 
-def model_and_compiled_twin(twin_flex: bool, cfg: T.Config = CFG) -> tuple[T.GPT, T.GPT, torch.nn.Module]:
+def model_and_compiled_twin(twin_flex: bool) -> tuple[T.GPT, T.GPT, torch.nn.Module]:
     """A dense-attention model with every parameter off its init, a twin with the same weights (FlexAttention or
     dense) and the twin compiled with fullgraph, on a fresh dynamo cache."""
     torch.manual_seed(0)
-    model = T.GPT(cfg, use_flex=False, fp8_head=True)
+    model = T.GPT(CFG, use_flex=False, fp8_head=True)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    twin = T.GPT(cfg, use_flex=twin_flex, fp8_head=True)
+    model.quantize_mlp_(exact_down=True)  # the FP8 MLP's weights, as after a step
+    twin = T.GPT(CFG, use_flex=twin_flex, fp8_head=True)
     twin.load_state_dict(model.state_dict())
     torch._dynamo.reset()
     return model, twin, torch.compile(twin, dynamic=False, fullgraph=True)
@@ -81,9 +79,8 @@ def sample_tokens(seed: int) -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("cfg", [CFG, FIVE_LAYERS], ids=["tiny", "five_layers"])
-def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph(cfg):
-    eager, twin, compiled = model_and_compiled_twin(twin_flex=False, cfg=cfg)
+def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph():
+    eager, twin, compiled = model_and_compiled_twin(twin_flex=False)
     tokens = sample_tokens(1)
     for i, windows in enumerate(WINDOWS):
         for model in (eager, twin):  # YaRN at each window change rewrites RoPE's tables and q's gain in place
@@ -94,25 +91,25 @@ def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph(cfg)
             model.zero_grad()
             model(tokens[:-1], tokens[1:].long(), *knobs).backward()
         # Fused kernels round bf16 intermediates once where eager rounds after each op: the loss agrees to
-        # ~1e-5, each matrix's gradient to ~1-2% (the e5m2 head gradient included).
+        # ~1e-4 (the FP8 MLP's e4m3 inputs flip with them), each matrix's gradient to ~1-2% (the e5m2 head gradient
+        # included).
         loss_e = eager(tokens[:-1], tokens[1:].long(), *knobs)
         loss_c = compiled(tokens[:-1], tokens[1:].long(), *knobs)
-        assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-4)
+        assert loss_c.item() == pytest.approx(loss_e.item(), rel=3e-4)
         for (name, a), b in zip(twin.named_parameters(), eager.parameters()):
-            if name not in ("scalars", "x0_lambdas"):  # sums of cancelling terms: relative error means little there
-                # The one-row gates (skip, smear) sum over every position too, through the FP8 head's e5m2
-                # gradient: 20% (measured up to 10.5% with bf16 activations).
-                tol = 0.2 if name in ("skip_gate", "smear_gate") else 0.05
+            if not name.endswith(("scalars", "lambdas", "xsa_alphas")):  # sums of cancelling terms: relative error
+                # means little there. The one-row gates (skip, smear) and MUDD's small MLPs sum over every position
+                # too, through the FP8 head's e5m2 gradient: 20% (measured up to 10.5% with bf16 activations).
+                tol = 0.2 if name.startswith(("skip_gate", "smear_gate", "mudd_")) else 0.05
                 assert (a.grad.float() - b.grad.float()).norm() <= tol * b.grad.float().norm(), name  # tied: 0
     assert model_graphs() == 1  # windows, YaRN, MTP weights, the tie: tensors, no recompile (eval: the run's test)
 
 
-@pytest.mark.parametrize("cfg", [CFG, FIVE_LAYERS], ids=["tiny", "five_layers"])
-def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mode(cfg):
+def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mode():
     # The CUDA model builds BlockMasks inside its compiled graph; on the CPU that graph runs forward only
     # (no flex backward), which is enough to see that it compiles whole and computes the dense model's loss
     # (with the paired-head layer's third block mask, over the interleaved 2T positions).
-    dense, flex, compiled = model_and_compiled_twin(twin_flex=True, cfg=cfg)
+    dense, flex, compiled = model_and_compiled_twin(twin_flex=True)
     tokens = sample_tokens(2)
     with torch.no_grad():
         for training in (True, False):
@@ -120,7 +117,8 @@ def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mod
             flex.train(training)
             for windows in WINDOWS:
                 args = tokens[:-1], tokens[1:].long(), windows
-                assert compiled(*args).item() == pytest.approx(dense(*args).item(), rel=1e-4)
+                # (the FP8 MLP's e4m3 inputs flip with fused bf16 rounding: ~2e-4 measured)
+                assert compiled(*args).item() == pytest.approx(dense(*args).item(), rel=4e-4)
     assert model_graphs() == 2
 
 
@@ -130,7 +128,7 @@ def test_compiled_fp8_training_has_one_train_and_one_eval_graph_and_follows_eage
     # Warmup (micro-step 0, window 1) and every training step share one graph; validation adds the eval graph.
     assert model_graphs() == 2
     log = (tmp_path / "logs" / "compiled.txt").read_text()
-    assert "fp8 head True, compile True" in log
+    assert "fp8 head True, fp8 mlp True, compile True" in log
     assert compiled.val_losses[-1][1] < compiled.val_losses[0][1] - 1.0  # it learns
 
     eager = T.run(tiny_args(tmp_path, run_id="eager", **{**REHEARSAL, "compile": "false"}))
@@ -139,7 +137,7 @@ def test_compiled_fp8_training_has_one_train_and_one_eval_graph_and_follows_eage
     assert len(ours) == len(theirs) == 6
     # The first updates agree closely; then the early, large-lr steps amplify the ~1% gradient differences
     # of fused rounding (eager runs that differ only in summation order agree to ~1e-4; these drift ~0.1).
-    assert ours[:2] == pytest.approx(theirs[:2], abs=2e-3)
+    assert ours[:2] == pytest.approx(theirs[:2], abs=5e-3)  # 2.9e-3 measured with the FP8 MLP
     assert ours == pytest.approx(theirs, abs=0.15)
     for (_, a), (_, b) in zip(compiled.val_losses, eager.val_losses):
         assert a == pytest.approx(b, abs=0.15)

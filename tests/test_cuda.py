@@ -199,7 +199,7 @@ def test_tiny_preset_trains_on_cuda_and_checkpoints_report_the_gpu_stall(tmp_pat
     losses = [loss for _, loss in result.val_losses]
     assert losses[-1] < losses[0] - 0.3  # 10.83 -> 10.14 on the CPU
     log = (tmp_path / "logs" / "tiny.txt").read_text()
-    assert "fp8 head True, compile True" in log
+    assert "fp8 head True, fp8 mlp True, compile True" in log
     # The run asks for expandable segments unless the environment chose (test_train checks that rule).
     assert f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}" in log
     stalls = [line for line in log.splitlines() if line.startswith("checkpoint:")]
@@ -211,8 +211,8 @@ def test_the_staged_recipe_on_cuda_compiles_each_sequence_length_in_the_warmup_a
         tmp_path, monkeypatch, record_property):
     # The recipe's stages on the GPU path: Polar Express compiled, three sequence lengths (three graphs, all
     # compiled before the clock), clipped documents, YaRN rewriting RoPE in place, Adam every other step, the
-    # untie, the five-layer model (smear, gates, one skip, backout, key offset, paired heads) under FlexAttention
-    # and the FP8 head.
+    # untie, the five-layer model (smear, gates, one skip, MUDD, XSA, key offset, paired heads) under FlexAttention
+    # and the FP8 head and MLP with their delayed scales, resumed from a checkpoint.
     from test_compiled import model_graphs
     from test_recipe import SMALL_STAGES, SMALL_MODEL
     graphs = []
@@ -252,6 +252,37 @@ def test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path(record
     (want * grad).sum().backward()
     record_property("relu2_rel_err", rel(got, want))
     assert rel(got, want) < 0.01 and rel(gx, x.grad) < 0.02 and rel(gw, w.grad) < 0.02
+
+
+@fp8
+def test_fp8_mlp_at_the_recipes_shape_follows_its_cpu_path_and_the_quantizer_matches(record_property):
+    # #89's FP8 MLP (up: current scales, down: delayed weight and activation scales) at one micro-step's 8,192 rows of
+    # the recipe's 768 x 3072 layer, on cuBLAS's _scaled_mm, against the same op on the CPU's torch path (the tests'
+    # reference there: tests/test_fp8_mlp.py): outputs within a bf16 step or two, the same bf16 backward.
+    g = torch.Generator().manual_seed(0)
+    bank = ((torch.rand(1, 2, 3072, 768, generator=g) - 0.5) * 0.06).bfloat16()
+    x = T.norm(torch.randn(8192, 768, generator=g)).bfloat16()
+    grad = torch.randn(8192, 768, generator=g).bfloat16()
+    results = {}
+    for device in ("cpu", "cuda"):
+        w8_fc = torch.empty(1, 3072, 768, dtype=torch.float8_e4m3fn, device=device)
+        w8_proj_t = torch.empty(1, 768, 3072, dtype=torch.float8_e4m3fn, device=device)
+        up, used, nxt = (torch.ones(1, device=device) for _ in range(3))
+        b = bank.to(device)
+        K.quantize_mlp_weights_(b, w8_fc, up, w8_proj_t, used, nxt, True, 1.12)
+        xs = x.to(device).requires_grad_()
+        w_fc, w_proj = b[0, 0].clone().requires_grad_(), b[0, 1].clone().requires_grad_()
+        out, amax = torch.ops.speedrun.mlp_fp8(xs, w_fc, w_proj, w8_fc[0], up[0], w8_proj_t[0], used[0],
+                                               torch.tensor(0.01, device=device))
+        (out * grad.to(device)).sum().backward()
+        results[device] = [t.detach().cpu() for t in (w8_fc, w8_proj_t, up, used, out, amax, xs.grad, w_fc.grad,
+                                                      w_proj.grad)]
+    cpu, cuda = results["cpu"], results["cuda"]
+    for a, b in zip(cpu[:4], cuda[:4]):  # the quantizer: the same codes and scales (up to the odd division tie)
+        assert (a.float() != b.float()).float().mean() < 1e-4
+    record_property("mlp_fp8_out_rel_err", rel(cuda[4], cpu[4]))
+    assert rel(cuda[4], cpu[4]) < 0.01 and cuda[5].item() == pytest.approx(cpu[5].item(), rel=2**-7)
+    assert all(rel(b, a) < 0.02 for a, b in zip(cpu[6:], cuda[6:]))
 
 
 @fp8
@@ -311,9 +342,7 @@ def test_the_recipe_runs_every_matmul_and_flex_attention_in_bf16_on_cuda(record_
                 return flex(q, k, v, **kw)
         return call
 
-    for block in model.blocks:
-        if block.attn is not None:
-            block.attn.flex = recorded(block.attn.flex)
+    model.flex = recorded(model.flex)
     with ops:
         model(tokens[:-1], tokens[1:].long(), windows, torch.tensor(s.mtp_weights, device="cuda")).backward()
     assert any(name == "flex_attention" for name, _ in ops.seen)

@@ -85,9 +85,9 @@ def test_rope_tables_are_one_per_length_and_built_on_their_device(args, tables):
     cfg = T.parse_config(args)
     with torch.device("meta"):  # the real shapes, nothing allocated
         model = T.GPT(cfg, use_flex=False, fp8_head=False)
-    rotaries = {id(b.attn.rotary): b.attn.rotary for b in model.blocks if b.attn is not None}
+    rotaries = [r for r in (model.rotary, model.rotary_paired) if r is not None]
     assert len(rotaries) == tables  # the paired layers rotate 2T positions: a second length
-    for rotary in rotaries.values():
+    for rotary in rotaries:
         assert rotary.cos.size(0) in (cfg.val_seq_len, 2 * cfg.val_seq_len)
 
     class HostTensors(TorchDispatchMode):  # any tensor of more than head_dim elements made off the tables' device

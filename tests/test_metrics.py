@@ -272,8 +272,8 @@ def test_flop_model_counts_the_models_own_matmul_weights_and_windows():
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     named = dict(model.named_parameters())
     counted = sum(p.numel() for n, p in named.items()
-                  if n.startswith("blocks.") or n in ("lm_head.weight", "skip_gate", "smear_gate"))
-    assert T.matmul_weights(model) == counted  # every block matrix, the gates, the head; no table, no scalar
+                  if n.endswith("_bank") or n.startswith(("mudd_w", "lm_head", "skip_gate", "smear_gate")))
+    assert T.matmul_weights(model) == counted  # the banks, the gates, MUDD's MLPs, the head; no table, no scalar
     # Windows covering the whole sequence on every attention layer: T_eff = (T + 1) / 2.
     full = cfg.train_seq_len // cfg.block_size
     whole = T.StepSchedule(1.0, 0.9, long_window=full, short_window=full, adam_step=True, seq_len=cfg.train_seq_len,

@@ -43,12 +43,17 @@ def test_forward_backward_shapes_and_dtypes():
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
         assert torch.isfinite(p.grad.float()).all(), name
-    # #70's dtypes: fp32 for the scalars and the Muon matrices' masters (read as bf16), bf16 for everything else
+    # #89's dtypes (spec 5.1): fp32 for the scalars, the per-layer lambdas and the Muon banks' masters (read as bf16),
+    # bf16 for everything else
     fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
-    assert fp32 == {"scalars", "x0_lambdas"} | {n for n in fp32 if n.endswith(("qkvo_w", "c_fc", "c_proj"))}, fp32
-    assert sum(n.endswith(("qkvo_w", "c_fc", "c_proj")) for n in fp32) == 3 * cfg.num_layers - 1
-    assert model.blocks[2].attn is None  # "LS-L": the third layer has no attention
-    assert model.blocks[0].attn.qkvo_w.shape == (4, cfg.num_heads * cfg.head_dim, cfg.model_dim)
+    assert fp32 == {"scalars", "post_lambdas", "resid_lambdas", "x0_lambdas", "bigram_lambdas", "xsa_alphas",
+                    "qk_bank", "vo_bank", "mlp_bank"}, fp32
+    L, H, D, d = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.model_dim
+    attention_layers = L - cfg.attn_pattern.count("-")
+    assert model.qk_bank.shape == (attention_layers * H, 2 * D, d)  # Q and K in head pairs (#80)
+    assert model.vo_bank.shape == (2 * attention_layers, H * D, d)
+    assert model.mlp_bank.shape == (L, 2, cfg.mlp_ratio * d, d)
+    assert [p.attn for p in model.plans] == [0, 1, None, 2, 3]  # "SL-SL": the third layer has no attention
 
 
 def mask_tokens(seed: int, length: int = 128) -> torch.Tensor:
@@ -178,10 +183,12 @@ def test_fp8_head_gradients_quantize_like_the_records_unscaled_loss():
     assert (record["lm_head.weight"] != 0).any()
 
 
-def test_fp8_head_needs_dimensions_divisible_by_16_and_cuda_needs_128_blocks():
+def test_fp8_matmuls_need_dimensions_divisible_by_16_and_cuda_needs_128_blocks():
     with pytest.raises(T.UsageError, match=r"FP8 head needs .* divisible by 16 .*--model_dim=120"):
         T.resolve_for_device(tiny_config(model_dim=120, fp8_head=True), cuda=False)
-    T.resolve_for_device(tiny_config(model_dim=120, fp8_head=False), cuda=True)
+    with pytest.raises(T.UsageError, match=r"FP8 MLP needs .* divisible by 16 .*--model_dim=120.*--fp8_mlp=false"):
+        T.resolve_for_device(tiny_config(model_dim=120, fp8_head=False), cuda=True)
+    T.resolve_for_device(tiny_config(model_dim=120, fp8_head=False, fp8_mlp=False), cuda=True)
     with pytest.raises(T.UsageError, match="--block_size=64: FlexAttention on CUDA needs a multiple of 128"):
         T.resolve_for_device(tiny_config(block_size=64, fp8_head=False), cuda=True)
     T.resolve_for_device(tiny_config(block_size=64, fp8_head=True), cuda=False)

@@ -19,7 +19,7 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
 @pytest.mark.parametrize("args, message", [
     (["--model_dim=1048576", "--head_dim=524288"], "the model needs at least"),  # parameters beyond any memory
     (["--vocab_size=100000000000"], "GB for its parameters, their gradients and tables"),
-    (["--bigram_rows=10000000000"], "bigram.weight: 5,120.0 GB"),
+    (["--bigram_rows=10000000000"], "bigram_embed.weight: 1,280.0 GB"),
     (["--vocab_size=1e11"], "--vocab_size expects int, got '1e11'"),
     (["--muon_lr=1e30"], "--muon_lr must be in (0, 10], got 1e+30"),
     (["--embed_wd_mul=1e300"], "--embed_wd_mul must be in [0, 1000], got 1e+300"),

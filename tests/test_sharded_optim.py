@@ -1,7 +1,7 @@
 """ShardedMuonAdam against a single-process reference, on gloo ranks spawned on the CPU.
 
-A small GPT shaped like the recipe's (five layers, three with attention: qkvo matrices, head and VE gates in Adam,
-MLPs with their own lr multipliers, the skip's and smear's gates, the bigram table with the value embeddings) trains
+A small GPT shaped like the recipe's (five layers, four with attention: the Q/K, V/O and MLP banks in Muon, head and
+VE gates, MUDD and the lambdas in Adam, the skip's and smear's gates, the bigram table with the value embeddings) trains
 3 steps of 8 sequences with gradient accumulation and the recipe's optimizer: Polar Express, NorMuon, cautious
 weight decay, Adam every other step. The small bucket size splits groups into several buckets; the default one
 cuts parameters across ranks' shards.
@@ -51,8 +51,8 @@ _one_thread = pytest.fixture(autouse=True)(_single_thread)
 def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
     fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
                   train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, normuon_beta2=0.9,
-                  num_layers=5, attn_pattern="SL-SL", value_embeds="-0-12", skip="1:2", backout_layer=3,
-                  bigram_rows=1031, paired_layers="0,3")
+                  num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2", attn_input_layer=3,
+                  bigram_rows=1031, bigram_dim=16, mudd_dim=8, paired_layers="0,3")
     if variant == "fp32":
         # Adam's step does not shrink with the gradient, so an element whose gradient nearly cancels
         # turns summation-order noise into a visible step; a larger eps bounds that gain.
@@ -119,9 +119,9 @@ def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dic
                     if g.kind == "muon":
                         s = state.setdefault(name, {"momentum": torch.zeros_like(p),
                                                     "v": torch.zeros(T.normuon_state_shape(p.shape))})
-                        cols = T.normuon_columns(name, p[..., 0, 0].numel())  # W_o: per output channel
+                        per_matrix = torch.tensor(lr_mul, dtype=torch.float64).view(*p.shape[:-2], 1, 1)
                         T.muon_update_(p, total[name], s, lr, MOMENTUM[step], cfg.normuon_beta2, orthogonalize,
-                                       lr_mul, g.wd, torch.tensor(cols) if any(cols) else None)
+                                       per_matrix, g.wd)
                     elif adam_step:
                         s = state.setdefault(name, {k: torch.zeros(p.shape) for k in ("m", "v")})
                         T.adam_update_(p, total[name], s["m"], s["v"], (step + 1) // cfg.adam_every, lr, *g.betas,
@@ -241,7 +241,7 @@ def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     (Adam), wd * lr * step_lr * lr_mul * |p| (Muon; step_lr <= 2 lr here): allowed on a few elements."""
     assert got.keys() == want.keys()
     cfg = small_config("fp32")
-    decay = {name: g.wd * (g.lr * max([1.0, *g.lr_muls])) ** 2 * (2 if g.kind == "muon" else 1)
+    decay = {name: g.wd * (g.lr * max([1.0, *(m for muls in g.lr_muls for m in muls)])) ** 2 * (2 if g.kind == "muon" else 1)
              for g in T.build_param_groups(make_model(cfg, "fp32"), cfg) for name in g.names}
     for name in want:
         assert got[name].dtype == want[name].dtype, name
@@ -340,11 +340,13 @@ def test_buckets_pad_uneven_groups_and_split_big_ones():
     cfg = small_config(bucket_mb=0.05)
     opt = T.ShardedMuonAdam(make_model(cfg, "recipe"), cfg, 0, 4, compile_ns=False)
     muon = [(b.unit, sum(b.counts), b.shard_units) for b in opt.buckets if b.kind == "muon"]
-    assert [(n, k) for unit, n, k in muon if unit == [64, 64]] == [(4, 1)] * 4  # 4 attention layers' q, k, v, o
-    assert [(n, k) for unit, n, k in muon if unit == [64, 128]] == [(4, 1), (4, 1), (2, 1)]  # 10 MLP matrices
+    # a parameter is never split: the Q/K bank (4 attention layers x 2 head-pair blocks) and the V/O bank (4 x 2) are a
+    # bucket each, over the limit of 4 matrices; the MLP bank's 10 matrices pad to 3 per rank
+    assert [(n, k) for unit, n, k in muon if unit == [64, 64]] == [(8, 2), (8, 2)]
+    assert [(n, k) for unit, n, k in muon if unit == [128, 64]] == [(10, 3)]
     assert {str(b.data.dtype) for b in opt.buckets if b.kind == "adam"} == {"torch.float32", "torch.bfloat16"}
-    x0 = next(b for b in opt.buckets if b.names == ["x0_lambdas"])
-    assert (sum(x0.counts), x0.shard_units, x0.data.numel()) == (5, 2, 8)  # 5 elements padded to 2 per rank
+    resid = next(b for b in opt.buckets if b.names == ["resid_lambdas"])
+    assert (sum(resid.counts), resid.shard_units, resid.data.numel()) == (10, 3, 12)  # 10 elements: 3 per rank
     for b in opt.buckets:
         assert len({p.dtype for p in b.params}) == 1 and b.shard_units * 4 >= sum(b.counts)
         for p, view in zip(b.params, b.grad_views):  # parameters and gradients live in the bucket buffers

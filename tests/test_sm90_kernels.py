@@ -1,7 +1,10 @@
 """The Triton kernels compiled for the H100 (sm90) offline by Triton's own compiler and ptxas, no GPU needed:
-every launch the recipe makes compiles, within sm90's shared memory and without spills (records/sm90_kernels.py)."""
+every launch the recipe makes compiles, within sm90's shared memory and without spills (records/sm90_kernels.py);
+the cross-entropy's e5m2 codes are the GPU's own rounding (cvt.rn.satfinite) of values its bit-level rounding put
+on e5m2's grid, which the compiler keeps (no fast-math folding of (a + 128) - 128)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -23,7 +26,10 @@ def test_every_recipe_launch_compiles_for_sm90_within_shared_memory_and_without_
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     rows = json.loads((tmp_path / "sm90.json").read_text())
     assert {r["kernel"].split()[0] for r in rows} == {"relu2_mm", "softcap_ce"}
-    assert len(rows) == len(K.RELU2_CONFIGS) + 4 and len(K.RELU2_CONFIGS) >= 4  # every tile autotuning may pick
+    assert len(rows) == len(K.RELU2_CONFIGS) + 6 and len(K.RELU2_CONFIGS) >= 4  # every tile autotuning may pick
+    ce = {r["kernel"] for r in rows if r["kernel"].startswith("softcap_ce")}  # #89's three modes, 2 or 4 weights
+    assert ce == {f"softcap_ce bf16 K={k} {mode}" for k in (2, 4) for mode in ("loss+grad e5m2", "loss+grad bf16",
+                                                                               "loss")}, ce
     for r in rows:
         assert r["ok"] and 0 < r["registers"] <= 255 and r["shared_bytes"] <= 227 * 1024, r
 
@@ -55,3 +61,17 @@ def test_the_sm90_check_fails_a_tile_beyond_shared_memory():
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(run.stdout.strip().splitlines()[-1])
     assert not row["ok"] and "shared memory" in row["problem"], row
+
+
+@pytest.mark.slow
+def test_the_cross_entropys_e5m2_rounding_survives_the_compiler():
+    sys.path.insert(0, str(TOOL.parent))
+    import triton
+
+    import sm90_kernels as S
+    _, kernel, args, keywords = next(c for c in S.cases(T.Config()) if "e5m2" in c[0])
+    src, options = S.source(kernel, args, keywords)
+    ptx = triton.compile(src, target=S.H100, options=options).asm["ptx"]
+    assert "cvt.rn.satfinite.e5m2x2.f32" in ptx  # nearest-even, saturating: exact on values already on the grid
+    assert re.search(r"add\.f32.*0f43000000", ptx)  # + 128 and - 128 both there: the subnormals' rounding
+    assert re.search(r"(sub\.f32.*0f43000000|add\.f32.*0fC3000000)", ptx)
