@@ -351,7 +351,7 @@ def layer_plans(cfg: Config) -> list[LayerPlan]:
                                attn is not None and i not in paired, tables[i], gate))
     return plans
 
-def mudd_bias_init(cfg: Config) -> Tensor:
+def mudd_bias_init() -> Tensor:
     """The MUDD biases (stored / MUDD_SCALE): at init the last layer's mixes are the other layers' defaults (VE gate 2,
     residual sqrt(1.1), output 1, bigram 0.05) and the final mix is #40's backout, -0.5 x the attention input layer."""
     b = torch.zeros(2, max(MUDD_COEFS))
@@ -398,7 +398,6 @@ class SoftcappedMTPLoss(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None
 
-
 def train_loss_scale(cfg: Config) -> float:
     """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then
     grad_scale x the mean over the step's sequences at every world size."""
@@ -421,7 +420,7 @@ class GPT(nn.Module):
         self.plans = layer_plans(cfg)
         self.skip_from, self.skip_to = skip_layers(cfg)
         n_attn = sum(p.attn is not None for p in self.plans)
-        n_tables = len(set(cfg.value_embeds) - {"-"})
+        n_tables, n_ve = len(set(cfg.value_embeds) - {"-"}), sum(p.ve_table is not None for p in self.plans)
         max_len = max(cfg.train_seq_len, cfg.val_seq_len)
         self.flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
         bound = math.sqrt(3) * 0.5 / math.sqrt(d)  # U(-bound, bound): the std of 0.5 / sqrt(d)
@@ -444,7 +443,7 @@ class GPT(nn.Module):
         nn.init.zeros_(self.skip_gate.weight)
         # Per attention layer: head output gates; per VE layer: the VE gates, 2 sigmoid(W [u, ve]) (#55, #70).
         self.attn_gate_bank = nn.Parameter(torch.zeros(n_attn, H, cfg.gate_channels, dtype=torch.bfloat16))
-        self.ve_gate_bank = nn.Parameter(torch.zeros(n_tables, H, cfg.gate_channels, dtype=torch.bfloat16))
+        self.ve_gate_bank = nn.Parameter(torch.zeros(n_ve, H, cfg.gate_channels, dtype=torch.bfloat16))
         # Muon's matrices (#80): Q and K in head pairs, per attention layer H/2 of Q then H/2 of K, (2D, d) each; V and
         # W_o per layer, (HD, d) each; W_fc and W_proj per layer, (4d, d) each (W_proj read as h W_proj).
         self.qk_bank = nn.Parameter(torch.empty(n_attn * H, 2 * D, d))
@@ -467,7 +466,7 @@ class GPT(nn.Module):
             nn.init.kaiming_uniform_(block, a=math.sqrt(5))
         self.mudd_w1 = nn.Parameter(w1.bfloat16())
         self.mudd_w2 = nn.Parameter(torch.zeros(2, max(MUDD_COEFS), cfg.mudd_dim, dtype=torch.bfloat16))
-        self.mudd_b2 = nn.Parameter(mudd_bias_init(cfg))
+        self.mudd_b2 = nn.Parameter(mudd_bias_init())
         # One RoPE table per length (paired layers: 2T positions), shared by the layers.
         self.rotary = Rotary(D, max_len)
         self.rotary_paired = Rotary(D, 2 * max_len) if any(p.paired for p in self.plans) else None

@@ -328,10 +328,11 @@ def test_adam_every_other_step_applies_the_summed_gradients_of_two_steps():
 def scaled_recipe_args(tmp_path, **overrides) -> list[str]:
     """The tiny preset (the recipe at tiny shapes, its stages, extension, untie and Adam every other step in place
     of tests' ONE_STAGE), shortened to 12 scheduled steps (stages from steps 4 and 8, untied after 9) and the 2-step
-    extension with its longer windows: every boundary in 14 steps."""
+    extension with its longer windows: every boundary in 14 steps, of 4 sequences (half the tiny preset's) to be
+    quick."""
     tiny = T.parse_config(["--preset=tiny"])
     staged = {name: getattr(tiny, name) for name in ONE_STAGE}
-    return tiny_args(tmp_path, **{**staged, "num_steps": 14, "val_every": 4, **overrides})
+    return tiny_args(tmp_path, **{**staged, "num_steps": 14, "val_every": 4, "global_batch_seqs": 4, **overrides})
 
 
 @pytest.mark.slow  # five runs of the scaled-down recipe
@@ -352,19 +353,17 @@ def test_scaled_down_recipe_crosses_every_stage_and_resumes_bit_for_bit_inside_e
     assert full.val_losses[-1][1] < full.val_losses[0][1] - 0.5
 
 
-@pytest.mark.slow  # two runs with the FP8 matmuls on the CPU
+@pytest.mark.slow  # two short runs with the FP8 matmuls on the CPU
 def test_fp8_mlps_delayed_scales_resume_bit_for_bit(tmp_path):
     """The GPU path's FP8 head and MLP on the CPU: the MLP's delayed scales (its weight scale from the step before, its
     input scale from the last forward) are model state a checkpoint carries, so a resume inside the delayed phase
     continues the run exactly."""
-    fp8 = dict(fp8_head="true", fp8_mlp="true", fp8_down_exact_steps=2, num_steps=8, val_every=4)
-    full = T.run(scaled_recipe_args(tmp_path, run_id="fp8", save_every=4, **fp8))
+    fp8 = dict(fp8_head="true", fp8_mlp="true", fp8_down_exact_steps=1, num_steps=4, val_every=2)
+    full = T.run(tiny_args(tmp_path, run_id="fp8", save_every=2, **fp8))
     assert "fp8 head True, fp8 mlp True" in (tmp_path / "logs" / "fp8.txt").read_text()
-    scales = full.model.fp8_act_scales.clone()
-    assert (scales != 1).all() and (full.model.fp8_down_scales != full.model.fp8_down_next_scales).any()
-    resumed = T.run(scaled_recipe_args(tmp_path, run_id="fp8_from4", resume=tmp_path / "logs" / "fp8" / "ckpt_4",
-                                       **fp8))
-    assert resumed.val_losses == [v for v in full.val_losses if v[0] >= 4]
+    assert (full.model.fp8_act_scales != 1).all()
+    assert (full.model.fp8_down_scales != full.model.fp8_down_next_scales).any()  # delayed: last step's amax
+    resumed = T.run(tiny_args(tmp_path, run_id="fp8_from2", resume=tmp_path / "logs" / "fp8" / "ckpt_2", **fp8))
+    assert resumed.val_losses == full.val_losses[1:]
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
-
