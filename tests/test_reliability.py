@@ -217,14 +217,14 @@ def test_a_diverging_run_stops_at_the_next_logging_step_with_one_line(tmp_path, 
 
 @pytest.mark.slow
 def test_tokenize_text_ctrl_c_is_one_line(tmp_path):
-    (tmp_path / "big.txt").write_text("many words here " * 2_000_000)
+    (tmp_path / "big.txt").write_text("many words here " * 8_000_000)  # seconds of work: SIGINT lands inside it
     proc = subprocess.Popen([sys.executable, str(REPO / "data" / "tokenize_text.py"), str(tmp_path / "big.txt"),
                              "--out_dir", str(tmp_path / "out"), "--val_tokens", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "out").exists() and time.monotonic() < deadline:  # tokenizer loaded, work started
         time.sleep(0.05)
-    time.sleep(0.5)
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip() == "interrupted", err
