@@ -228,7 +228,7 @@ HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB pe
 
 @functools.cache
 def softcap_ce_launcher() -> Callable:
-    global tl, round_bf16, round_e5m2  # module globals, as Triton (its interpreter too) resolves a kernel's names there
+    global tl, round_bf16, capped, round_e5m2  # module globals, as Triton (its interpreter too) resolves a kernel's names there
     import triton
     import triton.language as tl
 
@@ -239,6 +239,18 @@ def softcap_ce_launcher() -> Callable:
         b = x.to(tl.uint32, bitcast=True)
         b += 0x7FFF + ((b >> 16) & 1)
         return ((b >> 16) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def capped(s, cap, GRAD: tl.constexpr, dtype: tl.constexpr):
+        # u = cap s: training rounds the sigmoid s to bf16 first (#89's kernel), validation u to the logits' dtype
+        if GRAD:
+            return cap * round_bf16(s)
+        u = cap * s
+        if dtype == tl.bfloat16:
+            u = round_bf16(u)
+        elif dtype == tl.float16:
+            u = u.to(tl.float16).to(tl.float32)
+        return u
 
     @triton.jit
     def round_e5m2(x):
@@ -264,14 +276,7 @@ def softcap_ce_launcher() -> Callable:
         for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
             cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
             s = 1 / (1 + tl.exp(-(tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_temp + bias)))
-            if GRAD:
-                u = cap * round_bf16(s)
-            else:
-                u = cap * s
-                if z_ptr.dtype.element_ty == tl.bfloat16:
-                    u = round_bf16(u)
-                elif z_ptr.dtype.element_ty == tl.float16:
-                    u = u.to(tl.float16).to(tl.float32)
+            u = capped(s, cap, GRAD, z_ptr.dtype.element_ty)
             sums += tl.where(cols < V, tl.exp(u - cap), 0.0)
         lse = cap + tl.log(tl.sum(sums, axis=0))
         ks = tl.arange(0, K)
@@ -279,14 +284,7 @@ def softcap_ce_launcher() -> Callable:
         ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
         ws = tl.load(weights_ptr + ks)
         s_y = 1 / (1 + tl.exp(-(tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) * inv_temp + bias)))
-        if GRAD:
-            u_y = cap * round_bf16(s_y)
-        else:
-            u_y = cap * s_y
-            if z_ptr.dtype.element_ty == tl.bfloat16:
-                u_y = round_bf16(u_y)
-            elif z_ptr.dtype.element_ty == tl.float16:
-                u_y = u_y.to(tl.float16).to(tl.float32)
+        u_y = capped(s_y, cap, GRAD, z_ptr.dtype.element_ty)
         tl.store(loss_ptr + r, tl.sum(tl.where(valid, ws * (lse - u_y), 0.0), axis=0))
         if GRAD:
             coef = tl.sum(ws, axis=0)  # S_w
