@@ -215,20 +215,46 @@ def test_a_diverging_run_stops_at_the_next_logging_step_with_one_line(tmp_path, 
     assert (tmp_path / "logs" / "nan.txt").read_text().rstrip().splitlines()[-1] == err.strip()
 
 
-@pytest.mark.slow
-def test_tokenize_text_ctrl_c_is_one_line(tmp_path):
-    (tmp_path / "big.txt").write_text("many words here " * 8_000_000)  # seconds of work: SIGINT lands inside it
-    proc = subprocess.Popen([sys.executable, str(REPO / "data" / "tokenize_text.py"), str(tmp_path / "big.txt"),
-                             "--out_dir", str(tmp_path / "out"), "--val_tokens", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "out").exists() and time.monotonic() < deadline:  # tokenizer loaded, work started
+# The tokenizer with its last document hanging in a pool process: the interrupt lands inside the work, after a
+# shard was written, however fast or loaded the machine (a large input raced it: CI once finished before the signal).
+HANGING_TOKENIZER = """
+import os, sys, time
+sys.path.insert(0, os.environ["DATA_DIR"])
+import tokenize_text
+
+encode = tokenize_text.encode_document
+
+def encode_or_hang(text):
+    if text == "hang":
+        open(os.environ["HANGING"], "w").close()
+        time.sleep(600)
+    return encode(text)
+
+tokenize_text.encode_document = encode_or_hang
+tokenize_text.main()
+"""
+
+
+def test_tokenize_text_ctrl_c_is_one_line_and_removes_the_shards_it_wrote(tmp_path):
+    (tmp_path / "hanging_tokenizer.py").write_text(HANGING_TOKENIZER)
+    # 64 documents of BOS + 3 tokens (the pool's first chunk of work), 32 to a shard, then the hanging one
+    docs = ["a b c"] * 64 + ["hang"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    out, hanging = tmp_path / "out", tmp_path / "hanging"
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "hanging_tokenizer.py"), str(tmp_path / "docs.jsonl"),
+                             "--out_dir", str(out), "--val_tokens", "0", "--shard_tokens", "128", "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DATA_DIR": str(REPO / "data"), "HANGING": str(hanging)})
+    shard = out / "text_train_000001.bin"
+    deadline = time.monotonic() + 120
+    while not (hanging.exists() and shard.exists()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.2)
+    assert hanging.exists() and shard.exists(), proc.communicate()
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    stdout, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip() == "interrupted", err
-    assert not list((tmp_path / "out").glob("*.tmp")) if (tmp_path / "out").exists() else True
+    assert stdout.splitlines()[-1] == "removed the 1 shard(s) written before the error"
+    assert list(out.iterdir()) == []
 
 
 def test_no_space_for_the_log_is_one_line_and_a_rerun_with_its_run_id_is_not_refused(tmp_path, monkeypatch, capsys):
