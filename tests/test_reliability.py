@@ -218,7 +218,11 @@ def test_a_diverging_run_stops_at_the_next_logging_step_with_one_line(tmp_path, 
 # The tokenizer with its last document hanging in a pool process: the interrupt lands inside the work, after a
 # shard was written, however fast or loaded the machine (a large input raced it: CI once finished before the signal).
 HANGING_TOKENIZER = """
-import os, sys, time
+import os, signal, sys, time
+# Signals as a shell starts a program: ignored ones pass through exec, and the suite's process may ignore them.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 sys.path.insert(0, os.environ["DATA_DIR"])
 import tokenize_text
 
