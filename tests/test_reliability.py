@@ -219,7 +219,8 @@ def test_a_diverging_run_stops_at_the_next_logging_step_with_one_line(tmp_path, 
 # shard was written, however fast or loaded the machine (a large input raced it: CI once finished before the signal).
 HANGING_TOKENIZER = """
 import os, signal, sys, time
-# Signals as a shell starts a program: ignored ones pass through exec, and the suite's process may ignore them.
+# Signals as an interactive shell starts a program: a suite launched as a background job (`cmd &`) ignores SIGINT,
+# and exec passes an ignored signal on (Python then raises no KeyboardInterrupt).
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
