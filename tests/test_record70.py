@@ -4,20 +4,18 @@ record's kind of CPU), its own tests (#70's exact arithmetic against tests/refer
 a float64 spec, its optimizer table and schedule) pass against it, and compare.py shows the recipe change to today's
 file's tiny record."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
-from test_first_contact import DRIFT, cpu_kind, logged_losses
+from snapshot_checks import rerun_tiny_record, run_own_tests
 
 RECORD = REPO / "records" / "2026-11-26_record70"
 TINY_RECORD = RECORD / "tiny_cpu_w1"  # the snapshot's tiny preset at W=1: .txt, .json, .jsonl
 # Today's file's tiny record, against which the diff shows the recipe change from #70.
 TODAY = REPO / "records" / "2026-11-26_tiny_cpu_89" / "tiny_cpu_w1.txt"
-ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 
 
 def sections(report: str) -> dict[str, list[str]]:
@@ -41,24 +39,16 @@ def test_the_tiny_records_ran_the_snapshots_code():
 
 @pytest.mark.slow
 def test_the_snapshot_reproduces_its_tiny_record_bit_for_bit(tmp_path):
-    run = subprocess.run([sys.executable, str(RECORD / "train_gpt.py"), "--preset=tiny", "--device=cpu",
-                          f"--log_dir={tmp_path}", "--run_id=r70"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
+    same_cpu = rerun_tiny_record(RECORD, TINY_RECORD, tmp_path, "r70")
     log = (tmp_path / "r70.txt").read_text()
     assert log.startswith((RECORD / "train_gpt.py").read_text())  # the snapshot ran, not the repository's file
-    ours, record = logged_losses(tmp_path / "r70.jsonl"), logged_losses(TINY_RECORD.with_suffix(".jsonl"))
-    assert ours.keys() == record.keys() and len(ours) == 43  # 40 train losses, 3 validations
-    if cpu_kind(log) == cpu_kind(TINY_RECORD.with_suffix(".txt").read_text()):
-        assert ours == record
+    if same_cpu:
         diff = subprocess.run([sys.executable, "records/compare.py", "diff", str(TINY_RECORD.with_suffix(".txt")),
                                str(tmp_path / "r70.txt")], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert diff.returncode == 0, diff.stderr
         report = sections(diff.stdout)
         assert report[""][0] == "verdict: reproduced: all 43 logged losses equal (40 train, 3 val)"
         assert report["config (A -> B)"] == ["(no differences)"] and report["code (A -> B)"] == ["(identical)"]
-    else:  # another kind of CPU: the same run up to the kernels' rounding (test_first_contact)
-        assert all(abs(loss - record[key]) <= DRIFT[key[1]] for key, loss in ours.items())
 
 
 @pytest.mark.slow
@@ -78,8 +68,4 @@ def test_compare_shows_the_recipe_change_from_record70_to_todays_tiny_record():
 
 @pytest.mark.slow
 def test_the_snapshots_own_tests_pass_against_it():
-    # Its own process: the snapshot is `train_gpt` (and `gpt_kernels`) there, and registers the same torch.ops.
-    run = subprocess.run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider"], cwd=RECORD,
-                         env=ENV, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout and "skipped" not in run.stdout
+    assert "skipped" not in run_own_tests(RECORD)  # it brings its own gpt_kernels: no test of it skips

@@ -1,0 +1,40 @@
+"""What every record snapshot under records/ must show (tests/test_record28.py, tests/test_record70.py): its tiny
+preset reproduces its tiny record, and its own tests pass against it, each in a process of its own where
+`import train_gpt` finds the snapshot."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+from test_first_contact import DRIFT, cpu_kind, logged_losses
+
+ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
+
+
+def rerun_tiny_record(snapshot: Path, record: Path, tmp_path: Path, run_id: str) -> bool:
+    """Runs the snapshot's tiny preset and checks its 43 losses against the tiny record (record: its log, any
+    suffix): bit for bit on the record's kind of CPU (True), within the kernels' rounding on another (False)."""
+    run = subprocess.run([sys.executable, str(snapshot / "train_gpt.py"), "--preset=tiny", "--device=cpu",
+                          f"--log_dir={tmp_path}", f"--run_id={run_id}"], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ours, theirs = logged_losses(tmp_path / f"{run_id}.jsonl"), logged_losses(record.with_suffix(".jsonl"))
+    assert ours.keys() == theirs.keys() and len(ours) == 43  # 40 train losses, 3 validations
+    same_cpu = cpu_kind((tmp_path / f"{run_id}.txt").read_text()) == cpu_kind(record.with_suffix(".txt").read_text())
+    if same_cpu:
+        assert ours == theirs
+    else:  # another kind of CPU: the same run up to the kernels' rounding (test_first_contact)
+        assert all(abs(loss - theirs[key]) <= DRIFT[key[1]] for key, loss in ours.items())
+    return same_cpu
+
+
+def run_own_tests(snapshot: Path) -> str:
+    """The snapshot's tests/ in its own process (the snapshot is `train_gpt` there, and registers the same
+    torch.ops.speedrun ops); pytest's output, after checking that they passed."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider"], cwd=snapshot,
+                         env=ENV, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+    return run.stdout
