@@ -1,5 +1,6 @@
-"""The custom ops of train_gpt.py's model: the FP8 head's matmuls, record #89's FP8 MLP and its weight quantizer,
-and the Triton kernels (#70's ReLU^2 GEMM, the softcapped cross-entropy with #89's numerics).
+"""The custom ops of train_gpt.py's model and optimizer: the FP8 head's matmuls, record #89's FP8 MLP and its weight
+quantizer, and the Triton kernels (#70's ReLU^2 GEMM, the softcapped cross-entropy with #89's numerics, #89's tiled
+transpose and the symmetric GEMMs of its Polar Express).
 
 Each is a torch.library op under torch.ops.speedrun with a fake kernel (what torch.compile traces) and an
 autograd rule; the torch path each one replaces stays in train_gpt.py's model as the reference. Importing this
@@ -68,6 +69,12 @@ def _fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
     return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=x_s, scale_b=w_s)
 
 
+def _transposed(t: Tensor) -> Tensor:
+    """t^T (2-D) as a row-major copy: #89's tiled kernel on CUDA (inductor's copy of a transposed view reads it
+    strided), torch's copy elsewhere."""
+    return torch.ops.speedrun.transpose_copy(t) if t.is_cuda else t.T.contiguous()
+
+
 def _fp8_grads_of_codes(g_f8: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
                         ) -> tuple[Tensor, Tensor]:
     # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
@@ -77,7 +84,7 @@ def _fp8_grads_of_codes(g_f8: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Te
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
                               scale_a=grad_s, scale_b=w_s)
     # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+    grad_w = torch._scaled_mm(_transposed(x_f8), _transposed(g_f8).T, out_dtype=torch.float32,
                               scale_a=x_s, scale_b=grad_s).T
     return grad_x, grad_w
 
@@ -211,6 +218,150 @@ def _relu2_mm_grad(ctx, grad_out: Tensor) -> tuple:
 
 
 relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
+
+
+# #89's tiled transpose (transpose_copy), for the FP8 head's backward on CUDA (_transposed): dst = src^T, an exact
+# copy of any dtype. Each program moves one tile: read along src's rows, written along dst's rows, Triton staging the
+# tile's transpose through shared memory, so both sides are coalesced. Offsets in int64: the head's e5m2 gradient
+# (49,152 x 50,304 a rank) has more elements than int32 counts.
+TRANSPOSE_CONFIG = (64, 128, 8, 2)  # (BLOCK_M, BLOCK_N, num_warps, num_stages): #89's
+
+
+@functools.cache
+def transpose_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(src_ptr, dst_ptr, M, N, ssm, ssn, sdn, sdm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        tile = tl.load(src_ptr + rm[:, None] * ssm + rn[None, :] * ssn, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(dst_ptr + rn[:, None] * sdn + rm[None, :] * sdm, tl.trans(tile),
+                 mask=(rn[:, None] < N) & (rm[None, :] < M))
+
+    def launch(src: Tensor, dst: Tensor) -> None:
+        (M, N), (bm, bn, warps, stages) = src.shape, TRANSPOSE_CONFIG
+        kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](src, dst, M, N, *src.stride(), *dst.stride(), BLOCK_M=bm,
+                                                         BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+@torch.library.custom_op("speedrun::transpose_copy", mutates_args=())
+def transpose_copy(x: Tensor) -> Tensor:
+    """x^T for a 2-D x of any dtype, as a new row-major tensor, by the tiled Triton kernel."""
+    out = x.new_empty(x.size(1), x.size(0))
+    transpose_launcher()(x, out)
+    return out
+
+
+@transpose_copy.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(x.size(1), x.size(0))
+
+
+# Polar Express's symmetric GEMMs (#89's XXT, XTX and ba_plus_cAA), the Muon step's kernels on CUDA (train_gpt.py's
+# polar_express). One kernel: C = alpha G G^T (+ beta A), G the rows of A (xxt) or its columns read in place (xtx: a
+# tall block's A^T A without a transposed copy), fp32 accumulation, alpha acc + beta fp32(A) in fp32, one rounding
+# to bf16. C is symmetric: only the tiles on and below the diagonal are computed, each stored twice (itself and its
+# mirror), the diagonal's once: about half a GEMM's work. Rows past the edge are read wrapped (valid memory, never
+# stored), the reduction's tail masked. Batched over matrices by the grid's third axis.
+GRAM_CONFIG = (128, 64, 8, 4)  # (BLOCK: square output tiles, BLOCK_K, num_warps, num_stages): #89's H100 tuning
+
+
+@functools.cache
+def gram_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(a_ptr, c_ptr, N, K: tl.constexpr, sab, san, sak, scb, scn, scm, alpha, beta, BLOCK: tl.constexpr,
+               BLOCK_K: tl.constexpr, ADD: tl.constexpr):
+        # C[i, j] = alpha sum_k G[i, k] G[j, k] (+ beta A[i, j]), G[n, k] at a_ptr + n san + k sak. K, the reduction's
+        # length, a constant: a block's width or height (256, 768, 3072), and the interpreter's loops need one.
+        ti, tj, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if tj > ti:
+            return
+        a = a_ptr + batch.to(tl.int64) * sab
+        ri = ti * BLOCK + tl.arange(0, BLOCK)
+        rj = tj * BLOCK + tl.arange(0, BLOCK)
+        gi, gj = a + (ri % N)[:, None] * san, a + (rj % N)[:, None] * san
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(gi + ks[None, :] * sak, mask=ks[None, :] < K, other=0.0)
+            y = tl.load(gj + ks[None, :] * sak, mask=ks[None, :] < K, other=0.0)
+            acc = tl.dot(x, tl.trans(y), acc)
+        inside = (ri[:, None] < N) & (rj[None, :] < N)
+        if ADD:
+            acc = acc * alpha + beta * tl.load(a + ri[:, None] * san + rj[None, :] * sak, mask=inside,
+                                               other=0.0).to(tl.float32)
+        c = acc.to(c_ptr.dtype.element_ty)
+        out = c_ptr + batch.to(tl.int64) * scb
+        tl.store(out + ri[:, None] * scn + rj[None, :] * scm, c, mask=inside)
+        if ti != tj:  # the mirror tile
+            tl.store(out + rj[:, None] * scn + ri[None, :] * scm, tl.trans(c),
+                     mask=(rj[:, None] < N) & (ri[None, :] < N))
+
+    def launch(a: Tensor, out: Tensor, columns: bool = False, alpha: float = 1.0, beta: float | None = None) -> None:
+        """out = alpha G G^T (+ beta a) for a (n, k) or (b, n, k): G = a's rows, or with columns=True its columns
+        (out = alpha a^T a); beta: the epilogue's term, for a square symmetric a (ba_plus_cAA)."""
+        a3, out3 = (a[None], out[None]) if a.dim() == 2 else (a, out)
+        rows, cols = a3.shape[1:]
+        sab, sr, sc = a3.stride()
+        N, K, san, sak = (cols, rows, sc, sr) if columns else (rows, cols, sr, sc)
+        block, block_k, warps, stages = GRAM_CONFIG
+        tiles = triton.cdiv(N, block)
+        kernel[(tiles, tiles, a3.size(0))](a3, out3, N, K, sab, san, sak, *out3.stride(), alpha,
+                                           0.0 if beta is None else beta, BLOCK=block, BLOCK_K=block_k,
+                                           ADD=beta is not None, num_warps=warps, num_stages=stages)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+def _gram(a: Tensor, columns: bool, alpha: float = 1.0, beta: float | None = None) -> Tensor:
+    n = a.size(-1) if columns else a.size(-2)
+    out = a.new_empty(*a.shape[:-2], n, n)
+    gram_launcher()(a, out, columns, alpha, beta)
+    return out
+
+
+@torch.library.custom_op("speedrun::xxt", mutates_args=())
+def xxt(x: Tensor) -> Tensor:
+    """x x^T for x (n, k) or (b, n, k) bf16 (a wide or square block): fp32 accumulation, rounded once to bf16."""
+    return _gram(x, columns=False)
+
+
+@torch.library.custom_op("speedrun::xtx", mutates_args=())
+def xtx(x: Tensor) -> Tensor:
+    """x^T x for x (n, k) or (b, n, k) bf16 (a tall block), read in place: fp32 accumulation, one rounding."""
+    return _gram(x, columns=True)
+
+
+@torch.library.custom_op("speedrun::ba_plus_caa", mutates_args=())
+def ba_plus_caa(a: Tensor, b: float, c: float) -> Tensor:
+    """b a + c a^2 for a symmetric a (n, n) or (b, n, n) bf16: c (a a^T) + b a in fp32, one rounding to bf16."""
+    return _gram(a, columns=False, alpha=c, beta=b)
+
+
+@xxt.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], x.size(-2))
+
+
+@xtx.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-2], x.size(-1), x.size(-1))
+
+
+@ba_plus_caa.register_fake
+def _(a: Tensor, b: float, c: float) -> Tensor:
+    return torch.empty_like(a)
 
 
 # Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75) with #89's numerics, for --fused_head: the

@@ -3,10 +3,12 @@
     python records/sm90_kernels.py [--json FILE]
 
 Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
-the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768 in each tile its autotuner may pick, and the softcapped
+the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768 in each tile its autotuner may pick, the softcapped
 multi-token cross-entropy (--fused_head, #89's numerics) over the 50,304-column vocabulary with 1 to 3 loss weights
 (padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone
-(validation), each with the specialization Triton's JIT gives the real launch. For
+(validation), Polar Express's symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x 768, mlp 3072 x 768; a
+rank's count of blocks, 8/3/3 on 8 GPUs or 64/24/24 on one, is the grid's, not the compiled kernel's) and the FP8
+head backward's transposes, each with the specialization Triton's JIT gives the real launch. For
 each: shared memory, registers per thread and spilled bytes (from cuobjdump, which ships with Triton). A compile
 error, shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
 """
@@ -64,6 +66,24 @@ def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, d
             out.append((f"softcap_ce bf16 K={k} {mode}", ce,
                         (bf16, vocab, grad, vocab, targets, torch.empty(k), losses, K.HEAD_CHUNK_ROWS, rows, 23.0, 5.0,
                          7.5, grad_s), {"V": vocab, "K": k, "BLOCK_V": 1024, "GRAD": with_grad, **DEFAULTS}))
+    gram, (block, block_k, warps, stages) = K.gram_launcher().kernel, K.GRAM_CONFIG
+    tiles = {"BLOCK": block, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+    a, b, c = T.POLAR_EXPRESS[0]
+    # (name, n, k, a's batch, row and column strides as the kernel reads them, alpha, beta): C = alpha G G^T + beta A
+    qk, vo, mlp = (256, dim), (dim, dim), (hidden, dim)  # one block of each bank: rows x cols
+    for name, n, k, strides, alpha, beta in (
+            (f"xxt bf16 {qk[0]}x{qk[1]} (qk)", qk[0], qk[1], (qk[0] * qk[1], qk[1], 1), 1.0, None),
+            (f"xxt bf16 {vo[0]}x{vo[1]} (vo)", vo[0], vo[1], (vo[0] * vo[1], vo[1], 1), 1.0, None),
+            (f"xtx bf16 {mlp[0]}x{mlp[1]} (mlp)", mlp[1], mlp[0], (mlp[0] * mlp[1], 1, mlp[1]), 1.0, None),
+            (f"ba_plus_caa bf16 {qk[0]}x{qk[0]} (qk)", qk[0], qk[0], (qk[0] ** 2, qk[0], 1), c, b),
+            (f"ba_plus_caa bf16 {dim}x{dim} (vo, mlp)", dim, dim, (dim**2, dim, 1), c, b)):
+        out.append((name, gram, (bf16, bf16, n, k, *strides, n * n, n, 1, alpha, 0.0 if beta is None else beta),
+                    {"ADD": beta is not None, **tiles}))
+    transpose, (bm, bn, warps, stages) = K.transpose_launcher().kernel, K.TRANSPOSE_CONFIG
+    e4m3 = torch.empty(8, dtype=torch.float8_e4m3fn)  # the head's backward: x's e4m3 codes and the gradient's e5m2
+    for name, codes, cols in (("e4m3", e4m3, dim), ("e5m2", e5m2, vocab)):
+        out.append((f"transpose_copy {name} {rows}x{cols}", transpose, (codes, codes, rows, cols, cols, 1, rows, 1),
+                    {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}))
     return out
 
 
