@@ -755,24 +755,64 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
                  (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+SPLIT_ROWS = 1024  # #89: a block of more rows forms its product, then adds a X to it (two roundings; the MLP's)
 
-def polar_express(G: Tensor) -> Tensor:
-    """Approximately orthogonalize each matrix of G (batched) in bf16: after X <- X / (1.02 |X|_F + 1e-6), each
-    iteration is X <- a X + (b A + c A^2) X, A = X X^T, as two baddbmm that round to bf16 once each, as the record's
-    kernels do (rounding after every op would double the error against fp64)."""
+# The update functions round once per op, in fp32 (bf16 where stored), so that their compiled graphs (ShardedMuonAdam
+# with compile_ns) compute eager's bits: eager's CPU kernels fuse a multiply-add into one rounding in lerp, addcmul
+# and add(alpha=), inductor's C++ rounds twice; eager's fp32 sqrt is an ulp off in one value in six (fast vector math),
+# inductor's correctly rounded; inductor's reductions sum in another order. Hence explicit products, sqrt32 and
+# eager_sum. (The GPU's compiled graphs fuse multiply-adds as #89's did.)
+
+def sqrt32(x: Tensor) -> Tensor:
+    """Correctly rounded fp32 sqrt, eager and compiled: through fp64, which eager computes within an fp64 ulp, and no
+    square root of an fp32 value lies that close to a rounding boundary of fp32 (2p + 2 = 50 bits < 53)."""
+    return x.double().sqrt().float()
+
+@torch.library.custom_op("speedrun::eager_sum", mutates_args=())
+def eager_sum(x: Tensor, dims: list[int]) -> Tensor:
+    """x.sum(dims, keepdim=True) by torch's kernel, compiled code too (an op inductor does not fuse or reorder)."""
+    return x.sum(dim=dims, keepdim=True)
+
+@eager_sum.register_fake
+def _(x: Tensor, dims: list[int]) -> Tensor:
+    reduced = {d % x.dim() for d in dims}
+    return x.new_empty([1 if i in reduced else n for i, n in enumerate(x.shape)])
+
+def polar_express(G: Tensor, kernels: bool = False) -> Tensor:
+    """Approximately orthogonalize each matrix of G (batched) in bf16, as #89: X = bf16(G) / (1.02 |X|_F + 1e-6) (the
+    norm rounded to bf16, the quotient once), then per iteration, for a wide or square X, A = X X^T, B = b A + c A^2,
+    X <- a X + B X; for a tall X, A = X^T X and X <- a X + X B (the same in exact arithmetic, without transposes).
+    Each product rounds to bf16 once, as #89's kernels (kernels=True: gpt_kernels' xxt, xtx and ba_plus_caa; else
+    torch's GEMMs); a block of more than SPLIT_ROWS rows adds a X to its rounded product (two roundings)."""
     X = G.bfloat16()
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
-    shape = X.shape
-    X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dimension
+    norm = sqrt32(eager_sum(X.float().square(), [-2, -1])).bfloat16()
+    X = (X.float() / (norm.float() * 1.02 + 1e-6)).bfloat16()
+    shape, (rows, cols) = X.shape, X.shape[-2:]
+    tall, split = rows > cols, rows > SPLIT_ROWS
+    X = X.reshape(-1, rows, cols)  # baddbmm takes one batch dimension
     for a, b, c in POLAR_EXPRESS:
-        A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    X = X.view(shape)
-    return X.mT if transposed else X
+        if kernels:
+            A = torch.ops.speedrun.xtx(X) if tall else torch.ops.speedrun.xxt(X)
+            B = torch.ops.speedrun.ba_plus_caa(A, b, c)
+        else:
+            A = X.mT @ X if tall else X @ X.mT
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        if split:
+            X = ((X @ B if tall else B @ X).float() + X.float() * a).bfloat16()
+        else:
+            X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+    return X.view(shape)
+
+def nesterov_(grad: Tensor, buf: Tensor, momentum: Tensor) -> Tensor:
+    """Nesterov momentum in fp32: buf <- buf + (grad - buf)(1 - mu) in place; returns grad + (buf - grad) mu.
+    momentum: a 0-d fp32 tensor (1 - mu in fp32, as #89's)."""
+    buf.add_((grad - buf) * (1 - momentum))
+    return grad + (buf - grad) * momentum
+
+def momentum_polar_express(grad: Tensor, buf: Tensor, momentum: Tensor, kernels: bool = False) -> Tensor:
+    """nesterov_ then polar_express, #89's graph (compiled, the fp32 Nesterov update never reaches memory); momentum
+    a 0-d tensor, so that a new value recompiles nothing."""
+    return polar_express(nesterov_(grad, buf, momentum), kernels)
 
 def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
@@ -781,41 +821,78 @@ def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
 
 def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
     """NorMuon (#41) in #89's algebra: r = the mean square of each row (of a wide matrix: each column, as Q's and K's
-    head pairs, #80) of the bf16 update O, v <- lerp(v, r, 1 - beta2) (fp32, in place), and each row scaled by v^-1/2
-    times the factor restoring O's Frobenius norm, that scale rounded to bf16 and applied to O in bf16."""
+    head pairs, #80) of the bf16 update O, v <- v + (r - v)(1 - beta2) (fp32, in place), and each row scaled by
+    v^-1/2 times the factor restoring O's Frobenius norm, that scale rounded to bf16 and applied to O in bf16."""
     dim = -1 if v.size(-1) == 1 else -2
-    mean_sq, n = O.float().square().mean(dim=dim, keepdim=True), O.size(dim)
-    norm = (mean_sq.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
-    v.lerp_(mean_sq, 1 - beta2)
+    n = O.size(dim)
+    mean_sq = eager_sum(O.float().square(), [dim]) / n
+    norm = sqrt32(eager_sum(mean_sq, [-2, -1]) * n)
+    v.add_((mean_sq - v) * (1 - beta2))
     scale = v.clamp_min(1e-10).rsqrt()
-    new_norm = (mean_sq * n * scale.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    new_norm = sqrt32(eager_sum(mean_sq * n * scale.square(), [-2, -1]))
     return O * (scale * (norm / new_norm.clamp_min(1e-10))).type_as(O)
 
-def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
-                 orthogonalize: Callable[[Tensor], Tensor] = polar_express, lr_mul: float | Tensor = 1.0,
-                 wd: float = 0.0) -> None:
-    """Nesterov momentum, orthogonalization, NorMuon, then #89's step on the fp32 master p: p - p wd lr step_lr
-    where the update has p's sign or is zero (cautious weight decay), minus step_lr x the update; step_lr = lr x
-    lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)), both factors fp32 as #89's."""
+def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor) -> None:
+    """#89's step on the fp32 master p: p - p decay step_lr where the update has p's sign or is zero (cautious weight
+    decay), minus step_lr x the update; decay (wd x lr) a 0-d, step_lr a 0-d or per-matrix fp32 tensor."""
+    update = update.float()
+    p.copy_(p - p * (update * p >= 0) * decay * step_lr - update * step_lr)
+
+def adam_step_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float, eps: float,
+               step_size: Tensor, decay: Tensor) -> None:
+    """Adam's step in #89's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v), the bias
+    correction in step_size; cautious weight decay (#50): the update grows by decay x p where it has p's sign. p (bf16
+    without a master, as #89's, or fp32) takes the update in one rounding. step_size, decay: 0-d fp32 tensors."""
     grad = grad.float()
-    buf = state["momentum"]
-    buf.lerp_(grad, 1 - momentum)
-    update = normuon_(orthogonalize(grad.lerp(buf, momentum)), state["v"], normuon_beta2).float()
+    m.mul_(beta1).add_(grad * (1 - beta1))
+    v.mul_(beta2).add_((1 - beta2) * grad * grad)
+    update = m / (sqrt32(v) + eps) * step_size
+    p32 = p.float()
+    update = update + decay * p32 * (update * p32 > 0)
+    p.copy_(p32 - update)
+
+@dataclass(frozen=True)
+class UpdateSteps:
+    """The functions one optimizer step runs: eager, or compiled by update_steps (tests swap orthogonalize)."""
+    orthogonalize: Callable[[Tensor, Tensor, Tensor], Tensor] = momentum_polar_express  # (grad, buf, mu) -> bf16
+    normuon: Callable[[Tensor, Tensor, float], Tensor] = normuon_
+    cautious_update: Callable[[Tensor, Tensor, Tensor, Tensor], None] = cautious_update_
+    adam: Callable[..., None] = adam_step_
+
+EAGER_STEPS = UpdateSteps()
+
+def polar_express_kernels(device: torch.device) -> bool:
+    """Whether Polar Express runs gpt_kernels' Triton GEMMs: on CUDA, with gpt_kernels.py and triton there."""
+    return device.type == "cuda" and gpt_kernels is not None and importlib.util.find_spec("triton") is not None
+
+def update_steps(compiled: bool, kernels: bool) -> UpdateSteps:
+    """Each function compiled as #89 compiles it (fullgraph, static shapes; the scalars that change per step are
+    0-d tensors, so only a new shape compiles a graph) and rounding where eager rounds (emulate_precision_casts)."""
+    def wrap(fn: Callable) -> Callable:
+        return (torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+                if compiled else fn)
+    return UpdateSteps(functools.partial(wrap(momentum_polar_express), kernels=kernels), wrap(normuon_),
+                       wrap(cautious_update_), wrap(adam_step_))
+
+def scalar(x: float) -> Tensor:
+    """A per-step number as a 0-d fp32 CPU tensor: an input of the compiled graphs, read without a host sync."""
+    return torch.tensor(x, dtype=torch.float32)
+
+def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
+                 lr_mul: float | Tensor = 1.0, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
+    """Nesterov momentum and orthogonalization, NorMuon, then #89's cautious step on the fp32 master p with step_lr =
+    lr x lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)) and decay wd x lr, both fp32 as #89's."""
+    O = steps.orthogonalize(grad.float(), state["momentum"], scalar(momentum))
+    update = steps.normuon(O, state["v"], normuon_beta2)
     step_lr = torch.as_tensor(lr_mul * (lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1))))).float()  # no host sync
-    p.copy_(p - p * (update * p >= 0) * (wd * lr) * step_lr - update * step_lr)
+    steps.cautious_update(p, update, scalar(wd * lr), step_lr)
 
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float, wd: float = 0.0) -> None:
-    """Bias-corrected Adam in #89's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v).
-    Cautious weight decay (#50): the update grows by lr^2 wd p where it has p's sign. p (bf16 without a master, as
-    #89's, or fp32) takes the update in one rounding."""
-    grad = grad.float()
-    m.mul_(beta1).add_(grad, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    update = m.div(v.sqrt().add_(eps)).mul_(lr * ((1 - beta2**step) ** 0.5 / (1 - beta1**step)))
-    p32 = p.float()
-    update.addcmul_(p32, update * p32 > 0, value=lr * lr * wd)
-    p.sub_(update)
+                 eps: float, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
+    """Bias-corrected Adam (adam_step_) at Adam step `step`: step size lr sqrt(1 - beta2^step) / (1 - beta1^step) and
+    decay lr^2 wd computed in double, passed in fp32, as #89's."""
+    steps.adam(p, grad, m, v, beta1, beta2, eps, scalar(lr * ((1 - beta2**step) ** 0.5 / (1 - beta1**step))),
+               scalar(lr * lr * wd))
 
 @dataclass
 class ParamGroup:
@@ -998,8 +1075,7 @@ class ShardedMuonAdam:
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.orthogonalize = (torch.compile(polar_express, dynamic=False, fullgraph=True) if compile_ns
-                              else polar_express)
+        self.steps = update_steps(compile_ns, polar_express_kernels(next(model.parameters()).device))
         self.lr_mult, self.momentum, self.adam_step = 1.0, cfg.muon_momentum_start, True  # set_step() sets them
         self.step_count, self.adam_steps = 0, 0
         named = dict(model.named_parameters())
@@ -1045,11 +1121,11 @@ class ShardedMuonAdam:
             b.wait_grads()
             lr = b.lr * self.lr_mult
             if b.kind == "muon":
-                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, c.normuon_beta2, self.orthogonalize,
-                             b.lr_mul, b.wd)
+                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, c.normuon_beta2, b.lr_mul, b.wd,
+                             self.steps)
             else:
                 adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
-                             c.adam_eps, b.wd)
+                             c.adam_eps, b.wd, self.steps)
             b.gather_params()
         self.launched, self.final_micro_step = 0, False
 
@@ -2893,11 +2969,13 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
     return raw, model, optimizer
 
 def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
-    """The graphs torch.compile builds per function: the model one per sequence length (and validation's), Muon
-    one per shard shape, each FP8 op two (static, then dynamic)."""
-
+    """The graphs torch.compile builds per function: the model one per sequence length (and validation's), each of
+    Muon's one per shard shape, Adam's one per shard shape, dtype and betas (constants of its graph), each FP8 op two
+    (static, then dynamic)."""
+    muon = len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"})
     return {"model": len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1,
-            "orthogonalize": len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"}),
+            "orthogonalize": muon, "normuon": muon, "cautious update": muon,
+            "adam": len({(b.shard.shape, b.shard.dtype, b.betas) for b in optimizer.buckets if b.kind == "adam"}),
             "fp8 ops": 2 if cfg.fp8_head or cfg.fp8_mlp else 0}
 
 def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]]:

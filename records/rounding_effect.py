@@ -8,8 +8,6 @@ already above 1), every variant trains `--steps` steps beside the recipe as the 
   that flips once);
 - softmax scale: YaRN's attention gain in the kernel's scale, as #89 has it, not a factor rounding q to bf16;
 - bf16 Muon gradients: the matrices' gradients kept in bf16 between micro-steps, as #89's bf16 parameters have them;
-- tall Polar Express: the MLP matrices orthogonalized as #89 does, X <- a X + X (b A + c A^2) with A = X^T X, not by
-  transposing to the wide case (the same in exact arithmetic, another bf16 rounding order);
 - half the gradient: a difference that is not rounding (the scale of every gradient, which Adam's eps sees), to
   show the measure tells one apart.
 For each it prints the parameters' distance from the recipe's after every step, relative to how far the recipe's
@@ -62,27 +60,10 @@ def softmax_scale(model: T.GPT) -> None:
     model.q_gain.fill_(1.0)
 
 
-def tall_polar_express(G: torch.Tensor) -> torch.Tensor:
-    """#89's Polar Express: tall matrices iterate X <- a X + X B, B = b A + c A^2, A = X^T X, each product rounded to
-    bf16 once; wide and square ones as the file does."""
-    if G.size(-2) <= G.size(-1):
-        return T.polar_express(G)
-    X = G.bfloat16()
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
-    shape = X.shape
-    X = X.reshape(-1, *shape[-2:])
-    for a, b, c in T.POLAR_EXPRESS:
-        A = X.mT @ X
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, X, B, beta=a)
-    return X.view(shape)
-
-
 def train(model: T.GPT, cfg: T.Config, data: list[torch.Tensor], at: int, bf16_muon_grads: bool = False,
-          loss_scale: float = 1.0, orthogonalize=T.polar_express) -> tuple[list[dict[str, torch.Tensor]], float]:
+          loss_scale: float = 1.0) -> tuple[list[dict[str, torch.Tensor]], float]:
     """Train on data with step `at`'s schedule; the parameters after each step, and the last micro-step's loss."""
     opt = T.ShardedMuonAdam(model, cfg, 0, 1, compile_ns=False)
-    opt.orthogonalize = orthogonalize
     schedules = T.schedule_table(cfg)
     knobs = T.step_knobs(schedules, torch.device("cpu"))(at)
     matrices = [p for n, p in model.named_parameters() if n.endswith(MATRICES)]
@@ -120,14 +101,13 @@ def main() -> None:
     initial = {n: p.detach().float().clone() for n, p in start.named_parameters()}
     unchanged = lambda m: None  # noqa: E731  (the change is in train())
     variants = {"recipe": unchanged, "floor (1 ulp, 1 weight)": one_ulp, "softmax scale": softmax_scale,
-                "bf16 Muon gradients": unchanged, "tall Polar Express": unchanged, "half the gradient": unchanged}
+                "bf16 Muon gradients": unchanged, "half the gradient": unchanged}
     runs = {}
     for name, change in variants.items():
         model = copy.deepcopy(start)
         change(model)
         runs[name] = train(model, cfg, data, at, bf16_muon_grads=name == "bf16 Muon gradients",
-                           loss_scale=0.5 if name == "half the gradient" else 1.0,
-                           orthogonalize=tall_polar_express if name == "tall Polar Express" else T.polar_express)
+                           loss_scale=0.5 if name == "half the gradient" else 1.0)
     base, base_loss = runs.pop("recipe")
     moved = [distance(step, initial) for step in base]
     print(f"{args.steps} steps of the tiny preset's last stage from identical weights and batches; recipe's last loss "

@@ -3,6 +3,7 @@ import os
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,12 @@ def tiny_args(tmp_path: Path, **overrides: object) -> list[str]:
                   **ONE_STAGE, num_steps=6, val_every=3, val_tokens=2048, warmup_steps=0)
     fields.update(overrides)
     return [f"--{k}={v}" for k, v in fields.items()]
+
+
+def orthogonalizing(fn: Callable[[torch.Tensor], torch.Tensor]) -> "T.UpdateSteps":
+    """The optimizer's eager functions with fn in place of Polar Express, after the file's Nesterov momentum."""
+    import train_gpt as T
+    return T.UpdateSteps(orthogonalize=lambda grad, buf, mu: fn(T.nesterov_(grad, buf, mu)))
 
 
 def free_port() -> int:

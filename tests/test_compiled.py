@@ -142,8 +142,10 @@ def test_compiled_fp8_training_compiles_each_length_in_the_warmup_only_and_follo
     planned = {k: int(v) for k, v in (part.rsplit(" ", 1) for part in line.split(", "))}
     # + the eval graph; windows, YaRN, the multi-token weights and the untie recompiled nothing
     assert model_graphs() == 3 == planned["model"]
-    orthogonalize = T.polar_express.__code__  # one graph per shard shape
-    assert len(_debug_get_cache_entry_list(orthogonalize)) == planned["orthogonalize"] >= 2
+    functions = {"orthogonalize": T.momentum_polar_express, "normuon": T.normuon_, "cautious update": T.cautious_update_,
+                 "adam": T.adam_step_}  # one graph per shard shape (Adam's: and dtype and betas)
+    for name, fn in functions.items():
+        assert len(_debug_get_cache_entry_list(fn.__code__)) == planned[name] >= 2, name
     assert compiled.val_losses[-1][1] < compiled.val_losses[0][1] - 1.0  # it learns
 
     monkeypatch.undo()  # dynamo's own limit for the eager run's compiled FP8 op bodies
@@ -172,3 +174,43 @@ def test_fp8_ops_take_any_token_count_and_scales_in_two_graphs():
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
     for fn in (K._fp8_matmul, K._fp8_matmul_grads):
         assert len(_debug_get_cache_entry_list(fn.__wrapped__.__code__)) <= 2, fn.__name__
+
+
+# Muon's blocks as the file shapes them: wide (Q/K head pairs), tall (the MLP's) and tall past the 1024-row split
+# (its two roundings), each with per-matrix lr multipliers; Adam's shards in bf16 (no master) and fp32.
+MUON_SHAPES = [(3, 16, 40), (2, 40, 16), (1, 1040, 8)]
+
+
+def test_compiled_optimizer_steps_equal_eager_bit_for_bit():
+    # Polar Express with its momentum, NorMuon, the cautious step and Adam compiled (fullgraph, as compile_ns runs
+    # them) against the same functions eager, over three steps of changing lrs and momenta. Written one rounding per
+    # op (train_gpt's optimizer section says why), they agree in every bit; each shape compiles one graph per
+    # function, and a new momentum, lr or step recompiles none.
+    torch._dynamo.reset()
+    eager, compiled = T.update_steps(compiled=False, kernels=False), T.update_steps(compiled=True, kernels=False)
+    g = torch.Generator().manual_seed(0)
+    for shape in MUON_SHAPES:
+        p0, grads = 0.1 * torch.randn(shape, generator=g), [torch.randn(shape, generator=g) for _ in range(3)]
+        lr_mul = torch.tensor([1.0, 2.0, 1.0][: shape[0]], dtype=torch.float64).view(-1, 1, 1)
+        runs = []
+        for steps in (eager, compiled):
+            p, state = p0.clone(), {"momentum": torch.zeros(shape), "v": torch.zeros(T.normuon_state_shape(shape))}
+            for k, grad in enumerate(grads):
+                T.muon_update_(p, grad, state, 0.02 * (1 + k), 0.85 + 0.05 * k, 0.9, lr_mul, 1.2, steps)
+            runs.append([p, state["momentum"], state["v"]])
+        for a, b in zip(*runs):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), shape
+    for dtype in (torch.bfloat16, torch.float32):
+        p0 = torch.randn(1000, generator=g).to(dtype)
+        grads = [torch.randn(1000, generator=g).to(dtype) for _ in range(3)]
+        runs = []
+        for steps in (eager, compiled):
+            p, m, v = p0.clone(), torch.zeros(1000), torch.zeros(1000)
+            for t, grad in enumerate(grads, 1):
+                T.adam_update_(p, grad, m, v, t, 0.01 * t, 0.9, 0.95, 1e-10, 0.75, steps)
+            runs.append([p.float(), m, v])
+        for a, b in zip(*runs):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), dtype
+    for fn in (T.momentum_polar_express, T.normuon_, T.cautious_update_):
+        assert len(_debug_get_cache_entry_list(fn.__code__)) == len(MUON_SHAPES), fn.__name__
+    assert len(_debug_get_cache_entry_list(T.adam_step_.__code__)) == 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import ONE_STAGE, SMALL, tiny_args
+from conftest import ONE_STAGE, SMALL, orthogonalizing, tiny_args
 from test_data import packed_reference, synthetic_shards
 
 # The recipe's stages at a test's scale: 8 steps, 3 stages of 2 and an extension of 2 (over tests/conftest.py's
@@ -71,7 +71,7 @@ def test_normuon_divides_rows_or_columns_by_their_running_rms_and_keeps_the_norm
         ref_p, ref_v = p.clone(), torch.zeros(1)
         for _ in range(3):
             O = torch.randn(shape)
-            T.muon_update_(p, O, state, lr, momentum=0.0, orthogonalize=identity, normuon_beta2=beta2)
+            T.muon_update_(p, O, state, lr, momentum=0.0, normuon_beta2=beta2, steps=orthogonalizing(identity))
             ref_v = beta2 * ref_v + (1 - beta2) * (O**2).mean(dim=axis, keepdim=True)
             scaled = O / ref_v.clamp_min(1e-10).sqrt()
             ref_p = ref_p - lr * math.sqrt(max(1, shape[0] / shape[1])) * scaled * O.norm() / scaled.norm()
@@ -87,7 +87,8 @@ def test_cautious_weight_decay_on_muon_shrinks_only_where_the_update_agrees_in_s
     for decay in (0.0, wd):  # the same step without decay gives the update U: p - lr lr_mul U
         state = {"momentum": torch.zeros_like(p), "v": torch.zeros(T.normuon_state_shape(p.shape))}
         runs[decay] = p.clone()
-        T.muon_update_(runs[decay], O, state, lr, 0.0, 0.95, identity, lr_mul=lr_mul, wd=decay)
+        T.muon_update_(runs[decay], O, state, lr, 0.0, 0.95, lr_mul=lr_mul, wd=decay,
+                       steps=orthogonalizing(identity))
     U = (p - runs[0.0]) / (lr * lr_mul)
     want = p - wd * lr * (lr * lr_mul) * (U * p >= 0) * p - lr * lr_mul * U
     torch.testing.assert_close(runs[wd], want)

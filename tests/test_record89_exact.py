@@ -10,6 +10,7 @@ import torch
 import reference89 as R
 import reference89_optim as RO
 import train_gpt as T
+from conftest import orthogonalizing
 
 
 @pytest.fixture(autouse=True)
@@ -248,8 +249,8 @@ def test_normuon_step_is_the_references_per_block_axis(shape, axis, monkeypatch)
 
     lr, mul, mu = 0.023 * 0.8, [1.0, 2.0], 0.9
     for grad in grads:
-        T.muon_update_(p32, grad, state, lr, mu, 0.9, orthogonalize, torch.tensor(mul, dtype=torch.float64)
-                       .view(-1, 1, 1), wd=1.2)
+        T.muon_update_(p32, grad, state, lr, mu, 0.9, torch.tensor(mul, dtype=torch.float64).view(-1, 1, 1), wd=1.2,
+                       steps=orthogonalizing(orthogonalize))
         shape_mul = math.sqrt(max(1.0, rows / cols))
         block = iter(outputs["O"])
         for j in range(2):

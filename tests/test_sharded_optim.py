@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import cpu_gemms, free_port
+from conftest import cpu_gemms, free_port, orthogonalizing
 
 STEPS, GLOBAL_SEQS = 3, 8
 LR_MULT = [1.0, 0.8, 0.5]  # varied so the test notices an optimizer that ignores lr_mult or momentum
@@ -93,7 +93,7 @@ def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dic
     then the W partial sums in rank order.
     """
     model, data = make_model(cfg, variant), make_data(cfg)
-    orthogonalize = {"fp32": polar, "recipe": T.polar_express}[variant]
+    steps = {"fp32": orthogonalizing(polar), "recipe": T.EAGER_STEPS}[variant]
     groups = T.build_param_groups(model, cfg)
     adam_names = {name for g in groups if g.kind == "adam" for name in g.names}
     state: dict[str, dict[str, torch.Tensor]] = {}
@@ -120,8 +120,8 @@ def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dic
                         s = state.setdefault(name, {"momentum": torch.zeros_like(p),
                                                     "v": torch.zeros(T.normuon_state_shape(p.shape))})
                         per_matrix = torch.tensor(lr_mul, dtype=torch.float64).view(*p.shape[:-2], 1, 1)
-                        T.muon_update_(p, total[name], s, lr, MOMENTUM[step], cfg.normuon_beta2, orthogonalize,
-                                       per_matrix, g.wd)
+                        T.muon_update_(p, total[name], s, lr, MOMENTUM[step], cfg.normuon_beta2, per_matrix, g.wd,
+                                       steps)
                     elif adam_step:
                         s = state.setdefault(name, {k: torch.zeros(p.shape) for k in ("m", "v")})
                         T.adam_update_(p, total[name], s["m"], s["v"], (step + 1) // cfg.adam_every, lr, *g.betas,
@@ -162,7 +162,7 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
     model, data = make_model(cfg, variant), make_data(cfg)
     opt = T.ShardedMuonAdam(model, cfg, rank, world_size, compile_ns=False)
     if variant == "fp32":
-        opt.orthogonalize = polar
+        opt.steps = orthogonalizing(polar)
     micro_steps = GLOBAL_SEQS // world_size
     counter.take()
     events = []
