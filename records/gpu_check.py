@@ -55,7 +55,9 @@ KERNEL_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
                 "_memory", "tests/test_cuda.py::test_fp8_ops_pass_opcheck_on_cuda",
                 "tests/test_cuda.py::test_fp8_head_saturates_on_cuda",
                 "tests/test_cuda.py::test_fp8_mlp_at_the_recipes_shape_follows_its_cpu_path_and_the_quantizer_matches",
-                "tests/test_cuda.py::test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled"]
+                "tests/test_cuda.py::test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled",
+                "tests/test_cuda.py::test_polar_express_kernels_at_the_recipes_shapes_follow_the_torch_path",
+                "tests/test_cuda.py::test_transpose_copy_at_the_fp8_heads_shapes_is_an_exact_copy"]
 MODEL_TESTS = ["tests/test_recipe_model.py::test_compiled_flex_attention_with_token_windows_equals_sdpa_with_fa3s_"
                "rule",
                "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py",

@@ -6,7 +6,9 @@
 On a GPU, bf16 at the recipe's shapes: --relu2_kernel (49,152 x 768 @ 768 x 3,072, then ReLU^2) and --fused_head
 (49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5) and three next tokens, FP8 where the GPU
 has it; and validation's loss alone over one 262,144-token sequence), each torch path compiled as the trainer
-compiles it. Where the GPU has FP8, also #89's FP8 MLP (fp8_mlp: gpt_kernels.mlp_fp8) against the bf16 MLP.
+compiles it. Where the GPU has FP8, also #89's FP8 MLP (fp8_mlp: gpt_kernels.mlp_fp8) against the bf16 MLP. And
+Polar Express with its momentum on one rank's Muon blocks at 8 GPUs (qk 8 x 256 x 768, vo 3 x 768 x 768, mlp 3 x
+3072 x 768): gpt_kernels' symmetric GEMMs against torch's, both compiled as the optimizer compiles them.
 --small runs shapes that Triton's interpreter manages on a CPU (TRITON_INTERPRET=1): that checks the script, its
 times say nothing. The whole step before and after:
 train_gpt.py --bench with and without the flags, then records/compare.py on the two logs.
@@ -139,6 +141,21 @@ def fp8_mlp_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.de
     return (x, w_fc), {"torch": lambda: torch_path().backward(grad), "kernel": lambda: fp8_path().backward(grad)}
 
 
+def polar_express_cases(cfg: T.Config, small: bool, device: torch.device, compiled: bool) -> Cases:
+    """One optimizer step's Polar Express (momentum_polar_express) over the three banks' blocks of one rank; --small:
+    wide and tall blocks the interpreter runs in seconds."""
+    dim, hidden = cfg.model_dim, cfg.mlp_ratio * cfg.model_dim
+    shapes = [(2, 16, 48), (2, 96, 48)] if small else [(8, 256, dim), (3, dim, dim), (3, hidden, dim)]
+    g = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(shape, device=device, generator=g) for shape in shapes]
+    bufs, momentum = [torch.zeros_like(x) for x in grads], T.scalar(0.95)
+    paths = {}
+    for path, kernels in (("torch", False), ("kernel", True)):
+        orthogonalize = T.update_steps(compiled, kernels).orthogonalize
+        paths[path] = lambda fn=orthogonalize: [fn(x, buf, momentum) for x, buf in zip(grads, bufs)]
+    return (grads[0], bufs[0]), paths
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
@@ -164,6 +181,7 @@ def main() -> int:
                ("softcap_ce_eval", eval_cases(cfg, val_rows, dtype, device, compile_))]
     if fp8 or opts.small:  # the CPU runs the FP8 op too, as the trainer's CPU rehearsal does
         kernels.append(("fp8_mlp", fp8_mlp_cases(cfg, rows, torch.bfloat16, device, compile_)))
+    kernels.append(("polar_express", polar_express_cases(cfg, opts.small, device, compiled=cuda)))
     for kernel, cases in kernels:
         for path, fn in cases[1].items():
             figures = timed(fn, opts.repeats, device)

@@ -2,9 +2,9 @@
 under Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is first imported, which importing
 torch.compile'd code does): values and gradients at sizes that do not divide the blocks (masked tails),
 negative pre-activations (the ReLU's zero side), saturated softcaps, #89's cross-entropy numerics (the bf16
-sigmoid, the tail quirk, the e5m2 codes, against tests/reference89_optim.py too), and the ops' registration.
-Triton 3.6's interpreter misreads the relu2 GEMM's bf16 operands with numpy 2.4 (the cross-entropy kernel's
-bf16 reads right), so that kernel runs fp32 and fp16 here and bf16 in the GPU check. Not collected on its own
+sigmoid, the tail quirk, the e5m2 codes, against tests/reference89_optim.py too), Polar Express's symmetric GEMMs
+and the tiled transpose, and the ops' registration. The interpreter computes as sm90 does (tests/interpreter_sm90.py:
+bf16 dots on values, casts rounded to nearest even), so the GEMMs run in bf16 here too. Not collected on its own
 (no test_ prefix)."""
 import functools
 import json
@@ -15,12 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gpt_kernels as K
-import reference89_optim as R
-import train_gpt as T
-
 pytest.importorskip("triton")
+import interpreter_sm90  # noqa: E402
 
+interpreter_sm90.install()  # before any kernel runs
+
+import gpt_kernels as K  # noqa: E402
+import reference89_optim as R  # noqa: E402
+import train_gpt as T  # noqa: E402
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernels.py (it sets TRITON_INTERPRET=1)"
 
@@ -30,8 +32,9 @@ def operands(dtype: torch.dtype, m: int = 100, k: int = 72, n: int = 200) -> tup
     return torch.randn(m, k, generator=g).to(dtype), (0.1 * torch.randn(k, n, generator=g)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 4e-3)])
 def test_relu2_kernel_equals_relu_squared_of_the_product_with_masked_tails(dtype, tol):
+    # bf16: the fp32 result rounded once, half an ulp (2^-8 relative at most; 2.0e-3 of the largest measured)
     x, w = operands(dtype)  # 100 x 72 @ 72 x 200: no dimension a multiple of the 64/128/32 blocks
     got = torch.ops.speedrun.relu2_mm(x, w)
     pre = x.float() @ w.float()
@@ -343,7 +346,7 @@ def test_the_kernel_benchmark_runs_and_reports_both_paths_of_each_kernel(tmp_pat
     monkeypatch.setattr("sys.argv", ["kernel_bench.py", "--small", "--repeats=1", f"--out={out}"])
     assert bench.main() == 0
     results = json.loads(out.read_text())["results"]
-    kernels = ("relu2_mm", "softcap_ce", "softcap_ce_eval", "fp8_mlp")
+    kernels = ("relu2_mm", "softcap_ce", "softcap_ce_eval", "fp8_mlp", "polar_express")
     assert [(r["kernel"], r["path"]) for r in results] == [(k, p) for k in kernels for p in ("torch", "kernel")]
     assert all(r["ms"] > 0 for r in results)
 
@@ -362,3 +365,89 @@ def test_the_benchmarks_fp8_mlp_is_89s_fp8_mlp_against_the_bf16_one():
         grads[path] = x.grad.clone(), w.grad.clone()
     for got, want in zip(grads["kernel"], grads["torch"]):
         assert 0.01 < rel(got, want) < 0.15, rel(got, want)
+
+
+# -- Polar Express's symmetric GEMMs and the tiled transpose ----------------------------------------------------
+
+def bf16_operand(*shape: int, seed: int = 5) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def gram_of_torch(op: str, a: torch.Tensor) -> torch.Tensor:
+    """polar_express's torch path for op, on fp32 copies, rounded once (as train_gpt's CPU path computes it)."""
+    x = a.float()
+    if op == "xtx":
+        return (x.mT @ x).bfloat16()
+    if op == "xxt":
+        return (x @ x.mT).bfloat16()
+    return (-2.8 * x + 0.5 * x @ x).bfloat16() if x.dim() == 2 else torch.baddbmm(x, x, x, beta=-2.8, alpha=0.5
+                                                                                    ).bfloat16()
+
+
+def symmetric(a: torch.Tensor) -> torch.Tensor:
+    """A Gram matrix as Polar Express's A, symmetric to the bit (the kernel computes c A A^T, the torch path c A^2)."""
+    x = a.float()
+    gram = x @ x.mT / a.size(-1)
+    return ((gram + gram.mT) / 2).bfloat16()
+
+
+@pytest.mark.parametrize("op, a", [
+    ("xxt", bf16_operand(2, 70, 100)),  # wide, batched
+    ("xxt", bf16_operand(70, 70)),  # square, one matrix
+    ("xtx", bf16_operand(2, 100, 70)),  # tall, batched: its columns' Gram matrix, read in place
+    ("xtx", bf16_operand(100, 70)),
+    ("ba_plus_caa", symmetric(bf16_operand(2, 70, 40))),
+    ("ba_plus_caa", symmetric(bf16_operand(70, 40))),
+], ids=["xxt-wide-batched", "xxt-square", "xtx-tall-batched", "xtx-tall", "ba_plus_caa-batched", "ba_plus_caa"])
+def test_symmetric_gemm_kernels_equal_the_torch_products_within_a_rounding(monkeypatch, op, a):
+    # 32 x 32 tiles in reductions of 16: a 3 x 3 grid of tiles (the 6 on and below the diagonal computed, the 3 above
+    # mirrored) with masked tails, 3 to 7 partial sums per element. Measured: equal bits (these sums of exact bf16
+    # products are exact in fp32, whatever their order). The bound, one bf16 ulp on under 1% of the elements, leaves
+    # room for the epilogue's b A + c acc, which torch's GEMM may fuse into a multiply-add.
+    monkeypatch.setattr(K, "GRAM_CONFIG", (32, 16, 4, 1))
+    got = torch.ops.speedrun.ba_plus_caa(a, -2.8, 0.5) if op == "ba_plus_caa" else getattr(torch.ops.speedrun, op)(a)
+    want = gram_of_torch(op, a)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01, (ulps > 0).sum()
+    tile = torch.arange(got.size(-1)) // 32
+    off_diagonal = tile[:, None] != tile[None, :]
+    assert torch.equal(got[..., off_diagonal], got.mT[..., off_diagonal])  # the mirrored tiles: exact transposes
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 56), (40, 40), (56, 24), (1040, 16)],
+                         ids=["wide-batched", "square", "tall", "tall-split"])
+def test_polar_express_with_the_kernels_equals_its_torch_path(monkeypatch, shape):
+    # The whole orthogonalization, kernels against torch's GEMMs: wide, square and tall blocks, batched or not, and a
+    # block past the 1024-row split (its xtx reduces 1040 rows: in chunks of 128 here, for the interpreter's sake).
+    # Measured: equal bits at these sizes. At 96 x 200 (sums of 64-product chunks that fp32 rounds, in another order
+    # than torch's GEMM) rounding ties flip and five iterations spread them: 5.4e-3 relative measured, bound 1e-2.
+    if shape[0] > T.SPLIT_ROWS:
+        monkeypatch.setattr(K, "GRAM_CONFIG", (16, 128, 4, 1))
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    got, want = T.polar_express(G, kernels=True), T.polar_express(G)
+    assert got.dtype == torch.bfloat16 and got.shape == G.shape
+    assert rel(got, want) < 1e-2, rel(got, want)
+    s = torch.linalg.svdvals(got.float())
+    assert s.min() > 0.5 and s.max() < 1.3  # orthogonalized (#89's coefficients leave the spectrum in ~[0.7, 1.2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32])
+def test_transpose_copy_copies_every_bit_of_any_dtype(dtype):
+    # 100 x 300 in 64 x 128 tiles: tails on both sides; every bit pattern (NaNs, infinities, negative zeros) moves as
+    # it is. A transposed view as the source too: strides as given.
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    raw = torch.randint(-2**7 if bits != torch.uint8 else 0, 2**7, (100, 300), dtype=torch.int32,
+                        generator=torch.Generator().manual_seed(7))
+    x = (raw.to(torch.uint8) if bits == torch.uint8 else raw.to(bits) * 257).view(dtype)
+    for src in (x, x.T):
+        got = torch.ops.speedrun.transpose_copy(src)
+        assert got.is_contiguous() and torch.equal(got.view(bits), src.T.contiguous().view(bits))
+
+
+def test_polar_express_and_transpose_ops_pass_opcheck():
+    a = bf16_operand(2, 48, 32)
+    for op, args in ((torch.ops.speedrun.xxt, (a,)), (torch.ops.speedrun.xtx, (a,)),
+                     (torch.ops.speedrun.ba_plus_caa, (symmetric(a), -2.8, 0.5)),
+                     (torch.ops.speedrun.transpose_copy, (a[0],))):
+        torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor"))

@@ -254,6 +254,52 @@ def test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path(record
     assert rel(got, want) < 0.01 and rel(gx, x.grad) < 0.02 and rel(gw, w.grad) < 0.02
 
 
+def polar_express_float64(G: torch.Tensor) -> torch.Tensor:
+    """Polar Express in float64 (wide: X <- a X + (b A + c A^2) X, A = X X^T; tall on its transpose)."""
+    X = G.double().mT if G.size(-2) > G.size(-1) else G.double()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in T.POLAR_EXPRESS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if G.size(-2) > G.size(-1) else X
+
+
+def test_polar_express_kernels_at_the_recipes_shapes_follow_the_torch_path(record_property):
+    # One rank's Muon blocks at 8 GPUs (qk 8 x 256 x 768, vo 3 x 768 x 768, mlp 3 x 3072 x 768: tall, past the
+    # 1024-row split) through the optimizer's compiled Polar Express with its momentum: gpt_kernels' symmetric GEMMs
+    # against torch's (cuBLAS), and the kernels eager. bf16 roundings in other orders spread over five iterations:
+    # the paths differ by about what each differs from float64 (CPU, interpreter, 96 x 200: 5e-3 between the paths,
+    # 1.6e-2 to float64; test_recipe.py's bound to float64: 3.5e-2).
+    g = torch.Generator(device="cuda").manual_seed(0)
+    momentum = T.scalar(0.95)
+    for name, shape in (("qk", (8, 256, 768)), ("vo", (3, 768, 768)), ("mlp", (3, 3072, 768))):
+        grad = torch.randn(shape, device="cuda", generator=g)
+        outputs = {}
+        for path, compiled, kernels in (("torch", True, False), ("kernel", True, True), ("kernel eager", False, True)):
+            buf = torch.zeros_like(grad)
+            outputs[path] = T.update_steps(compiled, kernels).orthogonalize(grad, buf, momentum)
+            assert torch.equal(buf, grad * (1 - momentum.item())), path  # the momentum, from zero: (1 - mu) grad
+        exact = polar_express_float64(grad)  # the Nesterov update from a zero buffer is (1 - mu^2) grad: same factor
+        errors = {path: rel(out, exact) for path, out in outputs.items()}
+        for path, error in errors.items():
+            record_property(f"polar_express_{name}_{path.replace(' ', '_')}_rel_err_to_float64", round(error, 5))
+            assert outputs[path].dtype == torch.bfloat16 and error < 0.035, (name, path, error)
+        between = rel(outputs["kernel"], outputs["torch"])
+        record_property(f"polar_express_{name}_kernel_vs_torch_rel", round(between, 5))
+        assert between < 0.03 and rel(outputs["kernel eager"], outputs["kernel"]) < 0.03, (name, between)
+
+
+def test_transpose_copy_at_the_fp8_heads_shapes_is_an_exact_copy():
+    # The FP8 head backward's transposes at a micro-step's 49,152 rows: x's e4m3 codes (x 768) and the gradient's e5m2
+    # codes (x 50,304: 2.5e9 elements, past int32's offsets), every bit as torch's copy.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for cols, dtype in ((768, torch.float8_e4m3fn), (50304, torch.float8_e5m2)):
+        codes = torch.randint(0, 256, (49152, cols), dtype=torch.uint8, device="cuda", generator=g)
+        got = torch.ops.speedrun.transpose_copy(codes.view(dtype)).view(torch.uint8)
+        assert torch.equal(got, codes.T.contiguous()), cols
+        del got, codes
+
+
 @fp8
 def test_fp8_mlp_at_the_recipes_shape_follows_its_cpu_path_and_the_quantizer_matches(record_property):
     # #89's FP8 MLP (up: current scales, down: delayed weight and activation scales) at one micro-step's 8,192 rows of
