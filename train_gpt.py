@@ -3043,11 +3043,16 @@ def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
 
 def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
     """The training steps the warmup replays (shape and windows): warmup_steps of each distinct sequence
-    length, at its first step, since each length compiles its own graph (dynamic=False)."""
+    length, at its first step, since each length compiles its own graph (dynamic=False); and the first Adam step
+    where none of those is one, since the compiled optimizer's Adam graphs are built at the first."""
     first: dict[int, int] = {}
     for step, s in enumerate(schedules[:-1]):
         first.setdefault(s.seq_len, step)
-    return [step for step in first.values() for _ in range(cfg.warmup_steps)]
+    plan = [step for step in first.values() for _ in range(cfg.warmup_steps)]
+    adam = next((step for step, s in enumerate(schedules[:-1]) if s.adam_step), None)
+    if plan and adam is not None and not any(schedules[step].adam_step for step in plan):
+        plan.append(adam)
+    return sorted(plan)
 
 def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
            loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, int], None]) -> None:

@@ -123,12 +123,13 @@ def test_compiled_flex_model_forward_equals_the_dense_model_in_one_graph_per_mod
 
 
 def test_compiled_fp8_training_compiles_each_length_in_the_warmup_only_and_follows_eager(tmp_path, monkeypatch):
-    graphs_after_warmup = []
+    graphs_after_warmup, adam_graphs_after_warmup = [], []
     warmup = T.warmup
 
     def counted_warmup(*args, **kwargs):
         warmup(*args, **kwargs)
         graphs_after_warmup.append(model_graphs())
+        adam_graphs_after_warmup.append(len(_debug_get_cache_entry_list(T.adam_step_.__code__)))
 
     monkeypatch.setattr(T, "warmup", counted_warmup)
     # A limit below the plan's graphs (as dynamo's default 8 is below an 8-length plan's 9): the run raises it.
@@ -146,6 +147,7 @@ def test_compiled_fp8_training_compiles_each_length_in_the_warmup_only_and_follo
                  "adam": T.adam_step_}  # one graph per shard shape (Adam's: and dtype and betas)
     for name, fn in functions.items():
         assert len(_debug_get_cache_entry_list(fn.__code__)) == planned[name] >= 2, name
+    assert adam_graphs_after_warmup == [planned["adam"]]  # the warmup's Adam step built them all, before the clock
     assert compiled.val_losses[-1][1] < compiled.val_losses[0][1] - 1.0  # it learns
 
     monkeypatch.undo()  # dynamo's own limit for the eager run's compiled FP8 op bodies
