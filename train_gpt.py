@@ -760,13 +760,15 @@ SPLIT_ROWS = 1024  # #89: a block of more rows forms its product, then adds a X 
 # The update functions round once per op, in fp32 (bf16 where stored), so that their compiled graphs (ShardedMuonAdam
 # with compile_ns) compute eager's bits: eager's CPU kernels fuse a multiply-add into one rounding in lerp, addcmul
 # and add(alpha=), inductor's C++ rounds twice; eager's fp32 sqrt is an ulp off in one value in six (fast vector math),
-# inductor's correctly rounded; inductor's reductions sum in another order. Hence explicit products, sqrt32 and
-# eager_sum. (The GPU's compiled graphs fuse multiply-adds as #89's did.)
+# inductor's correctly rounded; inductor's reductions sum in another order. Hence explicit products (in place where
+# eager's memory wants it), sqrt32 and eager_sum. (The GPU's compiled graphs fuse multiply-adds as #89's did.)
 
 def sqrt32(x: Tensor) -> Tensor:
-    """Correctly rounded fp32 sqrt, eager and compiled: through fp64, which eager computes within an fp64 ulp, and no
-    square root of an fp32 value lies that close to a rounding boundary of fp32 (2p + 2 = 50 bits < 53)."""
-    return x.double().sqrt().float()
+    """Correctly rounded fp32 sqrt: torch's, compiled or on CUDA; eager on the CPU numpy's (IEEE's instruction, as
+    inductor's C++), as torch's vector kernel there is an ulp off in one fp32 value in five."""
+    if x.is_cuda or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return x.sqrt()
+    return torch.as_tensor(np.sqrt(x.numpy()))
 
 @torch.library.custom_op("speedrun::eager_sum", mutates_args=())
 def eager_sum(x: Tensor, dims: list[int]) -> Tensor:
@@ -845,11 +847,11 @@ def adam_step_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, beta1: float, beta
     without a master, as #89's, or fp32) takes the update in one rounding. step_size, decay: 0-d fp32 tensors."""
     grad = grad.float()
     m.mul_(beta1).add_(grad * (1 - beta1))
-    v.mul_(beta2).add_((1 - beta2) * grad * grad)
-    update = m / (sqrt32(v) + eps) * step_size
+    v.mul_(beta2).add_(grad.mul(1 - beta2).mul_(grad))
+    update = m.div(sqrt32(v).add_(eps)).mul_(step_size)
     p32 = p.float()
-    update = update + decay * p32 * (update * p32 > 0)
-    p.copy_(p32 - update)
+    update.add_(p32.mul(decay).mul_(update * p32 > 0))
+    p.sub_(update)
 
 @dataclass(frozen=True)
 class UpdateSteps:
