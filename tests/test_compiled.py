@@ -143,8 +143,9 @@ def test_compiled_fp8_training_compiles_each_length_in_the_warmup_only_and_follo
     planned = {k: int(v) for k, v in (part.rsplit(" ", 1) for part in line.split(", "))}
     # + the eval graph; windows, YaRN, the multi-token weights and the untie recompiled nothing
     assert model_graphs() == 3 == planned["model"]
-    functions = {"orthogonalize": T.momentum_polar_express, "normuon": T.normuon_, "cautious update": T.cautious_update_,
-                 "adam": T.adam_step_}  # one graph per shard shape (Adam's: and dtype and betas)
+    # the optimizer's: a graph per shard shape (Adam's per shape, dtype and betas)
+    functions = {"orthogonalize": T.momentum_polar_express, "normuon": T.normuon_,
+                 "cautious update": T.cautious_update_, "adam": T.adam_step_}
     for name, fn in functions.items():
         assert len(_debug_get_cache_entry_list(fn.__code__)) == planned[name] >= 2, name
     assert adam_graphs_after_warmup == [planned["adam"]]  # the warmup's Adam step built them all, before the clock
