@@ -151,6 +151,7 @@ class Config:
     fp8_mlp: bool | None = None  # FP8 MLP matmuls in training (#84, #89); auto: on for CUDA (DISABLE_FP8=1: off)
     relu2_kernel: bool | None = None  # MLP up-projection + ReLU^2 in one Triton kernel (#59); auto: on for CUDA
     fused_head: bool | None = None  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
+    attention: str = "auto"  # fa3: #89's FA3 varlen kernel (Hopper, the kernels package) | flex | auto: fa3 where it loads
     fp8_x_scale: float = 100 / 448  # the FP8 head's input scale (value = fp8 x scale) (#51)
     fp8_w_scale: float = 1.6 / 448  # ... of its weight (#55)
     fp8_grad_scale: float = 0.75 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51)
@@ -294,6 +295,42 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
+# FA3 (#89's kernel, on Hopper) takes the same rule as one varlen call per layer: the packed sequence's documents as
+# cu_seqlens, causal, a window of (w, 0) tokens, YaRN's scale as its softmax scale. Those are Python numbers, so each
+# distinct set is a graph of its own, as in #89: a VarlenPlan per training stage and per validation, every training
+# one compiled in the warmup. cu_seqlens has a fixed length per plan; the run's data sizes it at start-up.
+VARLEN_SLOTS = {16384: 64, 32768: 96, 49152: 128}  # #89's cu_seqlens lengths per micro-step length (#78: FineWeb's)
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    long_window: int  # tokens
+    short_window: int
+    max_seqlen: int  # the longest document FA3 can meet: the cut in training, the whole sequence validating
+    slots: int  # cu_seqlens' length: more than the most documents a sequence of this shape holds in the run's data
+    scale: float  # the softmax scale: attn_scale times YaRN's growth so far
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # q, k, v (1, positions, heads, D) -> attention's output, alike
+
+def varlen_slots(seq_len: int, most_documents: int) -> int:
+    """cu_seqlens' length for sequences of seq_len tokens holding at most most_documents documents: #89's (its table,
+    else seq_len // 300 rounded up to 128) where they fit, else the next multiple of 16 that does. #89 crashes there."""
+    record = VARLEN_SLOTS.get(seq_len, -(-(seq_len // 300) // 128) * 128)
+    return max(record, -(-(most_documents + 1) // 16) * 16)
+
+def cu_seqlens(input_seq: Tensor, slots: int) -> Tensor:
+    """FA3's cu_seqlens of one packed sequence in #89's layout: 0, each later document's start (a BOS), then the length,
+    repeated to `slots` entries (zero-length sequences, which FA3 skips). Static shape: no host sync, no recompile."""
+    T = input_seq.numel()
+    starts = (input_seq == BOS_ID) | (torch.arange(T, device=input_seq.device) == 0)
+    return torch.nonzero_static(starts, size=slots, fill_value=T).flatten().int()
+
+def yarn_scale(long_windows: tuple[int, ...], base: float) -> float:
+    """base times YaRN's attention-scale growth, 1 + 0.2 ln(W' / W) at each change W -> W' of the long window (#31), in
+    #89's order of multiplication."""
+    for old, new in zip(long_windows, long_windows[1:]):
+        base *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
+    return base
+
 class Rotary(nn.Module):
     """Half-truncated RoPE in #89's layout: dim pairs (2i, 2i + 1) of a head's first half turn at frequencies
     1 .. 1/1024, its second half never. bf16 tables from fp32 angles, as #89's; YaRN rewrites them in place."""
@@ -409,13 +446,15 @@ def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
     return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
 class GPT(nn.Module):
-    """Record #89's model. use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex:
-    compile flex_attention alone (an uncompiled model on CUDA: unfused flex would materialize the score matrix).
-    Parameter names are #89's optimizer labels; the Muon banks (qk, vo, mlp) are fp32 masters read as bf16."""
+    """Record #89's model. Attention: fa3 (FA3's flash_attn_varlen_func, or a stand-in with its signature), else
+    use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone
+    (an uncompiled model on CUDA: unfused flex would materialize the score matrix). Parameter names are #89's
+    optimizer labels; the Muon banks (qk, vo, mlp) are fp32 masters read as bf16."""
 
-    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False):
+    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False,
+                 fa3: Callable | None = None):
         super().__init__()
-        self.cfg, self.use_flex, self.fp8_head = cfg, use_flex, fp8_head
+        self.cfg, self.use_flex, self.fp8_head, self.fa3 = cfg, use_flex, fp8_head, fa3
         L, d, H, D = cfg.num_layers, cfg.model_dim, cfg.num_heads, cfg.head_dim
         self.plans = layer_plans(cfg)
         self.skip_from, self.skip_to = skip_layers(cfg)
@@ -494,16 +533,14 @@ class GPT(nn.Module):
         if long_windows[1:] == self.yarn_windows[1:]:
             return
         freqs = self.rotary.base.to(self.rotary.cos.device)  # fp32 throughout, #89's order of operations
-        scale = 1.0
         for old, new in zip(long_windows, long_windows[1:]):
             old_len, new_len = self.cfg.block_size * old, self.cfg.block_size * new
             g = ((old_len * freqs / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
             freqs = freqs * (old_len / new_len + g * (1 - old_len / new_len))
-            scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
         for rotary in (self.rotary, self.rotary_paired):
             if rotary is not None:
                 rotary.set_frequencies(freqs)
-        self.q_gain.fill_(scale)
+        self.q_gain.fill_(yarn_scale(long_windows, 1.0))  # FA3 takes its own from the plan (VarlenPlan.scale)
         self.yarn_windows = long_windows
 
     @torch.no_grad()
@@ -527,8 +564,39 @@ class GPT(nn.Module):
         n = MUDD_COEFS[block]
         return ((F.linear(h, self.mudd_w2[block, :n]) + self.mudd_b2[block, :n]) * MUDD_SCALE).split(1, dim=-1)
 
-    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, masks: dict[str, BlockMask | Tensor],
-                  qk: Tensor, vo: Tensor) -> Tensor:
+    def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> dict[str, Attend]:
+        """Per window kind (long, short, paired: the short window over 2T positions), attention over q, k, v of shape
+        (1, positions, heads, D), same shape out: FA3's varlen call (windows: a VarlenPlan of tokens), else the
+        masks of may_attend (windows: (long, short) blocks, a tensor: a new size never recompiles) with YaRN's
+        gain on q, by FlexAttention (CUDA) or SDPA with a dense mask (CPU)."""
+        if self.fa3 is not None:
+            cu = cu_seqlens(input_seq, windows.slots)
+
+            def varlen(window: int, paired: bool) -> Attend:
+                n = 1 + paired  # paired: every position twice, so are the offsets and the longest document
+                return lambda q, k, v: self.fa3(q[0], k[0], v[0], n * cu, n * cu, n * windows.max_seqlen,
+                                                n * windows.max_seqlen, softmax_scale=windows.scale, causal=True,
+                                                window_size=(window, 0))[None]
+
+            return {"long": varlen(windows.long_window, False), "short": varlen(windows.short_window, False),
+                    "paired": varlen(windows.short_window, True)}
+
+        def masked(mask: BlockMask | Tensor) -> Attend:
+            def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                q, k, v = (t.transpose(1, 2) for t in (q * self.q_gain, k, v))
+                if isinstance(mask, BlockMask):
+                    return self.flex(q, k, v, block_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+            return attend
+
+        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, self.cfg.block_size)
+        kinds = {"long": (windows[0], False), "short": (windows[1], False), "paired": (windows[1], True)}
+        if self.rotary_paired is None:  # (the short window, in blocks of block_size positions of 2T)
+            del kinds["paired"]
+        return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
+
+    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], qk: Tensor, vo: Tensor
+                  ) -> Tensor:
         """Layer i's attention over u (normed, (1, T, d)), aux_v added to its values; qk, vo: the banks in bf16."""
         plan, (T, H, D) = self.plans[i], (u.size(1), self.cfg.num_heads, self.cfg.head_dim)
         a, lambdas = plan.attn, self.scalars[2 * i: 2 * i + 2]
@@ -538,19 +606,13 @@ class GPT(nn.Module):
         if aux_v is not None:
             v = v + aux_v.view_as(v)
         rotary = self.rotary_paired if plan.paired else self.rotary
-        q, k = rotary(q, plan.paired) * self.q_gain, rotary(k, plan.paired)
+        q, k = rotary(q, plan.paired), rotary(k, plan.paired)
         qs, ks, vs = q, k, v
         if plan.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
             qs, ks, vs = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
         if plan.window == "long":  # the un-rotated dims of each key from the previous position (#49; across documents)
             ks = torch.where(rotary.stationary, torch.cat([ks[:, :1], ks[:, :-1]], dim=1), ks)
-        qs, ks, vs = (t.transpose(1, 2) for t in (qs, ks, vs))
-        mask = masks["paired" if plan.paired else plan.window]
-        if isinstance(mask, BlockMask):
-            y = self.flex(qs, ks, vs, block_mask=mask, scale=self.cfg.attn_scale)
-        else:
-            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.cfg.attn_scale)
-        y = y.transpose(1, 2).reshape(1, T, H, D)
+        y = attend["paired" if plan.paired else plan.window](qs, ks, vs).reshape(1, T, H, D)
         if plan.xsa:  # y minus tanh(alpha) of its component along the unit value (#82/#86)
             unit_v = F.normalize(v, dim=-1, eps=1e-4)
             share = torch.tanh(self.xsa_alphas[i]).bfloat16().type_as(y).view(1, 1, H, 1)  # bf16, as #89 reads it
@@ -573,14 +635,12 @@ class GPT(nn.Module):
             h = F.relu(F.linear(x, w_fc)).square()
         return h @ w_proj
 
-    def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
-        """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor."""
+    def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
+        """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor, or
+        with FA3 a VarlenPlan (attention_kernels)."""
         cfg, L, H, D = self.cfg, self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim
         T, last, half = input_seq.numel(), self.cfg.num_layers - 1, self.cfg.gate_channels // 2
-        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, cfg.block_size)
-        masks = {"long": build(windows[0]), "short": build(windows[1])}
-        if self.rotary_paired is not None:  # the short window, in blocks (or block_size positions) of 2T positions
-            masks["paired"] = build(windows[1], paired=True)
+        attend = self.attention_kernels(input_seq, windows)
         # Both lookups, weighted by the tie flag: the same graph tied and untied.
         e = self.embed(input_seq)
         e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight) + (1 - self.embed_tied) * e
@@ -617,7 +677,7 @@ class GPT(nn.Module):
                 elif ve is not None:
                     gate_in = torch.cat([u[..., :half], ve.flatten(-2)[..., :half]], dim=-1)
                     aux_v = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[plan.ve_gate]))[..., None] * ve
-                out = self.attention(u, i, aux_v, masks, qk, vo)
+                out = self.attention(u, i, aux_v, attend, qk, vo)
                 if mu is not None:
                     x = with_bigram(mu[8] * x + mu[9] * out + mu[10] * x0, mu[11] * bigram)
                 else:
@@ -641,13 +701,14 @@ class GPT(nn.Module):
             return torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(self.cfg, train_loss_scale(self.cfg)))
         return F.linear(x, self.lm_head.weight)
 
-    def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
+    def logits(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
         """Soft-capped logits, (T, vocab), in fp32: what validation's cross-entropy reads (#89 rounds the softcap to
         the head's dtype there)."""
         raw = self.head(self.hidden(input_seq, windows))
         return softcap(raw, self.cfg).to(raw.dtype).float()
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor | VarlenPlan, mtp: Tensor | None = None
+                ) -> Tensor:
         """Summed multi-token loss in training (mtp: its weights), mean cross-entropy in eval; --fused_head: the head
         and loss by gpt_kernels' softcap_ce, no logits tensor."""
         cfg = self.cfg
@@ -735,11 +796,49 @@ def schedule_table(cfg: Config) -> list[StepSchedule]:
     """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
     return [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
 
-def step_knobs(schedules: list[StepSchedule], device: torch.device) -> Callable[[int], tuple[Tensor, Tensor]]:
-    """Step -> the model's (long, short) windows and multi-token weights: rows of device tables made once."""
-    windows = torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
-    mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
-    return lambda step: (windows[step], mtp[step])
+@dataclass(frozen=True)
+class DocumentCounts:
+    """The most documents one sequence holds in the run's data, per training shape (seq_len, max_doc_len) and in
+    validation, counted at start-up (load_data): FA3's cu_seqlens are sized from them, so no batch overflows them."""
+    train: dict[tuple[int, int], int]
+    val: int
+
+class StepKnobs:
+    """What the model takes from the schedule besides the batch, made once per run: the multi-token weights, a row of
+    a device table, and the attention windows: rows of a device table of (long, short) blocks (FlexAttention, SDPA: a
+    new value never recompiles), or with FA3 (documents given) a VarlenPlan of plain numbers."""
+
+    def __init__(self, cfg: Config, schedules: list[StepSchedule], device: torch.device,
+                 documents: DocumentCounts | None = None):
+        self.cfg, self.schedules, self.documents = cfg, schedules, documents
+        self.windows = torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32,
+                                    device=device)
+        self.mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
+
+    def plan(self, step: int, training: bool) -> VarlenPlan:
+        """FA3's numbers for training step `step` or the validation before it."""
+        s, cfg = self.schedules[step], self.cfg
+        seq_len = s.seq_len if training else cfg.val_seq_len
+        most = self.documents.train[s.seq_len, s.max_doc_len] if training else self.documents.val
+        return VarlenPlan(cfg.block_size * s.long_window, cfg.block_size * s.short_window,
+                          min(s.max_doc_len, seq_len) if training else seq_len, varlen_slots(seq_len, most),
+                          yarn_scale(s.yarn_windows, cfg.attn_scale))
+
+    def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor]:
+        return (self.windows[step] if self.documents is None else self.plan(step, True)), self.mtp[step]
+
+    def val(self, step: int) -> Tensor | VarlenPlan:
+        return self.windows[step] if self.documents is None else self.plan(step, False)
+
+def graph_key(cfg: Config, s: StepSchedule, training: bool) -> tuple:
+    """What the compiled model's graph for this step depends on (dynamic=False): the sequence's length in training; with
+    FA3 also its plan's numbers (document cut, windows, YaRN's scale: slots follow the shape)."""
+    shape = (s.seq_len, s.max_doc_len) if training else ()
+    return shape[:1] if cfg.attention != "fa3" else (*shape, s.long_window, s.short_window, s.yarn_windows)
+
+def validates_at(cfg: Config, step: int) -> bool:
+    """Whether the run validates before training step `step` (at run_length: its last validation)."""
+    return not cfg.bench and (step in (0, run_length(cfg)) or bool(cfg.val_every) and step % cfg.val_every == 0)
 
 # -----------------------------------------------------------------------------
 # Optimizer
@@ -1328,13 +1427,13 @@ class TrainTokenStream:
     def position(self, steps: int) -> tuple[int, int]:
         return self.positions[steps]
 
-    def steps_available(self, wanted: int) -> int:
-        """How many of `wanted` steps the files supply."""
-        try:
-            self.skip(wanted - self.steps_served)
-        except DataExhausted:
-            pass
-        return self.steps_served
+    def most_documents(self, step: list[Pieces]) -> int:
+        """The most documents (BOS tokens) one of a step's sequences holds among its inputs: all its tokens but the
+        last, which is a target only."""
+        def documents(pieces: Pieces) -> int:
+            starts, ends = [s for s, _ in pieces], [e for _, e in pieces[:-1]] + [pieces[-1][1] - 1]
+            return int(np.searchsorted(self.bos, ends).sum() - np.searchsorted(self.bos, starts).sum())
+        return max(map(documents, step))
 
 class TrainBatches:
     """This rank's rows of each training step: micro-step m of rank r holds global sequence m * W + r."""
@@ -1377,6 +1476,12 @@ class ValTokens:
             raise UsageError(f"validation needs {need} tokens but the val files hold {have}; lower --val_tokens")
         self.tokens = np.concatenate(parts)
 
+    def most_documents(self, seq_len: int) -> int:
+        """The most documents one validation sequence of seq_len inputs holds: its BOS tokens, and the part before
+        its first (the chunks are not document-aligned)."""
+        chunks = self.tokens[: (len(self.tokens) - 1) // seq_len * seq_len].reshape(-1, seq_len)
+        return int(((chunks == BOS_ID).sum(1) + (chunks[:, 0] != BOS_ID)).max())
+
 class ValBatches:
     """This rank's validation chunks (rank, rank + W, ...), one (1, seq_len + 1) row per batch."""
 
@@ -1395,16 +1500,36 @@ class ValBatches:
     def close(self) -> None:
         pass
 
-def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
-                     ) -> None:
-    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream itself."""
-    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, step_shape,
+def count_documents(cfg: Config, files: list[Path], shapes: list[tuple[int, int]]
+                    ) -> tuple[int, dict[tuple[int, int], int]]:
+    """Serve one step of each of `shapes` in turn from the stream's start, as a loader would: how many steps the files
+    supply, and the most documents one sequence of each shape holds in them."""
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, lambda k: shapes[k],
                               cfg.train_epochs)
-    supplied = stream.steps_available(steps)
-    if supplied < steps:
-        raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
-                         f"document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
-                         f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
+    most: dict[tuple[int, int], int] = {}
+    for shape in shapes:
+        try:
+            step = stream.next_step()
+        except DataExhausted:
+            break
+        most[shape] = max(most.get(shape, 0), stream.most_documents(step))
+    return stream.steps_served, most
+
+def check_train_data(cfg: Config, files: list[Path], shapes: list[tuple[int, int]], warmup_shapes: list[tuple[int, int]]
+                     ) -> dict[tuple[int, int], int]:
+    """Refuse up front a run whose training files cannot supply one step of each of `shapes` (the run's steps; the
+    warmup's steps from the same start), counted by the stream itself; return the most documents one sequence of each
+    shape holds in either."""
+    most: dict[tuple[int, int], int] = {}
+    for wanted in (shapes, warmup_shapes):
+        supplied, counts = count_documents(cfg, files, wanted)
+        if supplied < len(wanted):
+            raise UsageError(f"the run needs {len(wanted)} steps of {cfg.global_batch_seqs} sequences, each starting at "
+                             f"a document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
+                             f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
+        for shape, count in counts.items():
+            most[shape] = max(most.get(shape, 0), count)
+    return most
 
 def bind_thread_to_device(device: torch.device) -> None:
     """First call of a thread making CUDA calls: a new thread's current device is GPU 0, which would get contexts."""
@@ -1537,6 +1662,7 @@ class PrefetchLoader:
 # value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
 
 COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
+ATTENTIONS = ("auto", "fa3", "flex")  # --attention
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
@@ -1811,6 +1937,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
          f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}"),
         (cfg.comm_overlap not in COMM_OVERLAP,
          f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}"),
+        (cfg.attention not in ATTENTIONS, f"--attention must be {', '.join(ATTENTIONS)}, got {cfg.attention!r}"),
         (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
         (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
          f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
@@ -1844,21 +1971,52 @@ def validate_config(cfg: Config, world_size: int) -> int:
 
 @dataclass
 class Runtime:
-    """Where this process runs: its rank, the world size and its device (set up in main())."""
+    """Where this process runs: its rank, the world size and its device (set up in main()), and the attention
+    path resolve_for_device took, in words for the log."""
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    attention: str = ""
 
 FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
+FA3_HUB_KERNEL = ("kernels-community/flash-attn3", 1)  # the hub kernel and version #89 loads FA3 from
 
-def resolve_for_device(cfg: Config, cuda: bool) -> None:
-    """Replace auto (None) in --compile, --fp8_head, --fp8_mlp and the kernels by the device's choice and apply DISABLE_FP8, so
-    that from here on the config (and its copy in the log) says what the run does; then check what depends on
-    the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
-    rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
-    torch path and an explicit true is refused."""
+@functools.cache
+def load_fa3() -> tuple[Callable | None, str]:
+    """(FA3's flash_attn_varlen_func, "") from #89's hub kernel, or (None, why it cannot run here)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None, "FA3 runs on Hopper GPUs (sm90) only"
+    try:
+        from kernels import get_kernel
+    except ImportError:
+        return None, "FA3 comes from the `kernels` package, which is not installed (pip install kernels)"
+    name, version = FA3_HUB_KERNEL
+    try:
+        return get_kernel(name, version=version).flash_attn_interface.flash_attn_varlen_func, ""
+    except Exception as e:  # the hub (offline, no build for this torch) or the build itself: say which
+        return None, f"{name} version {version} did not load: {type(e).__name__}: {e}"
+
+def resolve_attention(cfg: Config, cuda: bool) -> str:
+    """--attention auto -> fa3 where FA3 loads (a Hopper GPU with the kernels package), else flex; an explicit fa3
+    that cannot load is refused. Returns the path in words, for the log."""
+    kernel, why = load_fa3() if cfg.attention == "fa3" or cuda and cfg.attention == AUTO else (None, "")
+    if cfg.attention == "fa3" and kernel is None:
+        raise UsageError(f"--attention=fa3: {why}; use --attention=flex (or auto: FA3 where it loads)")
+    cfg.attention = "fa3" if kernel is not None else "flex"
+    if kernel is not None:
+        return f"fa3 ({FA3_HUB_KERNEL[0]} version {FA3_HUB_KERNEL[1]}, varlen)"
+    if not cuda:
+        return "flex (on the CPU: SDPA with the same masks, dense; FlexAttention has no CPU backward)"
+    return "flex (FlexAttention block masks)" + (f"; FA3 not taken: {why}" if why else "")
+
+def resolve_for_device(cfg: Config, cuda: bool) -> str:
+    """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
+    apply DISABLE_FP8, so that from here on the config (and its copy in the log) says what the run does; then check
+    what depends on the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so
+    a CPU rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
+    torch path and an explicit true is refused. Returns the attention path in words."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
@@ -1871,9 +2029,6 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
         if getattr(cfg, name) and not kernels:
             raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
                              f"--{name}=false")
-    if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
-        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
-                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
     for name in ("relu2_kernel", "fused_head"):
         if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
             setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None)
@@ -1888,6 +2043,12 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
         if getattr(cfg, name) and bad:
             raise UsageError(f"{what} needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm), "
                              f"got {', '.join(bad)}; change it or use --{name}=false")
+    attention = resolve_attention(cfg, cuda)  # last: auto may load FA3 from the hub
+    if cuda and cfg.attention == "flex" and cfg.block_size % FLEX_BLOCK_MULTIPLE:
+        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
+                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128 "
+                         f"(or FA3, --attention=fa3, on a Hopper GPU)")
+    return attention
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -2869,11 +3030,12 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
                          f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --vocab_size, "
                          f"--model_dim, --num_layers)")
 
-def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
+def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
     whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
-    on_cuda = rt.device.type == "cuda"
-    raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
+    flex = rt.device.type == "cuda" and cfg.attention == "flex"
+    fa3 = load_fa3()[0] if cfg.attention == "fa3" else None
+    raw = GPT(cfg, use_flex=flex, fp8_head=cfg.fp8_head, compile_flex=flex and not cfg.compile, fa3=fa3).to(rt.device)
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
     if cfg.fp8_mlp:
@@ -2885,6 +3047,7 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
         log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
+    log(attention_report(rt, knobs))
     if cfg.compile:  # dynamo refuses a function's graph past its limit (8 by default, a hard error): size it
         graphs = compiled_graphs(cfg, optimizer)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, *graphs.values())
@@ -2892,11 +3055,23 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
             f"{torch._dynamo.config.recompile_limit})")
     return raw, model, optimizer
 
-def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
-    """The graphs torch.compile builds per function: the model one per sequence length (and validation's), Muon
-    one per shard shape, each FP8 op two (static, then dynamic)."""
+def attention_report(rt: Runtime, knobs: StepKnobs) -> str:
+    """The log's attention line: the path taken and, with FA3, cu_seqlens' length per shape and the data's need."""
+    if knobs.documents is None:
+        return f"attention: {rt.attention}"
+    need = knobs.documents
+    train = [f"{n}/{cut}: {varlen_slots(n, most)} ({most})" for (n, cut), most in need.train.items()]
+    val = f"{knobs.cfg.val_seq_len}: {varlen_slots(knobs.cfg.val_seq_len, need.val)} ({need.val})"
+    return (f"attention: {rt.attention}; cu_seqlens slots per sequence (tokens/document cut: slots (most documents in "
+            f"this run's data)): {', '.join(train)}; validating {val}")
 
-    return {"model": len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1,
+def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
+    """The graphs torch.compile builds per function: the model one per training graph_key (a sequence length; with
+    FA3 a plan) and per validation's, Muon one per shard shape, each FP8 op two (static, then dynamic)."""
+    schedules = schedule_table(cfg)
+    training = {graph_key(cfg, s, True) for s in schedules[:-1]}
+    validating = {graph_key(cfg, schedules[k], False) for k in range(run_length(cfg) + 1) if validates_at(cfg, k)}
+    return {"model": len(training) + max(len(validating), 1),
             "orthogonalize": len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"}),
             "fp8 ops": 2 if cfg.fp8_head or cfg.fp8_mlp else 0}
 
@@ -2935,7 +3110,7 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knob
         requantize()
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor) -> float:
+def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor | VarlenPlan) -> float:
     """Mean cross-entropy over the val tokens; one all-reduce for the whole validation."""
     model.eval()
     totals = torch.zeros(2, device=rt.device)
@@ -2964,11 +3139,11 @@ def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
     return lines
 
 def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
-    """The training steps the warmup replays (shape and windows): warmup_steps of each distinct sequence
-    length, at its first step, since each length compiles its own graph (dynamic=False)."""
-    first: dict[int, int] = {}
+    """The training steps the warmup replays (shape and windows): warmup_steps of each distinct training graph (a
+    sequence length; with FA3 a plan), at its first step, since each compiles its own graph (dynamic=False)."""
+    first: dict[tuple, int] = {}
     for step, s in enumerate(schedules[:-1]):
-        first.setdefault(s.seq_len, step)
+        first.setdefault(graph_key(cfg, s, True), step)
     return [step for step in first.values() for _ in range(cfg.warmup_steps)]
 
 def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
@@ -3010,8 +3185,8 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     log(f"warmup: snapshot {1000 * snapshot:.1f} ms, {len(plan)} steps {steps:.1f} s, restore {1000 * restore:.1f} ms "
         f"(untimed; state restored)")
 
-def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor, step: int,
-             train_time_ms: float) -> tuple[int, float, float]:
+def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
+             step: int, train_time_ms: float) -> tuple[int, float, float]:
     """Evaluate and log a val line; (step, val loss, train time so far)."""
     loss = evaluate(model, val, cfg, rt, windows)
     step_avg = train_time_ms / max(step, 1)
@@ -3044,9 +3219,9 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
 
-def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]:
-    """The training shards, checked to hold what the run trains on, and the validation tokens: read before
-    anything is written, so a run without its data leaves nothing behind."""
+def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens, DocumentCounts]:
+    """The training shards, checked to hold what the run trains on, the validation tokens and the most documents a
+    sequence holds in each: read before anything is written, so a run without its data leaves nothing behind."""
     try:
         train_files = find_shards(cfg.train_files)
     except UsageError:
@@ -3056,20 +3231,24 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]
                              f"the recipe, {more_data_hint(cfg.train_files, missing=True)}") from None
         raise
     val_files = find_shards(cfg.val_files)
-    check_train_data(cfg, train_files, run_length(cfg), step_shape(schedule_table(cfg)))
-    return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
+    schedules = schedule_table(cfg)
+    shape = step_shape(schedules)
+    most = check_train_data(cfg, train_files, [shape(k) for k in range(run_length(cfg))],
+                            [shape(k) for k in warmup_plan(cfg, schedules)])
+    val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
+    return train_files, val, DocumentCounts(most, val.most_documents(cfg.val_seq_len))
 
-def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, argv: list[str]
-          ) -> TrainResult:
-    """The run from its first (or resumed) step to the summary; argv, the command line, for the resume command an
-    interrupted run prints."""
+def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
+          argv: list[str]) -> TrainResult:
+    """The run from its first (or resumed) step to the summary; documents: load_data's count (FA3 sizes its buffers
+    from it); argv, the command line, for the resume command an interrupted run prints."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
-    raw_model, model, optimizer = build_model(cfg, rt, log)
+    schedules = schedule_table(cfg)
+    knobs = StepKnobs(cfg, schedules, rt.device, documents if cfg.attention == "fa3" else None)
+    raw_model, model, optimizer = build_model(cfg, rt, log, knobs)
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
     start_step = resumed.step if resumed else 0
-    schedules = schedule_table(cfg)
-    knobs = step_knobs(schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
     def requantize(exact_down: Callable[[], bool]) -> Callable[[], None] | None:  # after each step, with --fp8_mlp
@@ -3078,7 +3257,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
     warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k])),
-           plan, lambda batch, step: train_step(model, optimizer, batch, knobs(step), loss_scale,
+           plan, lambda batch, step: train_step(model, optimizer, batch, knobs.train(step), loss_scale,
                                                 requantize=requantize(lambda: True)))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
@@ -3101,11 +3280,11 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
                 optimizer.copy_param("lm_head.weight", "embed.weight")
             raw_model.tie_embedding(schedules[step].tied)
             raw_model.apply_yarn(schedules[step].yarn_windows)
-            if not cfg.bench and (last or step == 0 or (cfg.val_every and step % cfg.val_every == 0)):
+            if validates_at(cfg, step):
                 optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
                 train_time_ms = clock.stop()
                 metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
-                val_points.append(validate(model, val, cfg, rt, log, knobs(step)[0], step, train_time_ms))
+                val_points.append(validate(model, val, cfg, rt, log, knobs.val(step), step, train_time_ms))
                 clock.start()
             if checkpointer.due(step):
                 checkpointer.save(step, clock.now(), loader.source.stream.position(step))
@@ -3120,7 +3299,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
             with profiler.step(step, settle=optimizer.wait_for_params):
-                train_step(model, optimizer, next(loader), knobs(step), loss_scale, metrics,
+                train_step(model, optimizer, next(loader), knobs.train(step), loss_scale, metrics,
                            requantize(lambda: step < cfg.fp8_down_exact_steps))
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
@@ -3173,10 +3352,15 @@ def setup_runtime(cfg: Config) -> Runtime:
     else:
         device = torch.device("cpu")
     cuda = device.type == "cuda"
-    resolve_for_device(cfg, cuda)
+    attention = resolve_for_device(cfg, cuda)
     if world_size > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Runtime(rank, world_size, local_rank, device)
+        paths: list[object] = [None] * world_size
+        dist.all_gather_object(paths, cfg.attention)
+        if len(set(paths)) > 1:  # auto found FA3 on some ranks only: they would call different collectives' graphs
+            raise UsageError(f"--attention=auto resolved differently across ranks ({', '.join(map(str, paths))}): "
+                             f"give --attention=fa3 or --attention=flex")
+    return Runtime(rank, world_size, local_rank, device, attention)
 
 def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
     """Rank 0 draws the seed and run id when they are not given; every rank uses rank 0's."""
@@ -3266,7 +3450,7 @@ def run(argv: list[str]) -> TrainResult:
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
         check_model_fits(cfg, rt.device)
-        train_files, val = load_data(cfg, rt.device)
+        train_files, val, documents = load_data(cfg, rt.device)
         check_run_paths(cfg)
         if rt.world_size > 1:
             dist.barrier()  # every rank checked the log folder before rank 0 writes into it
@@ -3281,7 +3465,7 @@ def run(argv: list[str]) -> TrainResult:
             log(SEPARATOR)
             log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
         with cpu_gemms(cfg.cpu_bf16_gemm):
-            result = train(cfg, rt, log, train_files, val, argv)
+            result = train(cfg, rt, log, train_files, val, documents, argv)
         if rt.world_size > 1:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.

@@ -84,7 +84,7 @@ def train(model: T.GPT, cfg: T.Config, data: list[torch.Tensor], at: int, bf16_m
     opt = T.ShardedMuonAdam(model, cfg, 0, 1, compile_ns=False)
     opt.orthogonalize = orthogonalize
     schedules = T.schedule_table(cfg)
-    knobs = T.step_knobs(schedules, torch.device("cpu"))(at)
+    knobs = T.StepKnobs(cfg, schedules, torch.device("cpu")).train(at)
     matrices = [p for n, p in model.named_parameters() if n.endswith(MATRICES)]
     trajectory, loss = [], 0.0
     for batch in data:

@@ -44,6 +44,41 @@ def test_cuda_environment(record_property):
     assert torch.cuda.is_bf16_supported()
 
 
+def test_fa3_follows_flex_attention_at_the_recipes_shapes(record_property):
+    # #89's kernel (FA3's varlen call, from the kernels package) against FlexAttention with the same mask rule, at the
+    # last stage's shape: 49,152 tokens of documents cut at 2,048, windows 5/11 blocks, YaRN's gain of the stage, and
+    # the paired layers' 98,304 positions. Forward and the gradients of q, k, v; FA3 first on a new machine.
+    fa3, why = T.load_fa3()
+    if fa3 is None:
+        pytest.skip(why)
+    cfg = T.parse_config(["--attention=fa3"])
+    s = T.schedule(T.stage_starts(cfg)[2], cfg)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    tokens = torch.randint(0, 50000, (s.seq_len,), device=CUDA, generator=g)
+    starts = torch.cumsum(torch.randint(1, s.max_doc_len + 1, (s.seq_len // 100,), device=CUDA, generator=g), 0)
+    tokens[0], tokens[starts[starts < s.seq_len]] = T.BOS_ID, T.BOS_ID
+    documents = int((tokens == T.BOS_ID).sum())
+    knobs = T.StepKnobs(cfg, [s], CUDA, T.DocumentCounts({(s.seq_len, s.max_doc_len): documents}, documents))
+    models = {"flex": T.GPT(cfg, use_flex=True, fp8_head=False, compile_flex=True).to(CUDA),
+              "fa3": T.GPT(cfg, use_flex=False, fp8_head=False, fa3=fa3).to(CUDA)}
+    for model in models.values():
+        model.apply_yarn(s.yarn_windows)
+    attend = {"flex": models["flex"].attention_kernels(tokens, knobs.windows[0]),
+              "fa3": models["fa3"].attention_kernels(tokens, knobs.plan(0, training=True))}
+    for kind, positions, heads in (("long", s.seq_len, 6), ("short", s.seq_len, 6), ("paired", 2 * s.seq_len, 3)):
+        q, k, v = (T.norm(torch.randn(1, positions, heads, 128, device=CUDA, generator=g)).bfloat16() for _ in "qkv")
+        grad = torch.randn(1, positions, heads, 128, device=CUDA, generator=g).bfloat16()
+        results = {}
+        for path in ("flex", "fa3"):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attend[path][kind](*inputs)
+            out.backward(grad)
+            results[path] = [out, *(t.grad for t in inputs)]
+        errors = [rel(a, b) for a, b in zip(results["fa3"], results["flex"])]
+        record_property(f"{kind}_rel_error_out_dq_dk_dv", [round(e, 5) for e in errors])
+        assert max(errors) < 2e-2, (kind, errors)  # bf16 kernels' own rounding: ~4e-3 expected
+
+
 @fp8
 def test_fp8_ops_pass_opcheck_on_cuda():
     torch.manual_seed(0)
