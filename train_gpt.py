@@ -1500,35 +1500,30 @@ class ValBatches:
     def close(self) -> None:
         pass
 
-def count_documents(cfg: Config, files: list[Path], shapes: list[tuple[int, int]]
+def count_documents(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
                     ) -> tuple[int, dict[tuple[int, int], int]]:
-    """Serve one step of each of `shapes` in turn from the stream's start, as a loader would: how many steps the files
-    supply, and the most documents one sequence of each shape holds in them."""
-    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, lambda k: shapes[k],
+    """Serve `steps` steps of the given shapes from the stream's start, as a loader would: how many the files supply,
+    and the most documents one sequence of each shape holds in them."""
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, step_shape,
                               cfg.train_epochs)
     most: dict[tuple[int, int], int] = {}
-    for shape in shapes:
+    for k in range(steps):
         try:
             step = stream.next_step()
         except DataExhausted:
             break
-        most[shape] = max(most.get(shape, 0), stream.most_documents(step))
+        most[step_shape(k)] = max(most.get(step_shape(k), 0), stream.most_documents(step))
     return stream.steps_served, most
 
-def check_train_data(cfg: Config, files: list[Path], shapes: list[tuple[int, int]], warmup_shapes: list[tuple[int, int]]
+def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
                      ) -> dict[tuple[int, int], int]:
-    """Refuse up front a run whose training files cannot supply one step of each of `shapes` (the run's steps; the
-    warmup's steps from the same start), counted by the stream itself; return the most documents one sequence of each
-    shape holds in either."""
-    most: dict[tuple[int, int], int] = {}
-    for wanted in (shapes, warmup_shapes):
-        supplied, counts = count_documents(cfg, files, wanted)
-        if supplied < len(wanted):
-            raise UsageError(f"the run needs {len(wanted)} steps of {cfg.global_batch_seqs} sequences, each starting at "
-                             f"a document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
-                             f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
-        for shape, count in counts.items():
-            most[shape] = max(most.get(shape, 0), count)
+    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream itself;
+    return the most documents one sequence of each shape holds in them."""
+    supplied, most = count_documents(cfg, files, steps, step_shape)
+    if supplied < steps:
+        raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
+                         f"document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
+                         f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
     return most
 
 def bind_thread_to_device(device: torch.device) -> None:
@@ -3233,8 +3228,14 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
     val_files = find_shards(cfg.val_files)
     schedules = schedule_table(cfg)
     shape = step_shape(schedules)
-    most = check_train_data(cfg, train_files, [shape(k) for k in range(run_length(cfg))],
-                            [shape(k) for k in warmup_plan(cfg, schedules)])
+    most = check_train_data(cfg, train_files, run_length(cfg), shape)
+    plan = warmup_plan(cfg, schedules)  # the warmup's batches: the first steps' data at the plan's shapes
+    supplied, warm = count_documents(cfg, train_files, len(plan), lambda k: shape(plan[k]))
+    if supplied < len(plan):
+        raise UsageError(f"the warmup ({len(plan)} steps of --warmup_steps={cfg.warmup_steps} per compiled shape) "
+                         f"needs more data than the run: lower --warmup_steps or {more_data_hint(cfg.train_files)}")
+    for key, count in warm.items():
+        most[key] = max(most.get(key, 0), count)
     val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
     return train_files, val, DocumentCounts(most, val.most_documents(cfg.val_seq_len))
 

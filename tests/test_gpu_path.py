@@ -108,11 +108,13 @@ def test_rope_tables_are_one_per_length_and_built_on_their_device(args, tables):
     assert not host.made, host.made[:3]
 
 
-@pytest.mark.parametrize("args", [[], ["--preset=tiny"]], ids=["recipe", "tiny"])
+@pytest.mark.parametrize("args", [[], ["--preset=tiny"], ["--attention=fa3"], ["--preset=tiny", "--attention=fa3"]],
+                         ids=["recipe", "tiny", "recipe-fa3", "tiny-fa3"])
 @pytest.mark.parametrize("world_size", [1, 8])
 def test_each_compiled_function_of_a_full_run_stays_within_dynamos_default_recompile_limit(args, world_size):
     # From the schedule and the optimizer's buckets at the real shapes (meta device): the model's graphs (one
-    # per training length and validation's), Muon's orthogonalization (one per shard shape), the FP8 ops.
+    # per training length and validation's; with FA3 one per training plan, 4, and per validation's, 4 in the
+    # recipe: every stage's, and the last one's windows), Muon's orthogonalization (one per shard shape), the FP8 ops.
     cfg = T.parse_config(args)
     with torch.device("meta"):
         model = T.GPT(cfg, use_flex=False, fp8_head=True)
