@@ -148,7 +148,7 @@ def test_sigterm_writes_a_checkpoint_the_run_resumes_from_exactly(tmp_path):
     (["--num_step=3"], {}, "unknown option --num_step; did you mean --num_steps? (see --help)"),
     (["--num_steps=ten"], {}, "--num_steps expects int"),
     (["--preset=huge"], {}, "unknown preset 'huge'"),
-    (["--num_steps=0"], {}, "--num_steps must be > 0, got 0"),
+    (["--num_steps=0"], {}, "--num_steps must be in [1, 100000], got 0"),
     (["--device=tpu"], {}, "--device must be auto, cuda or cpu"),
     ([], {"WORLD_SIZE": "3"}, "not divisible by the world size 3"),
     (["--train_files=nowhere/*.bin"], {}, "no files match 'nowhere/*.bin'"),
