@@ -1785,6 +1785,7 @@ def rule_holds(rule: str, value: float) -> bool:
 RUN_ID_MAX = 200  # with ".failed.jsonl" added, within the 255-byte file names of common file systems
 
 def plain_name(run_id: str) -> bool:
+    """Whether a --run_id names files in --log_dir and nothing else (the empty default: a fresh one)."""
     return run_id not in (".", "..") and len(run_id) <= RUN_ID_MAX and \
         not any(c in "/\\" or c.isspace() or not c.isprintable() for c in run_id)
 
@@ -2017,9 +2018,11 @@ def lock_log(f: IO) -> bool:
     ends (the kernel drops it after a kill -9). False when another process holds it: that run is still going."""
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
     except BlockingIOError:
         return False
+    except OSError:  # a file system without locks (some network mounts): the run goes on, unguarded
+        pass
+    return True
 
 class RunLog:
     """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
@@ -2590,10 +2593,9 @@ def check_run_paths(cfg: Config) -> None:
         raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: choose another --run_id "
                          f"(or none, for a fresh one), or --overwrite=true to replace them")
     text_log = log_dir / f"{cfg.run_id}.txt"
-    if text_log.exists():
-        with open(text_log, "rb") as f:  # a test of the live run's lock (RunLog), released at once
-            if not lock_log(f):
-                raise UsageError(still_running(text_log))
+    with contextlib.suppress(OSError), open(text_log, "rb") as f:  # the live run's lock (RunLog), tested and
+        if not lock_log(f):                                           # released at once
+            raise UsageError(still_running(text_log))
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
         raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
                          f"its own --run_id (leave it unset for a fresh one)")
