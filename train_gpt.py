@@ -2013,11 +2013,12 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
         lines.append(smi.stdout.rstrip())
     return "\n".join(lines)
 
-def lock_log(f: IO) -> bool:
+def lock_log(f: IO, exclusive: bool = True) -> bool:
     """Take a run's lock, an exclusive flock on its open text log: held until the file is closed or the process
-    ends (the kernel drops it after a kill -9). False when another process holds it: that run is still going."""
+    ends (the kernel drops it after a kill -9). False when another process holds it: that run is still going.
+    A shared lock tests for it: the ranks' tests at start-up do not collide."""
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     except OSError:  # a file system without locks (some network mounts): the run goes on, unguarded
@@ -2594,7 +2595,7 @@ def check_run_paths(cfg: Config) -> None:
                          f"(or none, for a fresh one), or --overwrite=true to replace them")
     text_log = log_dir / f"{cfg.run_id}.txt"
     with contextlib.suppress(OSError), open(text_log, "rb") as f:  # the live run's lock (RunLog), tested and
-        if not lock_log(f):                                           # released at once
+        if not lock_log(f, exclusive=False):                          # released at once
             raise UsageError(still_running(text_log))
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
         raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
