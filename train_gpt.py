@@ -1635,8 +1635,8 @@ def config_help() -> str:
             flag = f"  --{name}={defaults[name]}"
             body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
                                  break_on_hyphens=False)
-            if name in FIELD_RULES:  # the range whole, on the last line or one of its own
-                rule = f"must be {FIELD_RULES[name]}"
+            if name in FIELD_RULES or name in STAGE_FORMATS:  # the range whole, on the last line or one of its own
+                rule = f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else f"each: {STAGE_FORMATS[name][3]}"
                 body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};",
                                                                                             f"{'':<44}{rule}"]
             lines.append((f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:])

@@ -20,6 +20,7 @@ import torch
 
 import train_gpt as T
 from conftest import REPO, SMALL, main_in_process, tiny_args
+from test_first_contact import logged_losses
 
 
 def digest(folder: Path, run_id: str) -> dict[str, str]:
@@ -109,11 +110,6 @@ def test_sigterm_under_torchrun_stops_every_rank_cleanly(tmp_path):
     assert "\nterminated\n" in err and f'File "{REPO / "train_gpt.py"}"' not in err
 
 
-def logged_losses(jsonl: Path) -> dict[tuple[int, str], float]:
-    entries = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    return {(e["step"], k): e[k] for e in entries for k in ("train_loss", "val_loss") if k in e}
-
-
 def test_sigterm_during_a_validation_abandons_it_and_the_resumed_run_redoes_it(tmp_path, monkeypatch, capsys):
     # A scheduler's SIGTERM gives ~30 s; a validation can take minutes (a loaded CPU, a long --val_tokens). The run
     # stops at the next val batch with a checkpoint of that step boundary, whose resumed run validates it again.
@@ -197,6 +193,10 @@ def test_a_rank_killed_under_torchrun_leaves_one_line_and_its_log_set_aside(tmp_
     logs = tmp_path / "logs"
     assert not (logs / "lost.txt").exists()  # set aside as every failed run's, its last line the error
     assert (logs / "lost.failed.txt").read_text().rstrip().splitlines()[-1] == errors[0]
+
+
+@pytest.mark.slow
+def test_repeated_ctrl_c_prints_its_notice_and_its_stop_once(tmp_path):
     proc = start(tmp_path, tiny_args(tmp_path, num_steps=200, save_every=1, **SMALL))
     wait_for(proc, "step:2/")
     for _ in range(3):
