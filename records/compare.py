@@ -4,7 +4,8 @@ Reads this project's run logs (logs/<run_id>.txt, preferring a <run_id>.json sum
 upstream modded-nanogpt logs. A record folder stands for every run log (*.txt) inside it.
 
     python records/compare.py show RUN...
-    python records/compare.py diff A B       (first line: the verdict, reproduced or where the losses part)
+    python records/compare.py diff A B       (first line: the verdict: reproduced, equal on the steps both cover,
+                                              or where the losses part)
     python records/compare.py stats RUN... [--target 3.28] [--baseline RUN...]
     python records/compare.py plot RUN... [-o compare.png]
 
