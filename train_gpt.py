@@ -3405,9 +3405,9 @@ def run(argv: list[str]) -> TrainResult:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
             dist.barrier()
-        if STOP.received is not None:  # it came after the last point where the loop could stop: the run finished
-            log(f"{STOPS[STOP.received]}: the signal came too late to stop the run, which finished (summary written)",
-                flush=True)
+        if STOP.received is not None:  # no boundary to stop at came before the end (StopSignal.now): it finished
+            log(f"{STOPS[STOP.received]}: the run finished before a step boundary where a checkpoint resumes it "
+                f"(summary written)", flush=True)
             raise STOP.received()
         return result
     except BaseException as e:
