@@ -146,6 +146,24 @@ def test_a_signal_during_the_final_validation_stops_there_as_anywhere_else(tmp_p
     assert resumed.val_losses == [full.val_losses[-1]]  # the final validation, redone: bit for bit
 
 
+def test_a_signal_with_no_step_boundary_before_the_end_lets_the_run_finish_and_exits_143(tmp_path, monkeypatch,
+                                                                                        capsys):
+    validate = T.validate
+
+    def sigterm_in_the_last(model, val, cfg, rt, log, windows, step, *args, **kwargs):
+        if step == cfg.num_steps:  # step 3 of Adam every 2: no checkpoint there could resume the run
+            T.STOP(signal.SIGTERM, None)
+        return validate(model, val, cfg, rt, log, windows, step, *args, **kwargs)
+
+    monkeypatch.setattr(T, "validate", sigterm_in_the_last)
+    args = tiny_args(tmp_path, run_id="odd", **dict(FIELDS, num_steps=3, adam_every=2))
+    code, out, err = main_in_process(args, monkeypatch, capsys)
+    assert code == 143 and err.strip().splitlines()[-1] == "terminated", err
+    assert "terminated: the run finished before a step boundary where a checkpoint resumes it (summary written)" in out
+    assert json.loads((tmp_path / "logs" / "odd.json").read_text())["val_losses"][-1][0] == 3
+    assert not (tmp_path / "logs" / "odd").exists()
+
+
 @pytest.mark.slow
 def test_the_interrupt_prints_the_command_that_resumes_it_exactly(tmp_path):
     full = T.run(tiny_args(tmp_path, run_id="full", **FIELDS))
