@@ -15,6 +15,7 @@ import difflib
 import functools
 import glob
 import errno
+import fcntl
 import hashlib
 import importlib.util
 import inspect
@@ -63,6 +64,10 @@ except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for
 
 class UsageError(Exception):
     """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
+
+class RankLost(Exception):
+    """Another rank's process is gone (killed, crashed): this rank's collective lost its connection. One line on
+    every rank that is left (rank 0 may be the one gone), exit code 1."""
 
 # -----------------------------------------------------------------------------
 # Hyperparameters
@@ -137,7 +142,8 @@ class Config:
     final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
-    window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows (blocks) per stage, then the extension's
+    window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows per stage, then the extension's: a
+    #                                           token sees W blocks back in its document (0: itself only)
     seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
     lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
     doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
@@ -165,10 +171,12 @@ class Config:
     cpu_bf16_gemm: str = "auto"  # CPU runs' bf16 matmuls: native (oneDNN) | fp32 (fp32 GEMM, bf16 result) | auto
     # run
     preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
-    seed: int = -1  # -1 draws a random seed (always printed)
-    run_id: str = ""  # a name, not a path (no '/', not '..'); default: a fresh one; an id whose log exists is refused
-    overwrite: bool = False  # reuse a --run_id: replace that run's log and summary (never its checkpoints)
-    log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints)
+    seed: int = -1  # -1 draws a random seed (printed first, with the run id)
+    run_id: str = ""  # a plain name (no '/', '\', whitespace or control characters, not '..'); default: a fresh one
+    overwrite: bool = False  # reuse a --run_id whose log exists: replace it and the summary (not while that run is
+    #                          still running; never its checkpoints)
+    log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints); not empty
+    #                        (. for the current folder)
     val_every: int = 250  # validate every N steps; 0: only at the start and the end
     warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
     log_every: int = 1  # train metrics every N steps (and the last); N never changes training
@@ -1723,11 +1731,14 @@ def parse_config(argv: list[str]) -> Config:
 
 def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
     """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
-    a field is its documentation (--help prints it)."""
+    a field is its documentation (--help prints it); a comment line indented past its '#' continues it."""
     groups: list[tuple[str, list[tuple[str, str]]]] = []
     for line in inspect.getsource(Config).splitlines()[2:]:
         code, _, comment = line.strip().partition("  # ")
-        if code.startswith("# "):
+        if code.startswith("#  "):
+            name, text = groups[-1][1][-1]
+            groups[-1][1][-1] = (name, f"{text} {code[1:].strip()}")
+        elif code.startswith("# "):
             groups.append((code[2:], []))
         elif ":" in code:
             groups[-1][1].append((code.split(":")[0], comment))
@@ -1736,14 +1747,20 @@ def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
 def config_help() -> str:
     lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
              "--nproc_per_node=N train_gpt.py ..., or ./run.sh ...)",
-             "Every field of the Config dataclass, with its default (each given at most once; a bool field alone "
-             "is true):"]
+             "Every field of the Config dataclass, with its default and the range a number must be in (each given at "
+             "most once; a bool field alone is true):"]
     defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
     for group, fields in field_groups():
         lines.append(f"\n{group}:")
         for name, comment in fields:
             flag = f"  --{name}={defaults[name]}"
-            lines.append(f"{flag:<44}{comment}" if len(flag) < 44 else f"{flag}\n{'':<44}{comment}")
+            body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
+                                 break_on_hyphens=False)
+            if name in FIELD_RULES or name in STAGE_FORMATS:  # the range whole, on the last line or one of its own
+                rule = f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else f"each: {STAGE_FORMATS[name][3]}"
+                body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};",
+                                                                                            f"{'':<44}{rule}"]
+            lines.append((f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:])
     lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
     for name, fields in PRESETS.items():
         lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
@@ -1778,7 +1795,8 @@ STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] 
 }
 STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
 
-def parse_stages(name: str, spec: str) -> list:
+@functools.lru_cache(maxsize=64)  # schedule() reads every staged field at every step: each spec is parsed once
+def parse_stages(name: str, spec: str) -> tuple:
     """A staged field's entries: a number each, or a tuple (the windows' (short, long), mtp's weights)."""
     counts, kind, allowed, what, example = STAGE_FORMATS[name]
     try:
@@ -1796,7 +1814,7 @@ def parse_stages(name: str, spec: str) -> list:
     if name == "mtp_stages" and any(e[0] == 0 for e in entries):
         raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
                          f"without it the stage trains on nothing")
-    return [e[0] for e in entries] if counts == range(1, 2) else entries
+    return tuple(e[0] for e in entries) if counts == range(1, 2) else tuple(entries)
 
 def num_stages(cfg: Config) -> int:
     """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
@@ -1844,13 +1862,17 @@ def run_length(cfg: Config) -> int:
 # the upper ones lie far above any recipe's values (lrs <= 0.6, weight decay multipliers 150) and keep each update's
 # scalars (lr x stage multiplier <= 100 x decay) finite in fp32, so a typo such as --muon_lr=1e30 is refused here.
 FIELD_RULES: dict[str, str] = {
-    **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
-                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size", "num_steps",
+    **dict.fromkeys(["train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
+                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size",
                      "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage", "bigram_dim",
                      "bigram_sign_rows", "mudd_dim", "attn_input_layer"], "> 0"),
+    # Start-up work grows with these before the corpus is read (the step table, the list of shards to pass over):
+    # bounded, so that a typo (--num_steps=10000000) is refused at once rather than after minutes of building.
+    **dict.fromkeys(["num_steps"], "in [1, 100000]"),
+    **dict.fromkeys(["train_epochs"], "in [1, 10000]"),
     **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "save_every",
                      "extension_steps", "muon_momentum_cooldown_steps", "fp8_down_exact_steps"], ">= 0"),
-    **dict.fromkeys(["seed"], ">= -1"),
+    **dict.fromkeys(["seed"], "in [-1, 4294967295]"),  # 32 bits: torch's generator overflows past 64
     **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "skip_gate_lr", "smear_gate_lr",
                      "lambda_lr", "mudd_lr"],
                     "in (0, 10]"),
@@ -1879,8 +1901,14 @@ def rule_holds(rule: str, value: float) -> bool:
     op, bound = rule.split()
     return value > float(bound) if op == ">" else value >= float(bound)
 
-# A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere.
+# A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere, and
+# whitespace or a control character (a newline) would split the names in a listing, a log line or a shell command.
 RUN_ID_MAX = 200  # with ".failed.jsonl" added, within the 255-byte file names of common file systems
+
+def plain_name(run_id: str) -> bool:
+    """Whether a --run_id names files in --log_dir and nothing else (the empty default: a fresh one)."""
+    return run_id not in (".", "..") and len(run_id) <= RUN_ID_MAX and \
+        not any(c in "/\\" or c.isspace() or not c.isprintable() for c in run_id)
 
 def validate_config(cfg: Config, world_size: int) -> int:
     """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
@@ -1899,9 +1927,10 @@ def validate_config(cfg: Config, world_size: int) -> int:
     long_seq = next((n for n in parse_stages("seq_len_stages", cfg.seq_len_stages)
                      if n > cfg.train_seq_len or n % cfg.block_size), None)
     refusals = [  # (a problem, its line), in order
-        (cfg.run_id in (".", "..") or any(c in cfg.run_id for c in "/\\\0") or len(cfg.run_id) > RUN_ID_MAX,
-         f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or '\\', not '.' or '..', "
-         f"at most {RUN_ID_MAX} characters"),
+        (not plain_name(cfg.run_id), f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or "
+         f"'\\', no whitespace or control characters, not '.' or '..', at most {RUN_ID_MAX} characters"),
+        (not cfg.log_dir.strip(), "--log_dir is empty: give the folder for the run's logs (e.g. --log_dir=logs; "
+         "--log_dir=. for this one)"),
         *((not getattr(cfg, n).strip(), f"--{n} is empty: give a glob of token shards, e.g. --{n}="
            f"'{PRESETS['tiny'][n]}'") for n in ("train_files", "val_files")),
         (cfg.global_batch_seqs % world_size, f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the "
@@ -2140,18 +2169,39 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
         lines.append(smi.stdout.rstrip())
     return "\n".join(lines)
 
+def lock_log(f: IO, exclusive: bool = True) -> bool:
+    """Take a run's lock, an exclusive flock on its open text log: held until the file is closed or the process
+    ends (the kernel drops it after a kill -9). False when another process holds it: that run is still going.
+    A shared lock tests for it: the ranks' tests at start-up do not collide."""
+    try:
+        fcntl.flock(f.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a file system without locks (some network mounts): the run goes on, unguarded
+        pass
+    return True
+
 class RunLog:
     """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
     not finite is written as NaN or Infinity (Python's json reads it back). A failed write (a full disk) stops the
-    run with one line."""
+    run with one line. The text log is locked while the run has it open (lock_log): a run started with the same
+    --run_id and --overwrite is refused instead of replacing a live run's logs."""
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
-        self.file, self.jsonl = self._open(path), self._open(jsonl_path)
+        self.file, self.jsonl = self._open(path, lock=True), self._open(jsonl_path)
         self.records = 0  # JSONL entries written: none until the first validation or step
 
-    def _open(self, path: Path | None) -> IO | None:
-        return None if path is None else self._io(path, lambda: open(path, "w", buffering=1 << 16))
+    def _open(self, path: Path | None, lock: bool = False) -> IO | None:
+        def opened() -> IO:
+            f = open(path, "a", buffering=1 << 16)  # appending: nothing is cut before the lock is held
+            if lock and not lock_log(f):
+                f.close()
+                raise UsageError(still_running(path))
+            f.truncate(0)
+            return f
+
+        return None if path is None else self._io(path, opened)
 
     @staticmethod
     def _io(name: object, action: Callable[[], Any]) -> Any:
@@ -2633,9 +2683,12 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     if not folder.is_dir():
         raise UsageError(f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
     path = folder / CKPT_META
-    if not path.exists():
+    if not path.exists() and not any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()):
+        raise UsageError(f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
+                         f"--save_every, --save_final or a stop signal writes them under <log_dir>/<run_id>/")
+    if not path.exists():  # a save that was cut short leaves its parts (or their .tmp files) but no meta.json
         raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last, once every rank's part is "
-                         f"on disk); resume from an earlier checkpoint")
+                         f"on disk); use an earlier checkpoint")
     try:
         meta = json.loads(path.read_text())
         step, world_size, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
@@ -2656,12 +2709,15 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     return meta
 
 def check_resume(cfg: Config) -> None:
-    """With --resume, refuse at start-up (every rank) an incomplete checkpoint, one whose shapes or data differ from
-    this run's, or one past its last step."""
+    """With --resume, refuse at start-up (every rank), before anything is written, an incomplete or corrupt checkpoint
+    (every file's checksum is checked here, and again as it is loaded), one whose shapes or data differ from this
+    run's, or one past its last step."""
     if not cfg.resume:
         return
     folder = Path(cfg.resume)
     meta = read_checkpoint_meta(folder)
+    for name, entry in meta["files"].items():
+        read_part(folder / name, entry.get("sha256"))
     saved = meta["config"]
     diffs = [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
              if saved.get(k) != getattr(cfg, k)]
@@ -2673,6 +2729,10 @@ def check_resume(cfg: Config) -> None:
                          f"(it needs {len(meta.get('train_files') or [])} shard(s) with the same names and sizes)")
     if meta["step"] > cfg.num_steps:
         raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
+
+def still_running(text_log: Path) -> str:
+    return (f"run {text_log.stem} is still running (another process holds its log {text_log}): --overwrite replaces "
+            f"the logs of a run that has ended; wait for it or choose another --run_id")
 
 def check_run_paths(cfg: Config) -> None:
     """Before anything is written: the log folder can be created and written, no earlier run's log is
@@ -2689,6 +2749,10 @@ def check_run_paths(cfg: Config) -> None:
     if logs and not cfg.overwrite:
         raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: choose another --run_id "
                          f"(or none, for a fresh one), or --overwrite=true to replace them")
+    text_log = log_dir / f"{cfg.run_id}.txt"
+    with contextlib.suppress(OSError), open(text_log, "rb") as f:  # the live run's lock (RunLog), tested and
+        if not lock_log(f, exclusive=False):                          # released at once
+            raise UsageError(still_running(text_log))
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
         raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
                          f"its own --run_id (leave it unset for a fresh one)")
@@ -2720,8 +2784,8 @@ def save_atomic(obj: object, path: Path) -> str:
         f.write(buffer.getbuffer())
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
-def load_part(path: Path, sha256: str) -> dict:
-    """A checkpoint file, read once, checked against the checksum meta.json recorded, then loaded."""
+def read_part(path: Path, sha256: str | None) -> bytes:
+    """A checkpoint file's bytes, checked against the checksum meta.json recorded."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -2729,12 +2793,17 @@ def load_part(path: Path, sha256: str) -> dict:
             from None
     if hashlib.sha256(data).hexdigest() != sha256:
         raise UsageError(f"checkpoint file {path} does not match its checksum in {CKPT_META}: corrupt or from "
-                         f"another checkpoint; resume from another checkpoint")
+                         f"another checkpoint; use another checkpoint")
+    return data
+
+def load_part(path: Path, sha256: str) -> dict:
+    """A checkpoint file, read once, checked against its checksum, then loaded."""
+    data = read_part(path, sha256)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # a file written under the right checksum but unloadable: a foreign pickle
-        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); resume from another "
-                         f"checkpoint") from None
+        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); use another checkpoint") \
+            from None
 
 @dataclass
 class ResumePoint:
@@ -3105,19 +3174,24 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knob
         requantize()
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor | VarlenPlan) -> float:
-    """Mean cross-entropy over the val tokens; one all-reduce for the whole validation."""
+def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor | VarlenPlan,
+             stoppable: bool = False) -> float | None:
+    """Mean cross-entropy over the val tokens; one all-reduce for the whole validation. stoppable: a stop signal
+    abandons it at the next batch (None), on every rank alike: the all-reduce carries whether any rank did."""
     model.eval()
-    totals = torch.zeros(2, device=rt.device)
+    totals = torch.zeros(3, device=rt.device)  # loss sum, batches, ranks that abandoned it
     with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
                         rt.device) as batches:
         for batch in batches:
+            if stoppable and STOP.received is not None:
+                totals[2] = 1
+                break
             totals[0] += model(batch[0, :-1], batch[0, 1:].long(), windows)
             totals[1] += 1
     if rt.world_size > 1:
         dist.all_reduce(totals)
     model.train()
-    return (totals[0] / totals[1]).item()
+    return None if totals[2].item() else (totals[0] / totals[1]).item()
 
 def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
     """One line per span of training steps with the same shapes and windows: a staged run's plan."""
@@ -3181,9 +3255,14 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
         f"(untimed; state restored)")
 
 def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
-             step: int, train_time_ms: float) -> tuple[int, float, float]:
-    """Evaluate and log a val line; (step, val loss, train time so far)."""
-    loss = evaluate(model, val, cfg, rt, windows)
+             step: int, train_time_ms: float, stoppable: bool = False) -> tuple[int, float, float] | None:
+    """Evaluate and log a val line; (step, val loss, train time so far), or None when a stop signal abandoned it
+    (stoppable: the loop can stop at this step, and the resumed run validates it again)."""
+    loss = evaluate(model, val, cfg, rt, windows, stoppable)
+    if loss is None:
+        log(f"validation at step {step} abandoned: a stop signal came; the resumed run validates this step",
+            flush=True)
+        return None
     step_avg = train_time_ms / max(step, 1)
     log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
                 "step_avg_ms": step_avg})
@@ -3226,10 +3305,13 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
                              f"the recipe, {more_data_hint(cfg.train_files, missing=True)}") from None
         raise
     val_files = find_shards(cfg.val_files)
-    schedules = schedule_table(cfg)
-    shape = step_shape(schedules)
+
+    def shape(step: int) -> tuple[int, int]:  # step by step: a run the corpus cannot hold is refused at the corpus's
+        s = schedule(step, cfg)                # end, before anything of every step's (schedule_table) is built
+        return s.seq_len, s.max_doc_len
+
     most = check_train_data(cfg, train_files, run_length(cfg), shape)
-    plan = warmup_plan(cfg, schedules)  # the warmup's batches: the first steps' data at the plan's shapes
+    plan = warmup_plan(cfg, schedule_table(cfg))  # the warmup's batches: the first steps' data at the plan's shapes
     supplied, warm = count_documents(cfg, train_files, len(plan), lambda k: shape(plan[k]))
     if supplied < len(plan):
         raise UsageError(f"the warmup ({len(plan)} steps of --warmup_steps={cfg.warmup_steps} per compiled shape) "
@@ -3274,7 +3356,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         set_rng_state(resumed.rng, rt.device)
     clock = TrainClock(rt.device, resumed.train_time_ms if resumed else 0.0)
     try:
-        STOP.defer(True)
+        STOP.defer(True, stop_notice(cfg, rt.world_size))
         for step in range(start_step, last_step + 1):
             last = step == last_step
             if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
@@ -3285,17 +3367,17 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
                 optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
                 train_time_ms = clock.stop()
                 metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
-                val_points.append(validate(model, val, cfg, rt, log, knobs.val(step), step, train_time_ms))
+                point = validate(model, val, cfg, rt, log, knobs.val(step), step, train_time_ms,
+                                 stoppable=STOP.boundary(step, cfg))
+                metrics.stop_agreed |= point is None  # abandoned on every rank alike: the stop is agreed
+                val_points += [point] if point else []
                 clock.start()
             if checkpointer.due(step):
                 checkpointer.save(step, clock.now(), loader.source.stream.position(step))
-            if STOP.now(step, last, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
+            if STOP.now(step, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
                 stop_with_checkpoint(step, cfg, log, checkpointer, clock.now(), loader.source.stream.position(step),
                                      argv, rt.world_size)
             if last:
-                if STOP.received is not None:  # the signal said "after a checkpoint": say what happens instead
-                    log(f"{STOPS[STOP.received]}: the signal came during the last step, so the run finishes (summary "
-                        f"written, exit code 0) rather than checkpointing", flush=True)
                 break
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
@@ -3306,6 +3388,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             checkpointer.poll()
         metrics.flush()
     except BaseException:
+        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the wait short
         checkpointer.close(error=True)  # pending writes finish before the error leaves train()
         raise
     finally:
@@ -3379,45 +3462,65 @@ EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + SIGINT, 128 + SI
 
 class StopSignal:
     """The first SIGINT or SIGTERM stops the run (later ones are ignored: they cannot break into the cleanup).
-    Outside the training loop at once; inside it (deferred), at the next step boundary every rank agrees on
-    (through the metrics' collective) where exact resume is possible, after a checkpoint."""
+    Outside the training loop at once; inside it (deferred), at the next step boundary where exact resume is
+    possible, once every rank agrees (through the metrics' collective, or a validation's, which the signal abandons:
+    the resumed run redoes it), after a checkpoint. One that comes while a failed run cleans up is ignored: the
+    error is what the run ends with."""
 
     def __init__(self):
-        self.deferred = False
+        self.deferred, self.ignored, self.notice = False, False, ""
         self.received: type[KeyboardInterrupt] | None = None
 
     def __call__(self, signum: int, frame: object) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.ignored:
+            return
         self.received = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         if not self.deferred:
             raise self.received()
-        print0(f"{STOPS[self.received]}: stopping at the next step boundary, after a checkpoint", file=sys.stderr)
+        print0(f"{STOPS[self.received]}: {self.notice}", file=sys.stderr)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Handle SIGINT and SIGTERM for one run, then hand them back to their previous handlers: a process that
         imports this file and calls main() keeps its own signal handling afterwards."""
-        self.received = None
+        self.received, self.ignored = None, False
         previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.received = None  # a signal belongs to its run: a later run in this process starts afresh
+            self.received, self.ignored = None, False  # a signal belongs to its run: a later one starts afresh
 
-    def defer(self, deferred: bool) -> None:
-        """Inside the training loop or not (a signal that lands in its last step lets the run finish)."""
-        self.deferred = deferred
+    def defer(self, deferred: bool, notice: str = "") -> None:
+        """Inside the training loop or not; notice: what a signal there does (stderr's first line)."""
+        self.deferred, self.notice = deferred, notice
 
-    def now(self, step: int, last: bool, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
-        """Whether the loop stops before training `step` (every rank answers alike); never at the last step,
-        whose validation has run: the run finishes instead."""
+    def ignore(self) -> None:
+        """The run is ending on an error or a stop: from now on a signal changes nothing."""
+        self.ignored = True
+
+    @staticmethod
+    def boundary(step: int, cfg: Config) -> bool:
+        """Whether the loop can stop before training `step`: a checkpoint there resumes exactly. Between Adam steps
+        the summed gradients are pending: it cannot (a --bench stops anywhere: it saves nothing)."""
+        return cfg.bench or step % cfg.adam_every == 0
+
+    def now(self, step: int, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
+        """Whether the loop stops before training `step` (after its validation; every rank answers alike)."""
         asked = self.received is not None if rt.world_size == 1 else metrics.stop_agreed
-        return asked and not last and (cfg.bench or step % cfg.adam_every == 0)  # between Adam steps: no resume
+        return asked and self.boundary(step, cfg)
 
 STOP = StopSignal()
+
+def stop_notice(cfg: Config, world_size: int) -> str:
+    """What a signal in the training loop does, said when it comes: where the loop stops, and what it writes."""
+    where = "the next step boundary" if cfg.bench or cfg.adam_every == 1 else \
+        f"the end of the next Adam step (one in {cfg.adam_every} steps: up to {cfg.adam_every} more steps)"
+    agreed = ", once the ranks agree (within two logging intervals)" if world_size > 1 else ""
+    return f"stopping at {where}{agreed}{'' if cfg.bench else ', after a checkpoint'}"
 
 def resume_command(argv: list[str], folder: Path, world_size: int) -> str:
     """The command to paste to continue this run from a checkpoint: its own options without --run_id and --resume
@@ -3440,9 +3543,22 @@ def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Che
                 f"{resume_command(argv, folder, world_size)}", flush=True)
     raise kind()
 
+def lost_rank(e: BaseException, rt: Runtime | None) -> RankLost | None:
+    """The error of a collective whose peer process is gone, as one line; None for any other error. NCCL raises
+    DistError; gloo's transport a plain RuntimeError naming its source file, then a paragraph of advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if rt is None or rt.world_size == 1 or not (isinstance(e, dist.DistError) or
+                                                isinstance(e, RuntimeError) and "gloo/transport" in text):
+        return None
+    detail = text.split("] ", 1)[-1].split(". This is typically")[0][:200]
+    return RankLost(f"rank {rt.rank} lost the connection to another rank ({detail}): a rank stopped or died; its "
+                    f"own output says why")
+
 def run(argv: list[str]) -> TrainResult:
     """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
-    is checked before anything is written; a run that stops after its log was opened says why in the log."""
+    is checked before anything is written; a run that stops after its log was opened says why in the log, and
+    keeps its run id's name only when it finished or a signal stopped it after it recorded something: any other
+    end moves its logs to <run_id>.failed.*."""
     rt, log, stop, error = None, RunLog(None), None, None
     try:
         cfg = parse_config(argv)
@@ -3461,26 +3577,39 @@ def run(argv: list[str]) -> TrainResult:
             (Path(cfg.log_dir) / f"{cfg.run_id}.json").unlink(missing_ok=True)  # an --overwrite's old summary
             log(Path(__file__).read_text(), console=False)
             log(SEPARATOR, console=False)
-            log(environment_report(rt.device, cfg.cpu_bf16_gemm))
-            log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-            log(SEPARATOR)
+            # The console's first line: what names the run's files (the config, one long line, is the log's alone).
             log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
+            log(environment_report(rt.device, cfg.cpu_bf16_gemm))
+            log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
+            log(SEPARATOR)
         with cpu_gemms(cfg.cpu_bf16_gemm):
             result = train(cfg, rt, log, train_files, val, documents, argv)
         if rt.world_size > 1:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
             dist.barrier()
+        if STOP.received is not None:  # no boundary to stop at came before the end (StopSignal.now): it finished
+            log(f"{STOPS[STOP.received]}: the run finished before a step boundary where a checkpoint resumes it "
+                f"(summary written)", flush=True)
+            raise STOP.received()
         return result
     except BaseException as e:
-        stop = f"error: {e}" if isinstance(e, UsageError) else STOPS.get(type(e), f"failed: {type(e).__name__}: {e}")
-        error = e
+        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the cleanup short
+        error = lost_rank(e, rt) or e
+        stop = f"error: {error}" if isinstance(error, (UsageError, RankLost)) else STOPS.get(
+            type(error), f"failed: {type(error).__name__}: {error}")
+        if error is not e:
+            raise error from None
         raise
     finally:
         log.close(stop)
-        kept = log.set_aside() if error is not None and not log.records else None
-        if kept is not None:  # nothing was trained: a rerun with the same --run_id must not be refused
-            error.add_note(f"(its log is kept as {kept}; the run id is free for a rerun)")
+        finished = any(path.with_suffix(".json").exists() for path in log.paths)  # its summary (only rank 0's)
+        if error is not None and (not log.records or not (finished or isinstance(error, KeyboardInterrupt))):
+            kept = log.set_aside()
+            run_dir = log.paths[0].with_suffix("") if log.paths else None
+            free = "" if run_dir and any(run_dir.glob("ckpt_*")) else "; the run id is free for a rerun"
+            if kept is not None:  # a rerun with the same --run_id must not be refused
+                error.add_note(f"(its log is kept as {kept}{free})")
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -3495,6 +3624,9 @@ def main() -> None:
     except UsageError as e:
         print0("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)
         sys.exit(2)
+    except RankLost as e:
+        print("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
+        sys.exit(1)
     except KeyboardInterrupt as e:  # the loaders and checkpoint writers were closed on the way out
         print0("\n".join([STOPS[type(e)], *getattr(e, "__notes__", [])]), file=sys.stderr)
         sys.exit(EXIT_CODES[type(e)])
