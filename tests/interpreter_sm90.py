@@ -5,9 +5,12 @@ Two of its shortcuts would make an interpreted kernel disagree with the same ker
 - float down-casts (fp32 -> bf16, fp16, e4m3, e5m2) cut the mantissa (truncation, and a round-half-up that can
   overflow into the exponent), where sm90's cvt.rn rounds to nearest even, and to e4m3/e5m2 with satfinite
   (tests/test_sm90_kernels.py checks that the compiled kernels use those instructions).
-install() replaces both with torch's conversions, which round to nearest even: a bf16 or fp8 dot takes the exact fp32
-values of its operands (their products are exact in fp32) and accumulates in fp32, in numpy's order, not the
-tensor cores'; every float-to-float cast rounds as the GPU's does. Import it before any kernel runs.
+A third is numpy's: a loop bound that is a runtime value (a persistent kernel's program id, a tile count from a
+size argument) reaches range() as a one-element array, which numpy 2.4 no longer converts to an int.
+install() replaces the first two with torch's conversions, which round to nearest even: a bf16 or fp8 dot takes the
+exact fp32 values of its operands (their products are exact in fp32) and accumulates in fp32, in numpy's order, not
+the tensor cores'; every float-to-float cast rounds as the GPU's does; and it reads a loop bound's one element.
+Import it before any kernel runs.
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ def install() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
 
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):  # after the interpreter's own patches, restored with them
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
     for name in ("create_fp_ext", "create_fp_trunc"):
         setattr(builder, name, cast)
     builder.cast_impl = cast
