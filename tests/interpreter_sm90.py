@@ -42,7 +42,17 @@ def to_storage(t: torch.Tensor) -> np.ndarray:
 
 
 def convert(data: np.ndarray, src: tl.dtype, dst: tl.dtype) -> np.ndarray:
-    """src -> dst as sm90's cvt.rn rounds: to nearest even; into fp8 saturating at its largest finite (NaN stays)."""
+    """src -> dst as sm90's cvt.rn rounds: to nearest even; into fp8 saturating at its largest finite (NaN stays).
+    bf16 <-> fp32 and fp16 -> fp32 in numpy, on the bits, as torch rounds them (a NaN stays a NaN): a wide block's
+    loads and their `other` fill, whose torch round trips were most of an interpreted cross-entropy's time."""
+    if dst == tl.float32 and src == tl.bfloat16:
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    if dst == tl.float32 and src == tl.float16:
+        return data.astype(np.float32)
+    if dst == tl.bfloat16 and src == tl.float32:
+        bits = data.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
     values = to_torch(data, src).to(torch.float32 if src != tl.float64 else torch.float64)
     wanted = TORCH_DTYPES[dst]
     if wanted in (torch.float8_e4m3fn, torch.float8_e5m2):
