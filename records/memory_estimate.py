@@ -295,11 +295,12 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
     (fw_peak, fw_at), (bw_peak, bw_at) = (liveness_peak(graphs[g].graph, static, head(True))
                                           for g in ("forward", "backward"))
     val_peak, val_at = liveness_peak(val.graph, leading_inputs(val.graph, len(state)), head(False))
-    def where(phase: str, node: torch.fx.Node) -> str:  # the op and its output's shape (the fused head: its chunk)
-        name = getattr(node.target, "_opname", node.name)
+    def where(phase: str, node: torch.fx.Node) -> str:  # the op and its (largest) output's shape (the fused head:
+        name = getattr(node.target, "_opname", node.name)  # its chunk)
         if name == "softcap_ce":
             return f"{phase}, softcap_ce's chunk {T.gpt_kernels.HEAD_CHUNK_ROWS}x{cfg.vocab_size}"
-        return f"{phase}, {name} {'x'.join(map(str, node.meta['val'].shape))}"
+        largest = max(tensors(node.meta["val"]), key=lambda t: t.numel())
+        return f"{phase}, {name} {'x'.join(map(str, largest.shape))}"
 
     return {"seq_len": last.seq_len, "saved": sum(saved.values()), "forward_trunk_peak": fw_trunk,
             "backward_peak": bw_peak, "train_peak": max(fw_peak, bw_peak),

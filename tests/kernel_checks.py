@@ -123,7 +123,7 @@ def fp8_mlp_run(args: tuple, grad: torch.Tensor, kernel: bool) -> list[torch.Ten
     return [out, maxima, pre, post, *(t.grad for t in leaves)]
 
 
-def test_the_fp8_mlp_with_the_kernel_is_its_torch_path_bit_for_bit_on_exact_sums(monkeypatch):
+def test_the_fp8_mlp_with_the_kernel_is_its_torch_path_bit_for_bit_on_exact_sums():
     # The whole op, forward and backward, kernel=True against kernel=False: x's codes (the same compiled torch),
     # the kernel's pre, post and post8, the same _scaled_mm down-projection, the kernel's dpre, the same torch
     # GEMMs for the gradients. 304 rows: 3 row tiles x 3 column tiles on 4 programs.
