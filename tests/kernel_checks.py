@@ -210,7 +210,8 @@ def test_the_mlp_ops_with_the_kernel_compile_in_one_graph_equal_to_eager():
 
 def test_the_model_with_the_kernel_follows_the_torch_path_in_training_and_validation():
     # GPT.mlp: FP8 training (the act scales from the kernel's partial maxima) and bf16 validation, --relu2_kernel
-    # against the torch path, on one bf16 model's forward and backward.
+    # against the torch path, on one bf16 model's forward and backward. Measured: the losses and the act scales
+    # equal, the gradients within 1.1e-5 (the MLP bank's: dpre's accumulation order); bounds a bf16 step or so.
     args = ["--preset=tiny", "--model_dim=64", "--head_dim=32", "--fp8_mlp=true"]
     torch.manual_seed(0)
     models = [T.GPT(T.parse_config([*args, f"--relu2_kernel={flag}"]), use_flex=False, fp8_head=False)
@@ -225,15 +226,15 @@ def test_the_model_with_the_kernel_follows_the_torch_path_in_training_and_valida
     losses = [model(tokens[:-1], tokens[1:], windows, torch.tensor([1.0])) for model in models]
     for loss in losses:
         loss.backward()
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         if a.grad is not None:  # (a zero gradient: bigram_lambdas with the bigram table at its zero init)
-            assert rel(b.grad, a.grad) < 0.02 if a.grad.any() else not b.grad.any(), name
+            assert rel(b.grad, a.grad) < 1e-3 if a.grad.any() else not b.grad.any(), name
     torch.testing.assert_close(models[1].fp8_act_scales, models[0].fp8_act_scales, rtol=2 ** -7, atol=0)
     assert (models[0].fp8_act_scales != 1).all()
     with torch.no_grad():
         evals = [model.eval()(tokens[:-1], tokens[1:], windows) for model in models]
-    torch.testing.assert_close(evals[1], evals[0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(evals[1], evals[0], rtol=1e-5, atol=0)
 
 
 def test_the_down_weight_quantizer_kernel_is_the_torch_paths_bit_for_bit():
