@@ -629,19 +629,18 @@ class GPT(nn.Module):
         return F.linear(y.flatten(-2), lambdas[1] * vo[2 * a + 1])
 
     def mlp(self, x: Tensor, i: int, w_fc: Tensor, w_proj: Tensor, amaxes: list[Tensor]) -> Tensor:
-        """relu(x W_fc^T)^2 W_proj; in training with fp8_mlp, #89's FP8 up- and down-projections (its input's max
-        goes to amaxes, for the next training step's scale)."""
+        """relu(x W_fc^T)^2 W_proj; in training with fp8_mlp, #89's FP8 up- and down-projections (post's partial maxima
+        go to amaxes, for the next training step's scale); relu2_kernel: the ReLU^2 GEMM as a Triton kernel."""
         if self.training and self.cfg.fp8_mlp:
             out, amax = torch.ops.speedrun.mlp_fp8(x.flatten(0, 1), w_fc, w_proj, self.fp8_w_fc[i],
                                                    self.fp8_up_scales[i], self.fp8_w_proj_t[i],
-                                                   self.fp8_down_scales[i], self.fp8_act_scales[i])
+                                                   self.fp8_down_scales[i], self.fp8_act_scales[i],
+                                                   bool(self.cfg.relu2_kernel))
             amaxes.append(amax)
             return out.view_as(x)
         if self.cfg.relu2_kernel:
-            h = torch.ops.speedrun.relu2_mm(x.flatten(0, 1), w_fc.T).view(*x.shape[:-1], -1)
-        else:
-            h = F.relu(F.linear(x, w_fc)).square()
-        return h @ w_proj
+            return torch.ops.speedrun.mlp_relu2(x.flatten(0, 1), w_fc, w_proj).view_as(x)
+        return F.relu(F.linear(x, w_fc)).square() @ w_proj
 
     def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
         """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor, or
@@ -695,8 +694,9 @@ class GPT(nn.Module):
             x = mu[12] * x + mu[13] * out if mu is not None else resid[1][i] * x + post[1][i] * out
             if i in (self.skip_from, cfg.attn_input_layer):
                 saved[i] = x
-        if amaxes:  # each down-projection's input scale for the next training step (#89)
-            self.fp8_act_scales.copy_(torch.stack(amaxes).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448))
+        if amaxes:  # each down-projection's input scale for the next training step (#89), from post's partial maxima
+            scales = torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448)
+            self.fp8_act_scales.copy_(scales)
         # MUDD block 1 (#81): the last mix, in place of #70's backout
         nu = self.mudd(x, 1)
         x = (x + nu[0] * x0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]

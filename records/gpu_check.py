@@ -52,7 +52,9 @@ KERNEL_TESTS = ["tests/test_cuda.py::test_cuda_environment",
                 "tests/test_model.py::test_fp8_ops_pass_opcheck",
                 "tests/test_model.py::test_fp8_head_saturates_values_beyond_each_formats_range",
                 "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
-                "tests/test_cuda.py::test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path",
+                "tests/test_cuda.py::test_relu2_mlp_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_mlp",
+                "tests/test_cuda.py::test_fp8_mlp_kernels_at_the_recipes_shape_follow_the_torch_path_and_the_quantizers"
+                "_is_bit_exact",
                 "tests/test_cuda.py::test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logits"
                 "_memory", "tests/test_cuda.py::test_fp8_ops_pass_opcheck_on_cuda",
                 "tests/test_cuda.py::test_fp8_head_saturates_on_cuda",

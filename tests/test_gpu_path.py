@@ -20,8 +20,8 @@ import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
              "scaled_dot_product_attention", "flex_attention"}
 # The activation argument of each custom op (the weights may stay fp32: the ops cast them).
-CUSTOM_X = {"fp8_mm": 0, "fp8_mm_backward": 0, "relu2_mm": 0, "softcap_ce": 0, "mlp_fp8_forward": 0,
-            "mlp_fp8_backward": 0}
+CUSTOM_X = {"fp8_mm": 0, "fp8_mm_backward": 0, "mlp_relu2_forward": 0, "softcap_ce": 0, "mlp_fp8_forward": 0,
+            "mlp_backward": 0}
 
 
 class InputDtypes(TorchDispatchMode):
@@ -76,7 +76,7 @@ def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(args)
         assert not ops.not_bf16(), (step, sorted(set(ops.not_bf16())))
     names = {name for ops in steps.values() for name, _ in ops.seen}
     if cfg.fused_head:
-        assert {"relu2_mm", "softcap_ce", "mlp_fp8_forward", "mlp_fp8_backward"} <= names, names
+        assert {"mlp_relu2_forward", "softcap_ce", "mlp_fp8_forward", "mlp_backward"} <= names, names
     else:
         assert "fp8_mm" in names, names
 
