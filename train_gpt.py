@@ -3623,6 +3623,8 @@ def main() -> None:
             run(argv)
     except UsageError as e:
         print0("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)
+        if _rank_and_world()[0] != 0:  # rank 0 says why and exits first: the launcher then stops this one
+            time.sleep(5)
         sys.exit(2)
     except RankLost as e:
         print("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)

@@ -522,7 +522,9 @@ def test_a_run_with_the_fused_head_follows_the_torch_path(tmp_path, monkeypatch)
                             logit_shift=5, num_steps=2, val_every=2, **{**SMALL, "val_tokens": 128, "val_seq_len": 128})
                   ).val_losses for fused in (False, True)]
     (_, start), (_, plain) = runs[0]
-    assert [s for s, _ in runs[1]] == [0, 2] and abs(runs[1][0][1] - start) < 1e-5  # validation: the kernel too
+    # Validation runs the kernel too: its loss sums each row's blocks in another order (measured: 1.8e-5 apart at a
+    # loss of 10.8 on an AVX2 CPU, 0 on AVX-512 ones).
+    assert [s for s, _ in runs[1]] == [0, 2] and abs(runs[1][0][1] - start) < 5e-5
     assert abs(runs[1][1][1] - plain) < 1e-2 < start - plain, runs
 
 
