@@ -1,6 +1,6 @@
 """The custom ops of train_gpt.py's model and optimizer: the FP8 head's matmuls, record #89's FP8 MLP and its weight
-quantizer, and the Triton kernels (#70's ReLU^2 GEMM, the softcapped cross-entropy with #89's numerics, #89's tiled
-transpose and the symmetric GEMMs of its Polar Express).
+quantizer, and the Triton kernels (#89's: the MLP's persistent ReLU^2 GEMM in FP8 and bf16, its down-weight quantizer,
+the softcapped cross-entropy, the tiled transpose and the symmetric GEMMs of its Polar Express).
 
 Each is a torch.library op under torch.ops.speedrun with a fake kernel (what torch.compile traces) and an
 autograd rule; the torch path each one replaces stays in train_gpt.py's model as the reference. Importing this
@@ -135,89 +135,120 @@ def _fp8_mm_grad(ctx, grad_out: Tensor) -> tuple:
 fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 
 
-# Fused linear + ReLU^2 (#59, #87), for --relu2_kernel: one Triton GEMM whose epilogue squares the ReLU, so
-# the pre-activation never reaches memory; backward recovers relu(pre) = sqrt(post) (#87: nothing else saved)
-# and runs the two GEMMs in torch. Built on first use (triton is imported only then; with TRITON_INTERPRET=1
-# the kernel runs on CPU tensors, which is how the tests check it). K is a compile-time constant (model_dim).
-# On CUDA, Triton autotunes the tile per (M, N) over RELU2_CONFIGS during warmup (each stage's shape is warmed
-# up, so no timed step tunes); the interpreter runs the first config (autotuning would time the interpreter).
-RELU2_CONFIGS = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): H100 bf16 GEMM tiles, all within sm90's
-    (128, 256, 64, 8, 3),  # 227 KB of shared memory (records/sm90_kernels.py compiles each for sm90)
-    (256, 128, 64, 8, 3),
-    (128, 128, 64, 8, 4),
-    (128, 128, 64, 4, 3),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (64, 128, 32, 4, 4),
-    (64, 64, 64, 4, 5),
-)
+# The MLP's ReLU^2 GEMM (#89's linear_relu_square, after #59 and #87): one persistent Triton GEMM, A (M, K) times
+# B (N, K)^T, whose epilogue makes the MLP's activations, in three modes. FP8 forward (training): e4m3 x8 and W8_fc,
+# the fp32 accumulator times the dequant scale, pre = bf16, post = bf16(relu(pre)^2), post8 = e4m3(min(post /
+# s_act, 448)) for the down-projection, and each program's max(post) for the next step's s_act. bf16 forward
+# (validation, or training without FP8): pre and post. Backward: dpre = bf16(2 bf16(g W_proj^T) relu(pre)), aux =
+# pre. #89's tiles (128 x 256, K blocks of 128 in FP8, 64 in bf16) through TMA descriptors; a grid of one program
+# per SM, each looping over tiles (persistent), its epilogue in two halves of N (half the registers live). Built on
+# first use (triton imported then); with TRITON_INTERPRET=1 it runs on CPU tensors, which is how the tests check it.
+MLP_BLOCK_M, MLP_BLOCK_N = 128, 256
+# (BLOCK_K, num_stages) of each mode, #89's: K blocks of 128 bytes; fewer stages where the epilogue's stores (pre,
+# post, post8) or the backward's read of pre need shared memory too (records/sm90_kernels.py: each within sm90's).
+MLP_GEMM_MODES = {"fp8 forward": (128, 3), "bf16 forward": (64, 4), "backward": (64, 3)}
+MLP_PROGRAMS_OFF_GPU = 4  # the persistent grid off a GPU (the interpreter): small, so that programs loop over tiles
+
+
+def _persistent_width(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else \
+        MLP_PROGRAMS_OFF_GPU
+
+
+def mlp_programs(rows: int, hidden: int, device: torch.device, width: int | None = None) -> int:
+    """Programs the ReLU^2 GEMM launches for (rows, hidden) outputs: one per SM (width), or one per tile where
+    fewer. The FP8 forward's partial maxima are one per program: the fake kernels size them by this too."""
+    return torch.sym_min(width or _persistent_width(device), -(-rows // MLP_BLOCK_M) * -(-hidden // MLP_BLOCK_N))
 
 
 @functools.cache
-def relu2_launcher() -> Callable:
-    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+def linear_relu_square_launcher() -> Callable:
+    global tl, relu2_epilogue  # module globals, as Triton (its interpreter too) resolves a kernel's names there
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
+    # One half tile: the activations from its fp32 accumulator acc. Every product is formed in fp32 from bf16
+    # values (exact: 8 x 8 significant bits) and rounded once to bf16, which is what bf16 arithmetic computes.
     @triton.jit
-    def kernel(x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, sxm, sxk, swk, swn, som, son,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, tl.cdiv(K, BLOCK_K)):  # fp32 accumulation over K, masked tails
-            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N),
-                        other=0.0)
-            acc += tl.dot(a, b)
-        acc = tl.maximum(acc, 0.0)
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, (acc * acc).to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+    def relu2_epilogue(acc, m0, n0, c_desc, aux_desc, post8_desc, inv_act_scale, amax, FORWARD: tl.constexpr,
+                       FP8: tl.constexpr):
+        c = acc.to(c_desc.dtype)
+        if FORWARD:
+            c_desc.store([m0, n0], c)
+            r = tl.maximum(c.to(tl.float32), 0.0)
+            post = (r * r).to(aux_desc.dtype)
+            aux_desc.store([m0, n0], post)
+            if FP8:  # post >= 0: only the upper clamp (and the cast saturates too)
+                post32 = post.to(tl.float32)
+                post8_desc.store([m0, n0], tl.minimum(post32 * inv_act_scale, 448.0).to(post8_desc.dtype))
+                amax = tl.maximum(amax, tl.max(tl.max(post32, axis=1), axis=0))
+        else:
+            pre = aux_desc.load([m0, n0]).to(tl.float32)
+            c_desc.store([m0, n0], (2 * c.to(tl.float32) * tl.maximum(pre, 0.0)).to(c_desc.dtype))
+        return amax
 
-    tuned = triton.autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                             for bm, bn, bk, w, s in RELU2_CONFIGS], key=["M", "N"])(kernel)
+    # The scales are one fp32 each, s_act a layer's element of a buffer: no alignment specialization (one compile
+    # for every layer, not one per alignment of its offset).
+    @triton.jit(do_not_specialize_on_alignment=["dequant_ptr", "act_scale_ptr"])
+    def kernel(a_desc, b_desc, c_desc, aux_desc, post8_desc, amax_ptr, dequant_ptr, act_scale_ptr, M, N, K,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SMS: tl.constexpr,
+               FORWARD: tl.constexpr, FP8: tl.constexpr):
+        # Program p runs tiles p, p + NUM_SMS, ... in row-major order (its neighbours share A's rows in L2). The
+        # descriptors zero-fill reads past M, N, K and drop writes there: the tails need no masks. 1 / s_act by
+        # IEEE division (Triton's / is approximate on the GPU), as the torch path computes it.
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        amax = 0.0
+        inv_act_scale = 1.0
+        dequant = 1.0
+        if FP8:
+            inv_act_scale = tl.math.div_rn(1.0, tl.load(act_scale_ptr))
+            dequant = tl.load(dequant_ptr)
+        for tile in tl.range(pid, tl.cdiv(M, BLOCK_M) * tiles_n, NUM_SMS, flatten=True):
+            m0 = tile // tiles_n * BLOCK_M
+            n0 = tile % tiles_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
+            if FP8:
+                acc = acc * dequant  # one fp32 multiply, then one rounding to bf16
+            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            amax = relu2_epilogue(lo, m0, n0, c_desc, aux_desc, post8_desc, inv_act_scale, amax, FORWARD, FP8)
+            amax = relu2_epilogue(hi, m0, n0 + BLOCK_N // 2, c_desc, aux_desc, post8_desc, inv_act_scale, amax,
+                                  FORWARD, FP8)
+        if FP8:
+            tl.store(amax_ptr + pid, amax)
 
-    def launch(x: Tensor, w: Tensor, out: Tensor, config: tuple[int, ...] | None = None) -> None:
-        """config: one of RELU2_CONFIGS; None autotunes on CUDA and takes the first config elsewhere."""
-        (M, K), N = x.shape, w.size(1)
-        args = (x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride())
-        if config is None and x.is_cuda:
-            tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))](*args)
-            return
-        bm, bn, bk, warps, stages = config or RELU2_CONFIGS[0]
-        kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                                         num_warps=warps, num_stages=stages)
+    def launch(a: Tensor, b: Tensor, aux: Tensor | None = None, scales: tuple[Tensor, Tensor] | None = None,
+               num_sms: int | None = None) -> tuple[Tensor, ...]:
+        """a (M, K) @ b (N, K)^T, row-major. FP8 forward: scales = (dequant, act_scale), fp32 0-d, a and b e4m3;
+        returns (pre, post, post8, partial maxima (programs,)). bf16 forward (no aux, no scales): (pre, post).
+        Backward: aux = pre, a = g, b = W_proj; returns (dpre,). num_sms: the persistent grid's width (default:
+        the GPU's SMs). Rows of 16 bytes (TMA): K a multiple of 16 in FP8, of 8 in bf16; N of 16."""
+        a, b = a.contiguous(), b.contiguous()
+        (M, K), N = a.shape, b.size(0)
+        fp8, forward = scales is not None, aux is None
+        if (K * a.element_size()) % 16 or N % 16:
+            raise ValueError(f"the ReLU^2 GEMM reads rows of 16 bytes: K={K} ({a.dtype}) and N={N} do not fit")
+        bk, stages = MLP_GEMM_MODES["fp8 forward" if fp8 else "bf16 forward" if forward else "backward"]
+        width = num_sms or _persistent_width(a.device)  # the loop's stride: a constant per GPU, one compile
+        programs = mlp_programs(M, N, a.device, width)
+        out_dtype = torch.bfloat16 if fp8 else a.dtype
+        c = a.new_empty(M, N, dtype=out_dtype)
+        aux = a.new_empty(M, N, dtype=out_dtype) if forward else aux.contiguous()
+        post8 = a.new_empty(M, N, dtype=torch.float8_e4m3fn) if fp8 else None
+        amax = a.new_empty(programs, dtype=torch.float32) if fp8 else None  # every slot written: one per program
+        half = [MLP_BLOCK_M, MLP_BLOCK_N // 2]
+        descs = [TensorDescriptor.from_tensor(t, block) if t is not None else None for t, block in (
+            (a, [MLP_BLOCK_M, bk]), (b, [MLP_BLOCK_N, bk]), (c, half), (aux, half), (post8, half))]
+        kernel[(programs,)](*descs, amax, *(scales or (None, None)), M, N, K, BLOCK_M=MLP_BLOCK_M,
+                            BLOCK_N=MLP_BLOCK_N, BLOCK_K=bk, NUM_SMS=width, FORWARD=forward, FP8=fp8,
+                            num_warps=8, num_stages=stages)
+        return (c, aux, post8, amax) if fp8 else (c, aux) if forward else (c,)
 
     launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
     return launch
-
-
-@torch.library.custom_op("speedrun::relu2_mm", mutates_args=())
-def relu2_mm(x: Tensor, w: Tensor) -> Tensor:
-    """relu(x @ w)^2 for x (M, K) and w (K, N), in x's dtype, by the fused Triton kernel."""
-    out = x.new_empty(x.size(0), w.size(1))
-    relu2_launcher()(x, w.to(x.dtype), out)
-    return out
-
-
-@relu2_mm.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
-    return x.new_empty(x.size(0), w.size(1))
-
-
-def _relu2_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    ctx.save_for_backward(inputs[0], inputs[1], output)
-
-
-def _relu2_mm_grad(ctx, grad_out: Tensor) -> tuple:
-    x, w, post = ctx.saved_tensors
-    grad_pre = 2 * post.sqrt() * grad_out  # d relu(pre)^2 = 2 relu(pre); relu(pre) = sqrt(post)
-    return grad_pre @ w.to(grad_pre.dtype).T, (x.T @ grad_pre).to(w.dtype)
-
-
-relu2_mm.register_autograd(_relu2_mm_grad, setup_context=_relu2_mm_setup)
 
 
 # #89's tiled transpose (transpose_copy), for the FP8 head's backward on CUDA (_transposed): dst = src^T, an exact
@@ -521,14 +552,29 @@ softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
 # FP8 MLP (#84's up-projection, #89's down-projection), training only: relu(x W_fc^T)^2 W_proj with both GEMMs in
 # float8_e4m3 (spec 4.8.2-4.8.3) and the backward in bf16 from the bf16 weights, x, pre and post ("straight-through",
 # 4.8.4), as #89's FusedLinearReLUSquareFunction. The weights' codes and scales come from quantize_mlp_weights_ once
-# per optimizer step; x's scale is its current amax, post's a delayed one (the caller's, from the post_amax this op
-# returned in the previous training forward). The bodies are torch, compiled on first call like the FP8 head's.
+# per optimizer step; x's scale is its current amax, post's a delayed one (the caller's, from the partial maxima
+# this op returned in the previous training forward). kernel=True (--relu2_kernel): the up-projection, ReLU^2 and
+# post8 in linear_relu_square's FP8 mode and dpre in its backward mode, as #89; else the torch path, compiled on
+# first call like the FP8 head's (the reference, and the CPU's). The down-projection is torch._scaled_mm either way.
+def _mlp_input_codes(x: Tensor, up_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """x's e4m3 codes at its current scale, and the up-projection's dequant scale."""
+    amax = x.abs().amax().clamp(min=1e-12).float()  # clamped in x's dtype, as #89's eager-written graph
+    x8 = (x.float() * (FP8_MAX_E4M3 / amax)).to(torch.float8_e4m3fn)
+    return x8, up_scale * amax / FP8_MAX_E4M3  # #89's buffer: s_up, times amax, over 448, fp32
+
+
+def _down_projection(post8: Tensor, w8_proj_t: Tensor, act_scale: Tensor, down_scale: Tensor) -> Tensor:
+    return torch._scaled_mm(post8, w8_proj_t.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=act_scale,
+                            scale_b=down_scale)
+
+
+_mlp_fp8_input = compiled_on_first_call(_mlp_input_codes)  # the kernel path's x8 (the GEMM kernel reads codes)
+
+
 @compiled_on_first_call
 def _mlp_fp8_forward(x: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor, down_scale: Tensor,
                      act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    amax = x.abs().amax().clamp(min=1e-12).float()  # clamped in x's dtype, as #89's eager-written graph
-    x8 = (x.float() * (FP8_MAX_E4M3 / amax)).to(torch.float8_e4m3fn)
-    dequant = up_scale * amax / FP8_MAX_E4M3  # #89's buffer: s_up, times amax, over 448, fp32
+    x8, dequant = _mlp_input_codes(x, up_scale)
     # pre = bf16(dequant x the fast-accumulated dot) (Triton's fp8 default on sm90): one fp32 multiply, one rounding.
     # cuBLAS scales the fp32 accumulator so; torch's CPU _scaled_mm scales the operands first, so there the
     # accumulator comes out in fp32 and is scaled here.
@@ -540,9 +586,7 @@ def _mlp_fp8_forward(x: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tens
         pre = (torch._scaled_mm(x8, w8_fc.T, out_dtype=torch.float32, scale_a=one, scale_b=one) * dequant).bfloat16()
     post = torch.relu(pre).square()
     post8 = (post.float() * (1 / act_scale)).clamp(max=FP8_MAX_E4M3).to(torch.float8_e4m3fn)  # post >= 0
-    out = torch._scaled_mm(post8, w8_proj_t.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=act_scale,
-                           scale_b=down_scale)
-    return out, post.amax().float(), pre, post
+    return _down_projection(post8, w8_proj_t, act_scale, down_scale), post.amax().float().view(1), pre, post
 
 
 @compiled_on_first_call
@@ -554,74 +598,201 @@ def _mlp_grads(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, 
 
 @torch.library.custom_op("speedrun::mlp_fp8_forward", mutates_args=())
 def mlp_fp8_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
-                    down_scale: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """mlp_fp8's (out, post_amax) and the bf16 pre and post (M, hidden) its backward keeps, as #89 keeps them."""
-    return _mlp_fp8_forward(x, w8_fc, up_scale, w8_proj_t, down_scale, act_scale)
+                    down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mlp_fp8's (out, post's partial maxima) and the bf16 pre and post (M, hidden) its backward keeps, as #89."""
+    if not kernel:
+        return _mlp_fp8_forward(x, w8_fc, up_scale, w8_proj_t, down_scale, act_scale)
+    x8, dequant = _mlp_fp8_input(x, up_scale)
+    pre, post, post8, maxima = linear_relu_square_launcher()(x8, w8_fc, scales=(dequant, act_scale))
+    return _down_projection(post8, w8_proj_t, act_scale, down_scale), maxima, pre, post
 
 
 @mlp_fp8_forward.register_fake
 def _(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
-      down_scale: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+      down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     hidden = x.new_empty(x.size(0), w_fc.size(0), dtype=torch.bfloat16)
-    return (x.new_empty(x.size(0), w_proj.size(1), dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32),
+    maxima = mlp_programs(x.size(0), w_fc.size(0), x.device) if kernel else 1
+    return (x.new_empty(x.size(0), w_proj.size(1), dtype=torch.bfloat16), x.new_empty(maxima, dtype=torch.float32),
             hidden, torch.empty_like(hidden))
 
 
 def _mlp_fp8_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.kernel = inputs[-1]
     ctx.save_for_backward(*inputs[:3], *output[2:])
     ctx.mark_non_differentiable(*output[1:])
 
 
-@torch.library.custom_op("speedrun::mlp_fp8_backward", mutates_args=())
-def mlp_fp8_backward(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of mlp_fp8 (grad_x, grad_w_fc, grad_w_proj), bf16: dpre = bf16(2 bf16(g W_proj^T) relu(pre)),
-    dpre W_fc, dpre^T x, post^T g. An op of its own, as fp8_mm_backward: a compiled caller traces it opaque."""
-    return _mlp_grads(g, x, w_fc, w_proj, pre, post)
-
-
-@mlp_fp8_backward.register_fake
-def _(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
-
-
 def _mlp_fp8_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
-    return *torch.ops.speedrun.mlp_fp8_backward(grad_out, *ctx.saved_tensors), None, None, None, None, None
+    return *torch.ops.speedrun.mlp_backward(grad_out, *ctx.saved_tensors, ctx.kernel), *[None] * 6
 
 
 mlp_fp8_forward.register_autograd(_mlp_fp8_grad, setup_context=_mlp_fp8_setup)
 
+
+# The bf16 MLP through the ReLU^2 GEMM (--relu2_kernel outside FP8 training: validation, a run without FP8): its
+# bf16 forward mode makes pre and post, torch multiplies post by W_proj; the backward is the FP8 MLP's (#89's
+# FusedLinearReLUSquareFunction without FP8). All bf16 (x and both weights).
+@torch.library.custom_op("speedrun::mlp_relu2_forward", mutates_args=())
+def mlp_relu2_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """mlp_relu2's output and the pre and post (M, hidden) its backward keeps."""
+    pre, post = linear_relu_square_launcher()(x, w_fc)
+    return post @ w_proj, pre, post
+
+
+@mlp_relu2_forward.register_fake
+def _(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    hidden = x.new_empty(x.size(0), w_fc.size(0))
+    return x.new_empty(x.size(0), w_proj.size(1)), hidden, torch.empty_like(hidden)
+
+
+def _mlp_relu2_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _mlp_relu2_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
+    return torch.ops.speedrun.mlp_backward(grad_out, *ctx.saved_tensors, True)
+
+
+mlp_relu2_forward.register_autograd(_mlp_relu2_grad, setup_context=_mlp_relu2_setup)
+
+
+@torch.library.custom_op("speedrun::mlp_backward", mutates_args=())
+def mlp_backward(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor, kernel: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of mlp_fp8 and mlp_relu2 (grad_x, grad_w_fc, grad_w_proj), bf16: dpre = bf16(2 bf16(g W_proj^T)
+    relu(pre)) (kernel: the ReLU^2 GEMM's backward mode), dpre W_fc, dpre^T x, post^T g. An op of its own, as
+    fp8_mm_backward: a compiled caller traces it opaque."""
+    if not kernel:
+        return _mlp_grads(g, x, w_fc, w_proj, pre, post)
+    (d_pre,) = linear_relu_square_launcher()(g, w_proj, aux=pre)
+    return d_pre @ w_fc, d_pre.T @ x, post.T @ g
+
+
+@mlp_backward.register_fake
+def _(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor, kernel: bool
+      ) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
+
+
+# The public ops, composite: each is its forward op, whose extra outputs (pre, post) autograd keeps for the backward.
 torch.library.define("speedrun::mlp_fp8", "(Tensor x, Tensor w_fc, Tensor w_proj, Tensor w8_fc, Tensor up_scale, "
-                     "Tensor w8_proj_t, Tensor down_scale, Tensor act_scale) -> (Tensor, Tensor)")
+                     "Tensor w8_proj_t, Tensor down_scale, Tensor act_scale, bool kernel) -> (Tensor, Tensor)")
+torch.library.define("speedrun::mlp_relu2", "(Tensor x, Tensor w_fc, Tensor w_proj) -> Tensor")
 
 
 @torch.library.impl("speedrun::mlp_fp8", "CompositeImplicitAutograd")
 def mlp_fp8(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
-            down_scale: Tensor, act_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """(out, post_amax): relu(x W_fc^T)^2 W_proj in FP8 for x (M, d) bf16, w_fc and w_proj (hidden, d) bf16 (the
+            down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor]:
+    """(out, maxima): relu(x W_fc^T)^2 W_proj in FP8 for x (M, d) bf16, w_fc and w_proj (hidden, d) bf16 (the
     gradients' operands), w8_fc (hidden, d) and w8_proj_t (d, hidden) their e4m3 codes with their 0-d fp32 scales
     up_scale and down_scale (quantize_mlp_weights_'s up_scales[l], used_scales[l]), act_scale post's delayed
-    scale; post_amax = max(post), fp32 0-d, for the next step's act_scale. Gradients reach x, w_fc and w_proj.
-    Composite: it is mlp_fp8_forward, whose extra outputs (pre, post) autograd keeps for the backward."""
+    scale; maxima: fp32 partial maxima of post (the kernel's, one per program; the torch path's one), whose max is
+    the next step's act_scale's amax. kernel: linear_relu_square (above). Gradients reach x, w_fc and w_proj."""
     return tuple(torch.ops.speedrun.mlp_fp8_forward(x, w_fc, w_proj, w8_fc, up_scale, w8_proj_t, down_scale,
-                                                    act_scale)[:2])
+                                                    act_scale, kernel)[:2])
+
+
+@torch.library.impl("speedrun::mlp_relu2", "CompositeImplicitAutograd")
+def mlp_relu2(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    """relu(x W_fc^T)^2 W_proj for x (M, d), w_fc and w_proj (hidden, d), all bf16, by the ReLU^2 GEMM."""
+    return torch.ops.speedrun.mlp_relu2_forward(x, w_fc, w_proj)[0]
+
+
+# The down-projection's weight quantizer on the GPU (#89's quantize_transpose_mlp_down_weights and the scales'
+# reduction): one program per layer and 64 x 64 tile of W_proj writes the tile's e4m3 codes transposed (W_proj^T
+# row-major: _scaled_mm's column-major W_proj) and the tile's max |W|; a second kernel reduces each layer's tile
+# maxima to its next scale. Division by IEEE rounding and the saturating cast: the torch path's codes, bit for bit.
+@functools.cache
+def amax_scales_launcher() -> Callable:
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(maxima_ptr, scales_ptr, stride, COUNT: tl.constexpr, HEADROOM: tl.constexpr, BLOCK: tl.constexpr):
+        # scale[l] = max(max_j maxima[l, j], 1e-12) x fp32(headroom / 448), as torch's fp32 tensor x Python float
+        offsets = tl.arange(0, BLOCK)
+        values = tl.load(maxima_ptr + tl.program_id(0) * stride + offsets, mask=offsets < COUNT, other=0.0)
+        tl.store(scales_ptr + tl.program_id(0), tl.maximum(tl.max(values, axis=0), 1e-12) * (HEADROOM / 448.0))
+
+    def launch(maxima: Tensor, scales: Tensor, headroom: float) -> None:
+        """scales (L,) fp32 := max(max of each row of maxima (L, P) >= 0, 1e-12) x headroom / 448."""
+        layers, count = maxima.shape
+        kernel[(layers,)](maxima, scales, maxima.stride(0), COUNT=count, HEADROOM=headroom,
+                          BLOCK=triton.next_power_of_2(count), num_warps=4, num_stages=1)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+QUANT_BLOCK = 64  # #89's tiles: 48 x 12 = 576 per 3072 x 768 layer
+
+
+@functools.cache
+def quantize_mlp_down_launcher() -> Callable:
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(w_ptr, out_ptr, next_ptr, used_ptr, maxima_ptr, layer_stride, row_stride, HIDDEN: tl.constexpr,
+               DIM: tl.constexpr, BLOCK: tl.constexpr):
+        layer, tile = tl.program_id(0), tl.program_id(1)
+        tiles_d = (DIM + BLOCK - 1) // BLOCK
+        h = tile // tiles_d * BLOCK + tl.arange(0, BLOCK)
+        d = tile % tiles_d * BLOCK + tl.arange(0, BLOCK)
+        inside = (h[:, None] < HIDDEN) & (d[None, :] < DIM)
+        w = tl.load(w_ptr + layer * layer_stride + h[:, None] * row_stride + d[None, :], mask=inside,
+                    other=0.0).to(tl.float32)
+        scale = tl.load(next_ptr + layer)
+        q = tl.math.div_rn(w, tl.broadcast_to(scale, (BLOCK, BLOCK)))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        tl.store(out_ptr + layer * HIDDEN * DIM + d[:, None] * HIDDEN + h[None, :],
+                 tl.trans(q).to(out_ptr.dtype.element_ty), mask=tl.trans(inside))
+        tl.store(maxima_ptr + layer * tl.num_programs(1) + tile, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+        if tile == 0:
+            tl.store(used_ptr + layer, scale)
+
+    reduce = amax_scales_launcher()
+
+    def launch(w_proj: Tensor, w8_proj_t: Tensor, used_scales: Tensor, next_scales: Tensor, headroom: float) -> None:
+        """w_proj (L, hidden, d) bf16, rows contiguous; w8_proj_t (L, d, hidden) e4m3, contiguous: codes of
+        clamp(W / next, +-448); used := next; next := max(max |W|, 1e-12) headroom / 448 (fp32, per layer)."""
+        layers, hidden, dim = w_proj.shape
+        assert w_proj.stride(2) == 1 and w8_proj_t.is_contiguous() and w8_proj_t.shape == (layers, dim, hidden)
+        tiles = triton.cdiv(hidden, QUANT_BLOCK) * triton.cdiv(dim, QUANT_BLOCK)
+        maxima = w_proj.new_empty(layers, tiles, dtype=torch.float32)  # every slot written: one per program
+        kernel[(layers, tiles)](w_proj, w8_proj_t, next_scales, used_scales, maxima, w_proj.stride(0),
+                                w_proj.stride(1), HIDDEN=hidden, DIM=dim, BLOCK=QUANT_BLOCK, num_warps=4,
+                                num_stages=1)
+        reduce(maxima, next_scales, headroom)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
 
 
 def quantize_mlp_weights_(bank: Tensor, w8_fc: Tensor, up_scales: Tensor, w8_proj_t: Tensor, used_scales: Tensor,
-                          next_scales: Tensor, bootstrap: bool, headroom: float = 1.12) -> None:
+                          next_scales: Tensor, bootstrap: bool, headroom: float = 1.12, kernel: bool | None = None
+                          ) -> None:
     """#89's quantize_mlp_fp8 (spec 4.8.1), after every optimizer step, in place and without a host sync. bank (L,
     2, hidden, d) bf16: [W_fc, W_proj] per layer. Up, current scaling: up_scales = bf16(bf16(amax) / 448) (bf16
     ops), w8_fc = e4m3(bf16(W_fc / s)). Down, delayed: bootstrap sets next_scales as the up scale; w8_proj_t (L, d,
     hidden) = e4m3(clamp(W_proj / next, +-448)) transposed (fp32 quotient); used_scales := next_scales; next_scales
-    := max(amax, 1e-12) headroom / 448 in fp32, for the next call (a weight grown past it saturates)."""
+    := max(amax, 1e-12) headroom / 448 in fp32, for the next call (a weight grown past it saturates). kernel: the
+    down-projection's part by quantize_mlp_down_launcher's kernels (default: on CUDA), the up one eager as #89's."""
     with torch.no_grad():
         w_fc, w_proj = bank[:, 0], bank[:, 1]
         up = w_fc.flatten(1).abs().amax(1).clamp(min=1e-12) / FP8_MAX_E4M3
         up_scales.copy_(up)
         w8_fc.copy_((w_fc / up[:, None, None]).to(torch.float8_e4m3fn))
-        amax = w_proj.flatten(1).abs().amax(1)
+        kernel = bank.is_cuda if kernel is None else kernel
+        amax = w_proj.flatten(1).abs().amax(1) if bootstrap or not kernel else None
         if bootstrap:
             next_scales.copy_(amax.clamp(min=1e-12) / FP8_MAX_E4M3)
+        if kernel:
+            quantize_mlp_down_launcher()(w_proj, w8_proj_t, used_scales, next_scales, headroom)
+            return
         w8_proj_t.copy_(_to_fp8(w_proj, next_scales[:, None, None], torch.float8_e4m3fn).transpose(1, 2))
         used_scales.copy_(next_scales)
         next_scales.copy_(amax.float().clamp(min=1e-12) * (headroom / FP8_MAX_E4M3))

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     parser.add_argument("--tokens", type=int, default=100, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens; 0: all")
+    parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens; 0: all (at "
+                        "most the model's vocabulary: 50304 for the recipe's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = parser.parse_args(argv)
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> str:
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                               "cpu" if args.device == "auto" else args.device)
         model = load_model(args.checkpoint, device)
+        if args.top_k > model.cfg.vocab_size:
+            raise T.UsageError(f"--top_k must be at most this model's vocabulary, {model.cfg.vocab_size} tokens (0: "
+                               f"all of them), got {args.top_k}")
         encoding = load_encoding()
         prompt = encoding.encode_ordinary(args.prompt)
         limit = max(model.cfg.train_seq_len, model.cfg.val_seq_len)  # the positions its rotary tables cover

@@ -15,6 +15,7 @@ import difflib
 import functools
 import glob
 import errno
+import fcntl
 import hashlib
 import importlib.util
 import inspect
@@ -63,6 +64,10 @@ except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for
 
 class UsageError(Exception):
     """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
+
+class RankLost(Exception):
+    """Another rank's process is gone (killed, crashed): this rank's collective lost its connection. One line on
+    every rank that is left (rank 0 may be the one gone), exit code 1."""
 
 # -----------------------------------------------------------------------------
 # Hyperparameters
@@ -137,7 +142,8 @@ class Config:
     final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
-    window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows (blocks) per stage, then the extension's
+    window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows per stage, then the extension's: a
+    #                                           token sees W blocks back in its document (0: itself only)
     seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
     lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
     doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
@@ -151,6 +157,7 @@ class Config:
     fp8_mlp: bool | None = None  # FP8 MLP matmuls in training (#84, #89); auto: on for CUDA (DISABLE_FP8=1: off)
     relu2_kernel: bool | None = None  # MLP up-projection + ReLU^2 in one Triton kernel (#59); auto: on for CUDA
     fused_head: bool | None = None  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
+    attention: str = "auto"  # fa3: #89's FA3 varlen kernel (Hopper, the kernels package) | flex | auto: fa3 where it loads
     fp8_x_scale: float = 100 / 448  # the FP8 head's input scale (value = fp8 x scale) (#51)
     fp8_w_scale: float = 1.6 / 448  # ... of its weight (#55)
     fp8_grad_scale: float = 0.75 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51)
@@ -164,10 +171,12 @@ class Config:
     cpu_bf16_gemm: str = "auto"  # CPU runs' bf16 matmuls: native (oneDNN) | fp32 (fp32 GEMM, bf16 result) | auto
     # run
     preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
-    seed: int = -1  # -1 draws a random seed (always printed)
-    run_id: str = ""  # a name, not a path (no '/', not '..'); default: a fresh one; an id whose log exists is refused
-    overwrite: bool = False  # reuse a --run_id: replace that run's log and summary (never its checkpoints)
-    log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints)
+    seed: int = -1  # -1 draws a random seed (printed first, with the run id)
+    run_id: str = ""  # a plain name (no '/', '\', whitespace or control characters, not '..'); default: a fresh one
+    overwrite: bool = False  # reuse a --run_id whose log exists: replace it and the summary (not while that run is
+    #                          still running; never its checkpoints)
+    log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints); not empty
+    #                        (. for the current folder)
     val_every: int = 250  # validate every N steps; 0: only at the start and the end
     warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
     log_every: int = 1  # train metrics every N steps (and the last); N never changes training
@@ -294,6 +303,42 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
+# FA3 (#89's kernel, on Hopper) takes the same rule as one varlen call per layer: the packed sequence's documents as
+# cu_seqlens, causal, a window of (w, 0) tokens, YaRN's scale as its softmax scale. Those are Python numbers, so each
+# distinct set is a graph of its own, as in #89: a VarlenPlan per training stage and per validation, every training
+# one compiled in the warmup. cu_seqlens has a fixed length per plan; the run's data sizes it at start-up.
+VARLEN_SLOTS = {16384: 64, 32768: 96, 49152: 128}  # #89's cu_seqlens lengths per micro-step length (#78: FineWeb's)
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    long_window: int  # tokens
+    short_window: int
+    max_seqlen: int  # the longest document FA3 can meet: the cut in training, the whole sequence validating
+    slots: int  # cu_seqlens' length: more than the most documents a sequence of this shape holds in the run's data
+    scale: float  # the softmax scale: attn_scale times YaRN's growth so far
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # q, k, v (1, positions, heads, D) -> attention's output, alike
+
+def varlen_slots(seq_len: int, most_documents: int) -> int:
+    """cu_seqlens' length for sequences of seq_len tokens holding at most most_documents documents: #89's (its table,
+    else seq_len // 300 rounded up to 128) where they fit, else the next multiple of 16 that does. #89 crashes there."""
+    record = VARLEN_SLOTS.get(seq_len, -(-(seq_len // 300) // 128) * 128)
+    return max(record, -(-(most_documents + 1) // 16) * 16)
+
+def cu_seqlens(input_seq: Tensor, slots: int) -> Tensor:
+    """FA3's cu_seqlens of one packed sequence in #89's layout: 0, each later document's start (a BOS), then the length,
+    repeated to `slots` entries (zero-length sequences, which FA3 skips). Static shape: no host sync, no recompile."""
+    T = input_seq.numel()
+    starts = (input_seq == BOS_ID) | (torch.arange(T, device=input_seq.device) == 0)
+    return torch.nonzero_static(starts, size=slots, fill_value=T).flatten().int()
+
+def yarn_scale(long_windows: tuple[int, ...], base: float) -> float:
+    """base times YaRN's attention-scale growth, 1 + 0.2 ln(W' / W) at each change W -> W' of the long window (#31), in
+    #89's order of multiplication."""
+    for old, new in zip(long_windows, long_windows[1:]):
+        base *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
+    return base
+
 class Rotary(nn.Module):
     """Half-truncated RoPE in #89's layout: dim pairs (2i, 2i + 1) of a head's first half turn at frequencies
     1 .. 1/1024, its second half never. bf16 tables from fp32 angles, as #89's; YaRN rewrites them in place."""
@@ -409,13 +454,15 @@ def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
     return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
 class GPT(nn.Module):
-    """Record #89's model. use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex:
-    compile flex_attention alone (an uncompiled model on CUDA: unfused flex would materialize the score matrix).
-    Parameter names are #89's optimizer labels; the Muon banks (qk, vo, mlp) are fp32 masters read as bf16."""
+    """Record #89's model. Attention: fa3 (FA3's flash_attn_varlen_func, or a stand-in with its signature), else
+    use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone
+    (an uncompiled model on CUDA: unfused flex would materialize the score matrix). Parameter names are #89's
+    optimizer labels; the Muon banks (qk, vo, mlp) are fp32 masters read as bf16."""
 
-    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False):
+    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False,
+                 fa3: Callable | None = None):
         super().__init__()
-        self.cfg, self.use_flex, self.fp8_head = cfg, use_flex, fp8_head
+        self.cfg, self.use_flex, self.fp8_head, self.fa3 = cfg, use_flex, fp8_head, fa3
         L, d, H, D = cfg.num_layers, cfg.model_dim, cfg.num_heads, cfg.head_dim
         self.plans = layer_plans(cfg)
         self.skip_from, self.skip_to = skip_layers(cfg)
@@ -494,16 +541,14 @@ class GPT(nn.Module):
         if long_windows[1:] == self.yarn_windows[1:]:
             return
         freqs = self.rotary.base.to(self.rotary.cos.device)  # fp32 throughout, #89's order of operations
-        scale = 1.0
         for old, new in zip(long_windows, long_windows[1:]):
             old_len, new_len = self.cfg.block_size * old, self.cfg.block_size * new
             g = ((old_len * freqs / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
             freqs = freqs * (old_len / new_len + g * (1 - old_len / new_len))
-            scale *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
         for rotary in (self.rotary, self.rotary_paired):
             if rotary is not None:
                 rotary.set_frequencies(freqs)
-        self.q_gain.fill_(scale)
+        self.q_gain.fill_(yarn_scale(long_windows, 1.0))  # FA3 takes its own from the plan (VarlenPlan.scale)
         self.yarn_windows = long_windows
 
     @torch.no_grad()
@@ -527,8 +572,39 @@ class GPT(nn.Module):
         n = MUDD_COEFS[block]
         return ((F.linear(h, self.mudd_w2[block, :n]) + self.mudd_b2[block, :n]) * MUDD_SCALE).split(1, dim=-1)
 
-    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, masks: dict[str, BlockMask | Tensor],
-                  qk: Tensor, vo: Tensor) -> Tensor:
+    def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> dict[str, Attend]:
+        """Per window kind (long, short, paired: the short window over 2T positions), attention over q, k, v of shape
+        (1, positions, heads, D), same shape out: FA3's varlen call (windows: a VarlenPlan of tokens), else the
+        masks of may_attend (windows: (long, short) blocks, a tensor: a new size never recompiles) with YaRN's
+        gain on q, by FlexAttention (CUDA) or SDPA with a dense mask (CPU)."""
+        if self.fa3 is not None:
+            cu = cu_seqlens(input_seq, windows.slots)
+
+            def varlen(window: int, paired: bool) -> Attend:
+                n = 1 + paired  # paired: every position twice, so are the offsets and the longest document
+                return lambda q, k, v: self.fa3(q[0], k[0], v[0], n * cu, n * cu, n * windows.max_seqlen,
+                                                n * windows.max_seqlen, softmax_scale=windows.scale, causal=True,
+                                                window_size=(window, 0))[None]
+
+            return {"long": varlen(windows.long_window, False), "short": varlen(windows.short_window, False),
+                    "paired": varlen(windows.short_window, True)}
+
+        def masked(mask: BlockMask | Tensor) -> Attend:
+            def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                q, k, v = (t.transpose(1, 2) for t in (q * self.q_gain, k, v))
+                if isinstance(mask, BlockMask):
+                    return self.flex(q, k, v, block_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+            return attend
+
+        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, self.cfg.block_size)
+        kinds = {"long": (windows[0], False), "short": (windows[1], False), "paired": (windows[1], True)}
+        if self.rotary_paired is None:  # (the short window, in blocks of block_size positions of 2T)
+            del kinds["paired"]
+        return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
+
+    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], qk: Tensor, vo: Tensor
+                  ) -> Tensor:
         """Layer i's attention over u (normed, (1, T, d)), aux_v added to its values; qk, vo: the banks in bf16."""
         plan, (T, H, D) = self.plans[i], (u.size(1), self.cfg.num_heads, self.cfg.head_dim)
         a, lambdas = plan.attn, self.scalars[2 * i: 2 * i + 2]
@@ -538,19 +614,13 @@ class GPT(nn.Module):
         if aux_v is not None:
             v = v + aux_v.view_as(v)
         rotary = self.rotary_paired if plan.paired else self.rotary
-        q, k = rotary(q, plan.paired) * self.q_gain, rotary(k, plan.paired)
+        q, k = rotary(q, plan.paired), rotary(k, plan.paired)
         qs, ks, vs = q, k, v
         if plan.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
             qs, ks, vs = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
         if plan.window == "long":  # the un-rotated dims of each key from the previous position (#49; across documents)
             ks = torch.where(rotary.stationary, torch.cat([ks[:, :1], ks[:, :-1]], dim=1), ks)
-        qs, ks, vs = (t.transpose(1, 2) for t in (qs, ks, vs))
-        mask = masks["paired" if plan.paired else plan.window]
-        if isinstance(mask, BlockMask):
-            y = self.flex(qs, ks, vs, block_mask=mask, scale=self.cfg.attn_scale)
-        else:
-            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.cfg.attn_scale)
-        y = y.transpose(1, 2).reshape(1, T, H, D)
+        y = attend["paired" if plan.paired else plan.window](qs, ks, vs).reshape(1, T, H, D)
         if plan.xsa:  # y minus tanh(alpha) of its component along the unit value (#82/#86)
             unit_v = F.normalize(v, dim=-1, eps=1e-4)
             share = torch.tanh(self.xsa_alphas[i]).bfloat16().type_as(y).view(1, 1, H, 1)  # bf16, as #89 reads it
@@ -559,28 +629,25 @@ class GPT(nn.Module):
         return F.linear(y.flatten(-2), lambdas[1] * vo[2 * a + 1])
 
     def mlp(self, x: Tensor, i: int, w_fc: Tensor, w_proj: Tensor, amaxes: list[Tensor]) -> Tensor:
-        """relu(x W_fc^T)^2 W_proj; in training with fp8_mlp, #89's FP8 up- and down-projections (its input's max
-        goes to amaxes, for the next training step's scale)."""
+        """relu(x W_fc^T)^2 W_proj; in training with fp8_mlp, #89's FP8 up- and down-projections (post's partial maxima
+        go to amaxes, for the next training step's scale); relu2_kernel: the ReLU^2 GEMM as a Triton kernel."""
         if self.training and self.cfg.fp8_mlp:
             out, amax = torch.ops.speedrun.mlp_fp8(x.flatten(0, 1), w_fc, w_proj, self.fp8_w_fc[i],
                                                    self.fp8_up_scales[i], self.fp8_w_proj_t[i],
-                                                   self.fp8_down_scales[i], self.fp8_act_scales[i])
+                                                   self.fp8_down_scales[i], self.fp8_act_scales[i],
+                                                   bool(self.cfg.relu2_kernel))
             amaxes.append(amax)
             return out.view_as(x)
         if self.cfg.relu2_kernel:
-            h = torch.ops.speedrun.relu2_mm(x.flatten(0, 1), w_fc.T).view(*x.shape[:-1], -1)
-        else:
-            h = F.relu(F.linear(x, w_fc)).square()
-        return h @ w_proj
+            return torch.ops.speedrun.mlp_relu2(x.flatten(0, 1), w_fc, w_proj).view_as(x)
+        return F.relu(F.linear(x, w_fc)).square() @ w_proj
 
-    def hidden(self, input_seq: Tensor, windows: Tensor) -> Tensor:
-        """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor."""
+    def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
+        """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor, or
+        with FA3 a VarlenPlan (attention_kernels)."""
         cfg, L, H, D = self.cfg, self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim
         T, last, half = input_seq.numel(), self.cfg.num_layers - 1, self.cfg.gate_channels // 2
-        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, cfg.block_size)
-        masks = {"long": build(windows[0]), "short": build(windows[1])}
-        if self.rotary_paired is not None:  # the short window, in blocks (or block_size positions) of 2T positions
-            masks["paired"] = build(windows[1], paired=True)
+        attend = self.attention_kernels(input_seq, windows)
         # Both lookups, weighted by the tie flag: the same graph tied and untied.
         e = self.embed(input_seq)
         e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight) + (1 - self.embed_tied) * e
@@ -617,7 +684,7 @@ class GPT(nn.Module):
                 elif ve is not None:
                     gate_in = torch.cat([u[..., :half], ve.flatten(-2)[..., :half]], dim=-1)
                     aux_v = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[plan.ve_gate]))[..., None] * ve
-                out = self.attention(u, i, aux_v, masks, qk, vo)
+                out = self.attention(u, i, aux_v, attend, qk, vo)
                 if mu is not None:
                     x = with_bigram(mu[8] * x + mu[9] * out + mu[10] * x0, mu[11] * bigram)
                 else:
@@ -627,8 +694,9 @@ class GPT(nn.Module):
             x = mu[12] * x + mu[13] * out if mu is not None else resid[1][i] * x + post[1][i] * out
             if i in (self.skip_from, cfg.attn_input_layer):
                 saved[i] = x
-        if amaxes:  # each down-projection's input scale for the next training step (#89)
-            self.fp8_act_scales.copy_(torch.stack(amaxes).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448))
+        if amaxes:  # each down-projection's input scale for the next training step (#89), from post's partial maxima
+            scales = torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448)
+            self.fp8_act_scales.copy_(scales)
         # MUDD block 1 (#81): the last mix, in place of #70's backout
         nu = self.mudd(x, 1)
         x = (x + nu[0] * x0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
@@ -641,13 +709,14 @@ class GPT(nn.Module):
             return torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(self.cfg, train_loss_scale(self.cfg)))
         return F.linear(x, self.lm_head.weight)
 
-    def logits(self, input_seq: Tensor, windows: Tensor) -> Tensor:
+    def logits(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
         """Soft-capped logits, (T, vocab), in fp32: what validation's cross-entropy reads (#89 rounds the softcap to
         the head's dtype there)."""
         raw = self.head(self.hidden(input_seq, windows))
         return softcap(raw, self.cfg).to(raw.dtype).float()
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor, mtp: Tensor | None = None) -> Tensor:
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor | VarlenPlan, mtp: Tensor | None = None
+                ) -> Tensor:
         """Summed multi-token loss in training (mtp: its weights), mean cross-entropy in eval; --fused_head: the head
         and loss by gpt_kernels' softcap_ce, no logits tensor."""
         cfg = self.cfg
@@ -735,11 +804,49 @@ def schedule_table(cfg: Config) -> list[StepSchedule]:
     """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
     return [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
 
-def step_knobs(schedules: list[StepSchedule], device: torch.device) -> Callable[[int], tuple[Tensor, Tensor]]:
-    """Step -> the model's (long, short) windows and multi-token weights: rows of device tables made once."""
-    windows = torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32, device=device)
-    mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
-    return lambda step: (windows[step], mtp[step])
+@dataclass(frozen=True)
+class DocumentCounts:
+    """The most documents one sequence holds in the run's data, per training shape (seq_len, max_doc_len) and in
+    validation, counted at start-up (load_data): FA3's cu_seqlens are sized from them, so no batch overflows them."""
+    train: dict[tuple[int, int], int]
+    val: int
+
+class StepKnobs:
+    """What the model takes from the schedule besides the batch, made once per run: the multi-token weights, a row of
+    a device table, and the attention windows: rows of a device table of (long, short) blocks (FlexAttention, SDPA: a
+    new value never recompiles), or with FA3 (documents given) a VarlenPlan of plain numbers."""
+
+    def __init__(self, cfg: Config, schedules: list[StepSchedule], device: torch.device,
+                 documents: DocumentCounts | None = None):
+        self.cfg, self.schedules, self.documents = cfg, schedules, documents
+        self.windows = torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32,
+                                    device=device)
+        self.mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
+
+    def plan(self, step: int, training: bool) -> VarlenPlan:
+        """FA3's numbers for training step `step` or the validation before it."""
+        s, cfg = self.schedules[step], self.cfg
+        seq_len = s.seq_len if training else cfg.val_seq_len
+        most = self.documents.train[s.seq_len, s.max_doc_len] if training else self.documents.val
+        return VarlenPlan(cfg.block_size * s.long_window, cfg.block_size * s.short_window,
+                          min(s.max_doc_len, seq_len) if training else seq_len, varlen_slots(seq_len, most),
+                          yarn_scale(s.yarn_windows, cfg.attn_scale))
+
+    def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor]:
+        return (self.windows[step] if self.documents is None else self.plan(step, True)), self.mtp[step]
+
+    def val(self, step: int) -> Tensor | VarlenPlan:
+        return self.windows[step] if self.documents is None else self.plan(step, False)
+
+def graph_key(cfg: Config, s: StepSchedule, training: bool) -> tuple:
+    """What the compiled model's graph for this step depends on (dynamic=False): the sequence's length in training; with
+    FA3 also its plan's numbers (document cut, windows, YaRN's scale: slots follow the shape)."""
+    shape = (s.seq_len, s.max_doc_len) if training else ()
+    return shape[:1] if cfg.attention != "fa3" else (*shape, s.long_window, s.short_window, s.yarn_windows)
+
+def validates_at(cfg: Config, step: int) -> bool:
+    """Whether the run validates before training step `step` (at run_length: its last validation)."""
+    return not cfg.bench and (step in (0, run_length(cfg)) or bool(cfg.val_every) and step % cfg.val_every == 0)
 
 # -----------------------------------------------------------------------------
 # Optimizer
@@ -805,11 +912,17 @@ def polar_express(G: Tensor, kernels: bool = False) -> Tensor:
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.view(shape)
 
+def lerp(start: Tensor, end: Tensor, weight: Tensor) -> Tensor:
+    """torch.lerp's two formulas (exact at both ends: start + w (end - start) below w = 0.5, end - (end - start)(1 - w)
+    from it), one rounding per op so that compiled and eager agree; weight a 0-d fp32 tensor."""
+    diff = end - start
+    return torch.where(weight < 0.5, start + weight * diff, end - diff * (1 - weight))
+
 def nesterov_(grad: Tensor, buf: Tensor, momentum: Tensor) -> Tensor:
-    """Nesterov momentum in fp32: buf <- buf + (grad - buf)(1 - mu) in place; returns grad + (buf - grad) mu.
-    momentum: a 0-d fp32 tensor (1 - mu in fp32, as #89's)."""
-    buf.add_((grad - buf) * (1 - momentum))
-    return grad + (buf - grad) * momentum
+    """Nesterov momentum in fp32, #89's two lerps: buf <- lerp(buf, grad, 1 - mu) in place; returns lerp(grad, buf,
+    mu). momentum: a 0-d fp32 tensor (1 - mu in fp32, as #89's)."""
+    buf.copy_(lerp(buf, grad, 1 - momentum))
+    return lerp(grad, buf, momentum)
 
 def momentum_polar_express(grad: Tensor, buf: Tensor, momentum: Tensor, kernels: bool = False) -> Tensor:
     """nesterov_ then polar_express, #89's graph (compiled, the fp32 Nesterov update never reaches memory); momentum
@@ -1406,13 +1519,13 @@ class TrainTokenStream:
     def position(self, steps: int) -> tuple[int, int]:
         return self.positions[steps]
 
-    def steps_available(self, wanted: int) -> int:
-        """How many of `wanted` steps the files supply."""
-        try:
-            self.skip(wanted - self.steps_served)
-        except DataExhausted:
-            pass
-        return self.steps_served
+    def most_documents(self, step: list[Pieces]) -> int:
+        """The most documents (BOS tokens) one of a step's sequences holds among its inputs: all its tokens but the
+        last, which is a target only."""
+        def documents(pieces: Pieces) -> int:
+            starts, ends = [s for s, _ in pieces], [e for _, e in pieces[:-1]] + [pieces[-1][1] - 1]
+            return int(np.searchsorted(self.bos, ends).sum() - np.searchsorted(self.bos, starts).sum())
+        return max(map(documents, step))
 
 class TrainBatches:
     """This rank's rows of each training step: micro-step m of rank r holds global sequence m * W + r."""
@@ -1455,6 +1568,12 @@ class ValTokens:
             raise UsageError(f"validation needs {need} tokens but the val files hold {have}; lower --val_tokens")
         self.tokens = np.concatenate(parts)
 
+    def most_documents(self, seq_len: int) -> int:
+        """The most documents one validation sequence of seq_len inputs holds: its BOS tokens, and the part before
+        its first (the chunks are not document-aligned)."""
+        chunks = self.tokens[: (len(self.tokens) - 1) // seq_len * seq_len].reshape(-1, seq_len)
+        return int(((chunks == BOS_ID).sum(1) + (chunks[:, 0] != BOS_ID)).max())
+
 class ValBatches:
     """This rank's validation chunks (rank, rank + W, ...), one (1, seq_len + 1) row per batch."""
 
@@ -1473,16 +1592,31 @@ class ValBatches:
     def close(self) -> None:
         pass
 
-def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
-                     ) -> None:
-    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream itself."""
+def count_documents(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
+                    ) -> tuple[int, dict[tuple[int, int], int]]:
+    """Serve `steps` steps of the given shapes from the stream's start, as a loader would: how many the files supply,
+    and the most documents one sequence of each shape holds in them."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, step_shape,
                               cfg.train_epochs)
-    supplied = stream.steps_available(steps)
+    most: dict[tuple[int, int], int] = {}
+    for k in range(steps):
+        try:
+            step = stream.next_step()
+        except DataExhausted:
+            break
+        most[step_shape(k)] = max(most.get(step_shape(k), 0), stream.most_documents(step))
+    return stream.steps_served, most
+
+def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
+                     ) -> dict[tuple[int, int], int]:
+    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream itself;
+    return the most documents one sequence of each shape holds in them."""
+    supplied, most = count_documents(cfg, files, steps, step_shape)
     if supplied < steps:
         raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
                          f"document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
                          f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
+    return most
 
 def bind_thread_to_device(device: torch.device) -> None:
     """First call of a thread making CUDA calls: a new thread's current device is GPU 0, which would get contexts."""
@@ -1615,6 +1749,7 @@ class PrefetchLoader:
 # value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
 
 COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
+ATTENTIONS = ("auto", "fa3", "flex")  # --attention
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
@@ -1680,11 +1815,14 @@ def parse_config(argv: list[str]) -> Config:
 
 def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
     """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
-    a field is its documentation (--help prints it)."""
+    a field is its documentation (--help prints it); a comment line indented past its '#' continues it."""
     groups: list[tuple[str, list[tuple[str, str]]]] = []
     for line in inspect.getsource(Config).splitlines()[2:]:
         code, _, comment = line.strip().partition("  # ")
-        if code.startswith("# "):
+        if code.startswith("#  "):
+            name, text = groups[-1][1][-1]
+            groups[-1][1][-1] = (name, f"{text} {code[1:].strip()}")
+        elif code.startswith("# "):
             groups.append((code[2:], []))
         elif ":" in code:
             groups[-1][1].append((code.split(":")[0], comment))
@@ -1693,14 +1831,20 @@ def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
 def config_help() -> str:
     lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
              "--nproc_per_node=N train_gpt.py ..., or ./run.sh ...)",
-             "Every field of the Config dataclass, with its default (each given at most once; a bool field alone "
-             "is true):"]
+             "Every field of the Config dataclass, with its default and the range a number must be in (each given at "
+             "most once; a bool field alone is true):"]
     defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
     for group, fields in field_groups():
         lines.append(f"\n{group}:")
         for name, comment in fields:
             flag = f"  --{name}={defaults[name]}"
-            lines.append(f"{flag:<44}{comment}" if len(flag) < 44 else f"{flag}\n{'':<44}{comment}")
+            body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
+                                 break_on_hyphens=False)
+            if name in FIELD_RULES or name in STAGE_FORMATS:  # the range whole, on the last line or one of its own
+                rule = f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else f"each: {STAGE_FORMATS[name][3]}"
+                body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};",
+                                                                                            f"{'':<44}{rule}"]
+            lines.append((f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:])
     lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
     for name, fields in PRESETS.items():
         lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
@@ -1735,7 +1879,8 @@ STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] 
 }
 STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
 
-def parse_stages(name: str, spec: str) -> list:
+@functools.lru_cache(maxsize=64)  # schedule() reads every staged field at every step: each spec is parsed once
+def parse_stages(name: str, spec: str) -> tuple:
     """A staged field's entries: a number each, or a tuple (the windows' (short, long), mtp's weights)."""
     counts, kind, allowed, what, example = STAGE_FORMATS[name]
     try:
@@ -1753,7 +1898,7 @@ def parse_stages(name: str, spec: str) -> list:
     if name == "mtp_stages" and any(e[0] == 0 for e in entries):
         raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
                          f"without it the stage trains on nothing")
-    return [e[0] for e in entries] if counts == range(1, 2) else entries
+    return tuple(e[0] for e in entries) if counts == range(1, 2) else tuple(entries)
 
 def num_stages(cfg: Config) -> int:
     """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
@@ -1801,13 +1946,17 @@ def run_length(cfg: Config) -> int:
 # the upper ones lie far above any recipe's values (lrs <= 0.6, weight decay multipliers 150) and keep each update's
 # scalars (lr x stage multiplier <= 100 x decay) finite in fp32, so a typo such as --muon_lr=1e30 is refused here.
 FIELD_RULES: dict[str, str] = {
-    **dict.fromkeys(["train_epochs", "train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
-                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size", "num_steps",
+    **dict.fromkeys(["train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
+                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size",
                      "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage", "bigram_dim",
                      "bigram_sign_rows", "mudd_dim", "attn_input_layer"], "> 0"),
+    # Start-up work grows with these before the corpus is read (the step table, the list of shards to pass over):
+    # bounded, so that a typo (--num_steps=10000000) is refused at once rather than after minutes of building.
+    **dict.fromkeys(["num_steps"], "in [1, 100000]"),
+    **dict.fromkeys(["train_epochs"], "in [1, 10000]"),
     **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "save_every",
                      "extension_steps", "muon_momentum_cooldown_steps", "fp8_down_exact_steps"], ">= 0"),
-    **dict.fromkeys(["seed"], ">= -1"),
+    **dict.fromkeys(["seed"], "in [-1, 4294967295]"),  # 32 bits: torch's generator overflows past 64
     **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "skip_gate_lr", "smear_gate_lr",
                      "lambda_lr", "mudd_lr"],
                     "in (0, 10]"),
@@ -1836,8 +1985,14 @@ def rule_holds(rule: str, value: float) -> bool:
     op, bound = rule.split()
     return value > float(bound) if op == ">" else value >= float(bound)
 
-# A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere.
+# A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere, and
+# whitespace or a control character (a newline) would split the names in a listing, a log line or a shell command.
 RUN_ID_MAX = 200  # with ".failed.jsonl" added, within the 255-byte file names of common file systems
+
+def plain_name(run_id: str) -> bool:
+    """Whether a --run_id names files in --log_dir and nothing else (the empty default: a fresh one)."""
+    return run_id not in (".", "..") and len(run_id) <= RUN_ID_MAX and \
+        not any(c in "/\\" or c.isspace() or not c.isprintable() for c in run_id)
 
 def validate_config(cfg: Config, world_size: int) -> int:
     """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
@@ -1856,9 +2011,10 @@ def validate_config(cfg: Config, world_size: int) -> int:
     long_seq = next((n for n in parse_stages("seq_len_stages", cfg.seq_len_stages)
                      if n > cfg.train_seq_len or n % cfg.block_size), None)
     refusals = [  # (a problem, its line), in order
-        (cfg.run_id in (".", "..") or any(c in cfg.run_id for c in "/\\\0") or len(cfg.run_id) > RUN_ID_MAX,
-         f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or '\\', not '.' or '..', "
-         f"at most {RUN_ID_MAX} characters"),
+        (not plain_name(cfg.run_id), f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or "
+         f"'\\', no whitespace or control characters, not '.' or '..', at most {RUN_ID_MAX} characters"),
+        (not cfg.log_dir.strip(), "--log_dir is empty: give the folder for the run's logs (e.g. --log_dir=logs; "
+         "--log_dir=. for this one)"),
         *((not getattr(cfg, n).strip(), f"--{n} is empty: give a glob of token shards, e.g. --{n}="
            f"'{PRESETS['tiny'][n]}'") for n in ("train_files", "val_files")),
         (cfg.global_batch_seqs % world_size, f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the "
@@ -1889,6 +2045,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
          f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}"),
         (cfg.comm_overlap not in COMM_OVERLAP,
          f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}"),
+        (cfg.attention not in ATTENTIONS, f"--attention must be {', '.join(ATTENTIONS)}, got {cfg.attention!r}"),
         (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
         (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
          f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
@@ -1922,21 +2079,52 @@ def validate_config(cfg: Config, world_size: int) -> int:
 
 @dataclass
 class Runtime:
-    """Where this process runs: its rank, the world size and its device (set up in main())."""
+    """Where this process runs: its rank, the world size and its device (set up in main()), and the attention
+    path resolve_for_device took, in words for the log."""
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    attention: str = ""
 
 FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
+FA3_HUB_KERNEL = ("kernels-community/flash-attn3", 1)  # the hub kernel and version #89 loads FA3 from
 
-def resolve_for_device(cfg: Config, cuda: bool) -> None:
-    """Replace auto (None) in --compile, --fp8_head, --fp8_mlp and the kernels by the device's choice and apply DISABLE_FP8, so
-    that from here on the config (and its copy in the log) says what the run does; then check what depends on
-    the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so a CPU
-    rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
-    torch path and an explicit true is refused."""
+@functools.cache
+def load_fa3() -> tuple[Callable | None, str]:
+    """(FA3's flash_attn_varlen_func, "") from #89's hub kernel, or (None, why it cannot run here)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None, "FA3 runs on Hopper GPUs (sm90) only"
+    try:
+        from kernels import get_kernel
+    except ImportError:
+        return None, "FA3 comes from the `kernels` package, which is not installed (pip install kernels)"
+    name, version = FA3_HUB_KERNEL
+    try:
+        return get_kernel(name, version=version).flash_attn_interface.flash_attn_varlen_func, ""
+    except Exception as e:  # the hub (offline, no build for this torch) or the build itself: say which
+        return None, f"{name} version {version} did not load: {type(e).__name__}: {e}"
+
+def resolve_attention(cfg: Config, cuda: bool) -> str:
+    """--attention auto -> fa3 where FA3 loads (a Hopper GPU with the kernels package), else flex; an explicit fa3
+    that cannot load is refused. Returns the path in words, for the log."""
+    kernel, why = load_fa3() if cfg.attention == "fa3" or cuda and cfg.attention == AUTO else (None, "")
+    if cfg.attention == "fa3" and kernel is None:
+        raise UsageError(f"--attention=fa3: {why}; use --attention=flex (or auto: FA3 where it loads)")
+    cfg.attention = "fa3" if kernel is not None else "flex"
+    if kernel is not None:
+        return f"fa3 ({FA3_HUB_KERNEL[0]} version {FA3_HUB_KERNEL[1]}, varlen)"
+    if not cuda:
+        return "flex (on the CPU: SDPA with the same masks, dense; FlexAttention has no CPU backward)"
+    return "flex (FlexAttention block masks)" + (f"; FA3 not taken: {why}" if why else "")
+
+def resolve_for_device(cfg: Config, cuda: bool) -> str:
+    """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
+    apply DISABLE_FP8, so that from here on the config (and its copy in the log) says what the run does; then check
+    what depends on the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so
+    a CPU rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
+    torch path and an explicit true is refused. Returns the attention path in words."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
@@ -1949,9 +2137,6 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
         if getattr(cfg, name) and not kernels:
             raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
                              f"--{name}=false")
-    if cuda and cfg.block_size % FLEX_BLOCK_MULTIPLE:
-        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
-                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128")
     for name in ("relu2_kernel", "fused_head"):
         if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
             setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None)
@@ -1966,6 +2151,12 @@ def resolve_for_device(cfg: Config, cuda: bool) -> None:
         if getattr(cfg, name) and bad:
             raise UsageError(f"{what} needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm), "
                              f"got {', '.join(bad)}; change it or use --{name}=false")
+    attention = resolve_attention(cfg, cuda)  # last: auto may load FA3 from the hub
+    if cuda and cfg.attention == "flex" and cfg.block_size % FLEX_BLOCK_MULTIPLE:
+        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
+                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128 "
+                         f"(or FA3, --attention=fa3, on a Hopper GPU)")
+    return attention
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -2062,18 +2253,39 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
         lines.append(smi.stdout.rstrip())
     return "\n".join(lines)
 
+def lock_log(f: IO, exclusive: bool = True) -> bool:
+    """Take a run's lock, an exclusive flock on its open text log: held until the file is closed or the process
+    ends (the kernel drops it after a kill -9). False when another process holds it: that run is still going.
+    A shared lock tests for it: the ranks' tests at start-up do not collide."""
+    try:
+        fcntl.flock(f.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a file system without locks (some network mounts): the run goes on, unguarded
+        pass
+    return True
+
 class RunLog:
     """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
     not finite is written as NaN or Infinity (Python's json reads it back). A failed write (a full disk) stops the
-    run with one line."""
+    run with one line. The text log is locked while the run has it open (lock_log): a run started with the same
+    --run_id and --overwrite is refused instead of replacing a live run's logs."""
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
-        self.file, self.jsonl = self._open(path), self._open(jsonl_path)
+        self.file, self.jsonl = self._open(path, lock=True), self._open(jsonl_path)
         self.records = 0  # JSONL entries written: none until the first validation or step
 
-    def _open(self, path: Path | None) -> IO | None:
-        return None if path is None else self._io(path, lambda: open(path, "w", buffering=1 << 16))
+    def _open(self, path: Path | None, lock: bool = False) -> IO | None:
+        def opened() -> IO:
+            f = open(path, "a", buffering=1 << 16)  # appending: nothing is cut before the lock is held
+            if lock and not lock_log(f):
+                f.close()
+                raise UsageError(still_running(path))
+            f.truncate(0)
+            return f
+
+        return None if path is None else self._io(path, opened)
 
     @staticmethod
     def _io(name: object, action: Callable[[], Any]) -> Any:
@@ -2555,9 +2767,12 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     if not folder.is_dir():
         raise UsageError(f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
     path = folder / CKPT_META
-    if not path.exists():
+    if not path.exists() and not any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()):
+        raise UsageError(f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
+                         f"--save_every, --save_final or a stop signal writes them under <log_dir>/<run_id>/")
+    if not path.exists():  # a save that was cut short leaves its parts (or their .tmp files) but no meta.json
         raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last, once every rank's part is "
-                         f"on disk); resume from an earlier checkpoint")
+                         f"on disk); use an earlier checkpoint")
     try:
         meta = json.loads(path.read_text())
         step, world_size, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
@@ -2578,12 +2793,15 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     return meta
 
 def check_resume(cfg: Config) -> None:
-    """With --resume, refuse at start-up (every rank) an incomplete checkpoint, one whose shapes or data differ from
-    this run's, or one past its last step."""
+    """With --resume, refuse at start-up (every rank), before anything is written, an incomplete or corrupt checkpoint
+    (every file's checksum is checked here, and again as it is loaded), one whose shapes or data differ from this
+    run's, or one past its last step."""
     if not cfg.resume:
         return
     folder = Path(cfg.resume)
     meta = read_checkpoint_meta(folder)
+    for name, entry in meta["files"].items():
+        read_part(folder / name, entry.get("sha256"))
     saved = meta["config"]
     diffs = [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
              if saved.get(k) != getattr(cfg, k)]
@@ -2595,6 +2813,10 @@ def check_resume(cfg: Config) -> None:
                          f"(it needs {len(meta.get('train_files') or [])} shard(s) with the same names and sizes)")
     if meta["step"] > cfg.num_steps:
         raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
+
+def still_running(text_log: Path) -> str:
+    return (f"run {text_log.stem} is still running (another process holds its log {text_log}): --overwrite replaces "
+            f"the logs of a run that has ended; wait for it or choose another --run_id")
 
 def check_run_paths(cfg: Config) -> None:
     """Before anything is written: the log folder can be created and written, no earlier run's log is
@@ -2611,6 +2833,10 @@ def check_run_paths(cfg: Config) -> None:
     if logs and not cfg.overwrite:
         raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: choose another --run_id "
                          f"(or none, for a fresh one), or --overwrite=true to replace them")
+    text_log = log_dir / f"{cfg.run_id}.txt"
+    with contextlib.suppress(OSError), open(text_log, "rb") as f:  # the live run's lock (RunLog), tested and
+        if not lock_log(f, exclusive=False):                          # released at once
+            raise UsageError(still_running(text_log))
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
         raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
                          f"its own --run_id (leave it unset for a fresh one)")
@@ -2642,8 +2868,8 @@ def save_atomic(obj: object, path: Path) -> str:
         f.write(buffer.getbuffer())
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
-def load_part(path: Path, sha256: str) -> dict:
-    """A checkpoint file, read once, checked against the checksum meta.json recorded, then loaded."""
+def read_part(path: Path, sha256: str | None) -> bytes:
+    """A checkpoint file's bytes, checked against the checksum meta.json recorded."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -2651,12 +2877,17 @@ def load_part(path: Path, sha256: str) -> dict:
             from None
     if hashlib.sha256(data).hexdigest() != sha256:
         raise UsageError(f"checkpoint file {path} does not match its checksum in {CKPT_META}: corrupt or from "
-                         f"another checkpoint; resume from another checkpoint")
+                         f"another checkpoint; use another checkpoint")
+    return data
+
+def load_part(path: Path, sha256: str) -> dict:
+    """A checkpoint file, read once, checked against its checksum, then loaded."""
+    data = read_part(path, sha256)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # a file written under the right checksum but unloadable: a foreign pickle
-        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); resume from another "
-                         f"checkpoint") from None
+        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); use another checkpoint") \
+            from None
 
 @dataclass
 class ResumePoint:
@@ -2947,11 +3178,12 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
                          f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --vocab_size, "
                          f"--model_dim, --num_layers)")
 
-def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
+def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
     whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
-    on_cuda = rt.device.type == "cuda"
-    raw = GPT(cfg, use_flex=on_cuda, fp8_head=cfg.fp8_head, compile_flex=on_cuda and not cfg.compile).to(rt.device)
+    flex = rt.device.type == "cuda" and cfg.attention == "flex"
+    fa3 = load_fa3()[0] if cfg.attention == "fa3" else None
+    raw = GPT(cfg, use_flex=flex, fp8_head=cfg.fp8_head, compile_flex=flex and not cfg.compile, fa3=fa3).to(rt.device)
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
     if cfg.fp8_mlp:
@@ -2963,6 +3195,7 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
         log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
+    log(attention_report(rt, knobs))
     if cfg.compile:  # dynamo refuses a function's graph past its limit (8 by default, a hard error): size it
         graphs = compiled_graphs(cfg, optimizer)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, *graphs.values())
@@ -2970,12 +3203,25 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog) -> tuple[GPT, nn.Module, 
             f"{torch._dynamo.config.recompile_limit})")
     return raw, model, optimizer
 
+def attention_report(rt: Runtime, knobs: StepKnobs) -> str:
+    """The log's attention line: the path taken and, with FA3, cu_seqlens' length per shape and the data's need."""
+    if knobs.documents is None:
+        return f"attention: {rt.attention}"
+    need = knobs.documents
+    train = [f"{n}/{cut}: {varlen_slots(n, most)} ({most})" for (n, cut), most in need.train.items()]
+    val = f"{knobs.cfg.val_seq_len}: {varlen_slots(knobs.cfg.val_seq_len, need.val)} ({need.val})"
+    return (f"attention: {rt.attention}; cu_seqlens slots per sequence (tokens/document cut: slots (most documents in "
+            f"this run's data)): {', '.join(train)}; validating {val}")
+
 def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
-    """The graphs torch.compile builds per function: the model one per sequence length (and validation's), each of
-    Muon's one per shard shape, Adam's one per shard shape, dtype and betas (constants of its graph), each FP8 op two
-    (static, then dynamic)."""
+    """The graphs torch.compile builds per function: the model one per training graph_key (a sequence length; with
+    FA3 a plan) and per validation's, each of Muon's one per shard shape, Adam's one per shard shape, dtype and betas
+    (constants of its graph), each FP8 op two (static, then dynamic)."""
+    schedules = schedule_table(cfg)
+    training = {graph_key(cfg, s, True) for s in schedules[:-1]}
+    validating = {graph_key(cfg, schedules[k], False) for k in range(run_length(cfg) + 1) if validates_at(cfg, k)}
     muon = len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"})
-    return {"model": len({s.seq_len for s in schedule_table(cfg)[:-1]}) + 1,
+    return {"model": len(training) + max(len(validating), 1),
             "orthogonalize": muon, "normuon": muon, "cautious update": muon,
             "adam": len({(b.shard.shape, b.shard.dtype, b.betas) for b in optimizer.buckets if b.kind == "adam"}),
             "fp8 ops": 2 if cfg.fp8_head or cfg.fp8_mlp else 0}
@@ -3015,19 +3261,24 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knob
         requantize()
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor) -> float:
-    """Mean cross-entropy over the val tokens; one all-reduce for the whole validation."""
+def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor | VarlenPlan,
+             stoppable: bool = False) -> float | None:
+    """Mean cross-entropy over the val tokens; one all-reduce for the whole validation. stoppable: a stop signal
+    abandons it at the next batch (None), on every rank alike: the all-reduce carries whether any rank did."""
     model.eval()
-    totals = torch.zeros(2, device=rt.device)
+    totals = torch.zeros(3, device=rt.device)  # loss sum, batches, ranks that abandoned it
     with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
                         rt.device) as batches:
         for batch in batches:
+            if stoppable and STOP.received is not None:
+                totals[2] = 1
+                break
             totals[0] += model(batch[0, :-1], batch[0, 1:].long(), windows)
             totals[1] += 1
     if rt.world_size > 1:
         dist.all_reduce(totals)
     model.train()
-    return (totals[0] / totals[1]).item()
+    return None if totals[2].item() else (totals[0] / totals[1]).item()
 
 def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
     """One line per span of training steps with the same shapes and windows: a staged run's plan."""
@@ -3044,12 +3295,12 @@ def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
     return lines
 
 def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
-    """The training steps the warmup replays (shape and windows): warmup_steps of each distinct sequence
-    length, at its first step, since each length compiles its own graph (dynamic=False); and the first Adam step
-    where none of those is one, since the compiled optimizer's Adam graphs are built at the first."""
-    first: dict[int, int] = {}
+    """The training steps the warmup replays (shape and windows): warmup_steps of each distinct training graph (a
+    sequence length; with FA3 a plan), at its first step, since each compiles its own graph (dynamic=False); and the
+    first Adam step where none of those is one, since the compiled optimizer's Adam graphs are built at the first."""
+    first: dict[tuple, int] = {}
     for step, s in enumerate(schedules[:-1]):
-        first.setdefault(s.seq_len, step)
+        first.setdefault(graph_key(cfg, s, True), step)
     plan = [step for step in first.values() for _ in range(cfg.warmup_steps)]
     adam = next((step for step, s in enumerate(schedules[:-1]) if s.adam_step), None)
     if plan and adam is not None and not any(schedules[step].adam_step for step in plan):
@@ -3095,10 +3346,15 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     log(f"warmup: snapshot {1000 * snapshot:.1f} ms, {len(plan)} steps {steps:.1f} s, restore {1000 * restore:.1f} ms "
         f"(untimed; state restored)")
 
-def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor, step: int,
-             train_time_ms: float) -> tuple[int, float, float]:
-    """Evaluate and log a val line; (step, val loss, train time so far)."""
-    loss = evaluate(model, val, cfg, rt, windows)
+def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
+             step: int, train_time_ms: float, stoppable: bool = False) -> tuple[int, float, float] | None:
+    """Evaluate and log a val line; (step, val loss, train time so far), or None when a stop signal abandoned it
+    (stoppable: the loop can stop at this step, and the resumed run validates it again)."""
+    loss = evaluate(model, val, cfg, rt, windows, stoppable)
+    if loss is None:
+        log(f"validation at step {step} abandoned: a stop signal came; the resumed run validates this step",
+            flush=True)
+        return None
     step_avg = train_time_ms / max(step, 1)
     log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
                 "step_avg_ms": step_avg})
@@ -3129,9 +3385,9 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
 
-def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]:
-    """The training shards, checked to hold what the run trains on, and the validation tokens: read before
-    anything is written, so a run without its data leaves nothing behind."""
+def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens, DocumentCounts]:
+    """The training shards, checked to hold what the run trains on, the validation tokens and the most documents a
+    sequence holds in each: read before anything is written, so a run without its data leaves nothing behind."""
     try:
         train_files = find_shards(cfg.train_files)
     except UsageError:
@@ -3141,20 +3397,33 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens]
                              f"the recipe, {more_data_hint(cfg.train_files, missing=True)}") from None
         raise
     val_files = find_shards(cfg.val_files)
-    check_train_data(cfg, train_files, run_length(cfg), step_shape(schedule_table(cfg)))
-    return train_files, ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
 
-def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, argv: list[str]
-          ) -> TrainResult:
-    """The run from its first (or resumed) step to the summary; argv, the command line, for the resume command an
-    interrupted run prints."""
+    def shape(step: int) -> tuple[int, int]:  # step by step: a run the corpus cannot hold is refused at the corpus's
+        s = schedule(step, cfg)                # end, before anything of every step's (schedule_table) is built
+        return s.seq_len, s.max_doc_len
+
+    most = check_train_data(cfg, train_files, run_length(cfg), shape)
+    plan = warmup_plan(cfg, schedule_table(cfg))  # the warmup's batches: the first steps' data at the plan's shapes
+    supplied, warm = count_documents(cfg, train_files, len(plan), lambda k: shape(plan[k]))
+    if supplied < len(plan):
+        raise UsageError(f"the warmup ({len(plan)} steps of --warmup_steps={cfg.warmup_steps} per compiled shape) "
+                         f"needs more data than the run: lower --warmup_steps or {more_data_hint(cfg.train_files)}")
+    for key, count in warm.items():
+        most[key] = max(most.get(key, 0), count)
+    val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
+    return train_files, val, DocumentCounts(most, val.most_documents(cfg.val_seq_len))
+
+def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
+          argv: list[str]) -> TrainResult:
+    """The run from its first (or resumed) step to the summary; documents: load_data's count (FA3 sizes its buffers
+    from it); argv, the command line, for the resume command an interrupted run prints."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
-    raw_model, model, optimizer = build_model(cfg, rt, log)
+    schedules = schedule_table(cfg)
+    knobs = StepKnobs(cfg, schedules, rt.device, documents if cfg.attention == "fa3" else None)
+    raw_model, model, optimizer = build_model(cfg, rt, log, knobs)
     resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
     start_step = resumed.step if resumed else 0
-    schedules = schedule_table(cfg)
-    knobs = step_knobs(schedules, rt.device)
     loss_scale = train_loss_scale(cfg)
 
     def requantize(exact_down: Callable[[], bool]) -> Callable[[], None] | None:  # after each step, with --fp8_mlp
@@ -3163,7 +3432,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
     warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k])),
-           plan, lambda batch, step: train_step(model, optimizer, batch, knobs(step), loss_scale,
+           plan, lambda batch, step: train_step(model, optimizer, batch, knobs.train(step), loss_scale,
                                                 requantize=requantize(lambda: True)))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
@@ -3179,38 +3448,39 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         set_rng_state(resumed.rng, rt.device)
     clock = TrainClock(rt.device, resumed.train_time_ms if resumed else 0.0)
     try:
-        STOP.defer(True)
+        STOP.defer(True, stop_notice(cfg, rt.world_size))
         for step in range(start_step, last_step + 1):
             last = step == last_step
             if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
                 optimizer.copy_param("lm_head.weight", "embed.weight")
             raw_model.tie_embedding(schedules[step].tied)
             raw_model.apply_yarn(schedules[step].yarn_windows)
-            if not cfg.bench and (last or step == 0 or (cfg.val_every and step % cfg.val_every == 0)):
+            if validates_at(cfg, step):
                 optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
                 train_time_ms = clock.stop()
                 metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
-                val_points.append(validate(model, val, cfg, rt, log, knobs(step)[0], step, train_time_ms))
+                point = validate(model, val, cfg, rt, log, knobs.val(step), step, train_time_ms,
+                                 stoppable=STOP.boundary(step, cfg))
+                metrics.stop_agreed |= point is None  # abandoned on every rank alike: the stop is agreed
+                val_points += [point] if point else []
                 clock.start()
             if checkpointer.due(step):
                 checkpointer.save(step, clock.now(), loader.source.stream.position(step))
-            if STOP.now(step, last, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
+            if STOP.now(step, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
                 stop_with_checkpoint(step, cfg, log, checkpointer, clock.now(), loader.source.stream.position(step),
                                      argv, rt.world_size)
             if last:
-                if STOP.received is not None:  # the signal said "after a checkpoint": say what happens instead
-                    log(f"{STOPS[STOP.received]}: the signal came during the last step, so the run finishes (summary "
-                        f"written, exit code 0) rather than checkpointing", flush=True)
                 break
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
             with profiler.step(step, settle=optimizer.wait_for_params):
-                train_step(model, optimizer, next(loader), knobs(step), loss_scale, metrics,
+                train_step(model, optimizer, next(loader), knobs.train(step), loss_scale, metrics,
                            requantize(lambda: step < cfg.fp8_down_exact_steps))
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
         metrics.flush()
     except BaseException:
+        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the wait short
         checkpointer.close(error=True)  # pending writes finish before the error leaves train()
         raise
     finally:
@@ -3258,10 +3528,15 @@ def setup_runtime(cfg: Config) -> Runtime:
     else:
         device = torch.device("cpu")
     cuda = device.type == "cuda"
-    resolve_for_device(cfg, cuda)
+    attention = resolve_for_device(cfg, cuda)
     if world_size > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Runtime(rank, world_size, local_rank, device)
+        paths: list[object] = [None] * world_size
+        dist.all_gather_object(paths, cfg.attention)
+        if len(set(paths)) > 1:  # auto found FA3 on some ranks only: they would call different collectives' graphs
+            raise UsageError(f"--attention=auto resolved differently across ranks ({', '.join(map(str, paths))}): "
+                             f"give --attention=fa3 or --attention=flex")
+    return Runtime(rank, world_size, local_rank, device, attention)
 
 def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
     """Rank 0 draws the seed and run id when they are not given; every rank uses rank 0's."""
@@ -3279,45 +3554,65 @@ EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + SIGINT, 128 + SI
 
 class StopSignal:
     """The first SIGINT or SIGTERM stops the run (later ones are ignored: they cannot break into the cleanup).
-    Outside the training loop at once; inside it (deferred), at the next step boundary every rank agrees on
-    (through the metrics' collective) where exact resume is possible, after a checkpoint."""
+    Outside the training loop at once; inside it (deferred), at the next step boundary where exact resume is
+    possible, once every rank agrees (through the metrics' collective, or a validation's, which the signal abandons:
+    the resumed run redoes it), after a checkpoint. One that comes while a failed run cleans up is ignored: the
+    error is what the run ends with."""
 
     def __init__(self):
-        self.deferred = False
+        self.deferred, self.ignored, self.notice = False, False, ""
         self.received: type[KeyboardInterrupt] | None = None
 
     def __call__(self, signum: int, frame: object) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.ignored:
+            return
         self.received = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         if not self.deferred:
             raise self.received()
-        print0(f"{STOPS[self.received]}: stopping at the next step boundary, after a checkpoint", file=sys.stderr)
+        print0(f"{STOPS[self.received]}: {self.notice}", file=sys.stderr)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Handle SIGINT and SIGTERM for one run, then hand them back to their previous handlers: a process that
         imports this file and calls main() keeps its own signal handling afterwards."""
-        self.received = None
+        self.received, self.ignored = None, False
         previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.received = None  # a signal belongs to its run: a later run in this process starts afresh
+            self.received, self.ignored = None, False  # a signal belongs to its run: a later one starts afresh
 
-    def defer(self, deferred: bool) -> None:
-        """Inside the training loop or not (a signal that lands in its last step lets the run finish)."""
-        self.deferred = deferred
+    def defer(self, deferred: bool, notice: str = "") -> None:
+        """Inside the training loop or not; notice: what a signal there does (stderr's first line)."""
+        self.deferred, self.notice = deferred, notice
 
-    def now(self, step: int, last: bool, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
-        """Whether the loop stops before training `step` (every rank answers alike); never at the last step,
-        whose validation has run: the run finishes instead."""
+    def ignore(self) -> None:
+        """The run is ending on an error or a stop: from now on a signal changes nothing."""
+        self.ignored = True
+
+    @staticmethod
+    def boundary(step: int, cfg: Config) -> bool:
+        """Whether the loop can stop before training `step`: a checkpoint there resumes exactly. Between Adam steps
+        the summed gradients are pending: it cannot (a --bench stops anywhere: it saves nothing)."""
+        return cfg.bench or step % cfg.adam_every == 0
+
+    def now(self, step: int, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
+        """Whether the loop stops before training `step` (after its validation; every rank answers alike)."""
         asked = self.received is not None if rt.world_size == 1 else metrics.stop_agreed
-        return asked and not last and (cfg.bench or step % cfg.adam_every == 0)  # between Adam steps: no resume
+        return asked and self.boundary(step, cfg)
 
 STOP = StopSignal()
+
+def stop_notice(cfg: Config, world_size: int) -> str:
+    """What a signal in the training loop does, said when it comes: where the loop stops, and what it writes."""
+    where = "the next step boundary" if cfg.bench or cfg.adam_every == 1 else \
+        f"the end of the next Adam step (one in {cfg.adam_every} steps: up to {cfg.adam_every} more steps)"
+    agreed = ", once the ranks agree (within two logging intervals)" if world_size > 1 else ""
+    return f"stopping at {where}{agreed}{'' if cfg.bench else ', after a checkpoint'}"
 
 def resume_command(argv: list[str], folder: Path, world_size: int) -> str:
     """The command to paste to continue this run from a checkpoint: its own options without --run_id and --resume
@@ -3340,9 +3635,22 @@ def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Che
                 f"{resume_command(argv, folder, world_size)}", flush=True)
     raise kind()
 
+def lost_rank(e: BaseException, rt: Runtime | None) -> RankLost | None:
+    """The error of a collective whose peer process is gone, as one line; None for any other error. NCCL raises
+    DistError; gloo's transport a plain RuntimeError naming its source file, then a paragraph of advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if rt is None or rt.world_size == 1 or not (isinstance(e, dist.DistError) or
+                                                isinstance(e, RuntimeError) and "gloo/transport" in text):
+        return None
+    detail = text.split("] ", 1)[-1].split(". This is typically")[0][:200]
+    return RankLost(f"rank {rt.rank} lost the connection to another rank ({detail}): a rank stopped or died; its "
+                    f"own output says why")
+
 def run(argv: list[str]) -> TrainResult:
     """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
-    is checked before anything is written; a run that stops after its log was opened says why in the log."""
+    is checked before anything is written; a run that stops after its log was opened says why in the log, and
+    keeps its run id's name only when it finished or a signal stopped it after it recorded something: any other
+    end moves its logs to <run_id>.failed.*."""
     rt, log, stop, error = None, RunLog(None), None, None
     try:
         cfg = parse_config(argv)
@@ -3351,7 +3659,7 @@ def run(argv: list[str]) -> TrainResult:
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
         check_model_fits(cfg, rt.device)
-        train_files, val = load_data(cfg, rt.device)
+        train_files, val, documents = load_data(cfg, rt.device)
         check_run_paths(cfg)
         if rt.world_size > 1:
             dist.barrier()  # every rank checked the log folder before rank 0 writes into it
@@ -3361,26 +3669,39 @@ def run(argv: list[str]) -> TrainResult:
             (Path(cfg.log_dir) / f"{cfg.run_id}.json").unlink(missing_ok=True)  # an --overwrite's old summary
             log(Path(__file__).read_text(), console=False)
             log(SEPARATOR, console=False)
-            log(environment_report(rt.device, cfg.cpu_bf16_gemm))
-            log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-            log(SEPARATOR)
+            # The console's first line: what names the run's files (the config, one long line, is the log's alone).
             log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
+            log(environment_report(rt.device, cfg.cpu_bf16_gemm))
+            log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
+            log(SEPARATOR)
         with cpu_gemms(cfg.cpu_bf16_gemm):
-            result = train(cfg, rt, log, train_files, val, argv)
+            result = train(cfg, rt, log, train_files, val, documents, argv)
         if rt.world_size > 1:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
             dist.barrier()
+        if STOP.received is not None:  # no boundary to stop at came before the end (StopSignal.now): it finished
+            log(f"{STOPS[STOP.received]}: the run finished before a step boundary where a checkpoint resumes it "
+                f"(summary written)", flush=True)
+            raise STOP.received()
         return result
     except BaseException as e:
-        stop = f"error: {e}" if isinstance(e, UsageError) else STOPS.get(type(e), f"failed: {type(e).__name__}: {e}")
-        error = e
+        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the cleanup short
+        error = lost_rank(e, rt) or e
+        stop = f"error: {error}" if isinstance(error, (UsageError, RankLost)) else STOPS.get(
+            type(error), f"failed: {type(error).__name__}: {error}")
+        if error is not e:
+            raise error from None
         raise
     finally:
         log.close(stop)
-        kept = log.set_aside() if error is not None and not log.records else None
-        if kept is not None:  # nothing was trained: a rerun with the same --run_id must not be refused
-            error.add_note(f"(its log is kept as {kept}; the run id is free for a rerun)")
+        finished = any(path.with_suffix(".json").exists() for path in log.paths)  # its summary (only rank 0's)
+        if error is not None and (not log.records or not (finished or isinstance(error, KeyboardInterrupt))):
+            kept = log.set_aside()
+            run_dir = log.paths[0].with_suffix("") if log.paths else None
+            free = "" if run_dir and any(run_dir.glob("ckpt_*")) else "; the run id is free for a rerun"
+            if kept is not None:  # a rerun with the same --run_id must not be refused
+                error.add_note(f"(its log is kept as {kept}{free})")
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -3394,7 +3715,12 @@ def main() -> None:
             run(argv)
     except UsageError as e:
         print0("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)
+        if _rank_and_world()[0] != 0:  # rank 0 says why and exits first: the launcher then stops this one
+            time.sleep(5)
         sys.exit(2)
+    except RankLost as e:
+        print("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
+        sys.exit(1)
     except KeyboardInterrupt as e:  # the loaders and checkpoint writers were closed on the way out
         print0("\n".join([STOPS[type(e)], *getattr(e, "__notes__", [])]), file=sys.stderr)
         sys.exit(EXIT_CODES[type(e)])

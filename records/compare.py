@@ -4,7 +4,8 @@ Reads this project's run logs (logs/<run_id>.txt, preferring a <run_id>.json sum
 upstream modded-nanogpt logs. A record folder stands for every run log (*.txt) inside it.
 
     python records/compare.py show RUN...
-    python records/compare.py diff A B       (first line: the verdict, reproduced or where the losses part)
+    python records/compare.py diff A B       (first line: the verdict: reproduced, equal on the steps both cover,
+                                              or where the losses part)
     python records/compare.py stats RUN... [--target 3.28] [--baseline RUN...]
     python records/compare.py plot RUN... [-o compare.png]
 
@@ -53,6 +54,7 @@ class ValPoint:
     step: int
     loss: float
     time_ms: float | None
+    digits: int | None = None  # the decimals a log line printed it with; None: exact (a summary's or a .jsonl's)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class StepLine:
     train_time_ms: float | None = None
     step_avg_ms: float | None = None
     tokens_per_s: float | None = None
+    digits: dict[str, int] = field(default_factory=dict)  # decimals of each loss as printed
 
 
 @dataclass
@@ -144,9 +147,10 @@ def parse_step_line(line: str) -> StepLine | None:
     units = {"val_loss": "", "train_loss": "", "train_time": "ms", "step_avg": "ms", "tok/s": ""}
     values = {key: _float(fields.get(key), unit) for key, unit in units.items()}
     malformed = [f"{key}:{fields[key]}" for key in units if key in fields and values[key] is None]
+    digits = {key: len(fields[key].partition(".")[2]) for key in ("val_loss", "train_loss") if key in fields}
     return StepLine(step=int(match.group(1)), total=int(match.group(2)), malformed=malformed,
                     val_loss=values["val_loss"], train_loss=values["train_loss"], train_time_ms=values["train_time"],
-                    step_avg_ms=values["step_avg"], tokens_per_s=values["tok/s"])
+                    step_avg_ms=values["step_avg"], tokens_per_s=values["tok/s"], digits=digits)
 
 
 def split_code(text: str) -> tuple[str | None, list[str] | None]:
@@ -222,8 +226,10 @@ def _fill_from_steps(run: Run, steps: list[StepLine]) -> None:
     run.train_time_ms = latest([s.train_time_ms for s in steps])
     run.step_avg_ms = latest([s.step_avg_ms for s in steps])
     run.tokens_per_s = latest([s.tokens_per_s for s in steps])
-    run.val_points = [ValPoint(s.step, s.val_loss, s.train_time_ms) for s in steps if s.val_loss is not None]
-    run.train_points = [ValPoint(s.step, s.train_loss, s.train_time_ms) for s in steps if s.train_loss is not None]
+    run.val_points = [ValPoint(s.step, s.val_loss, s.train_time_ms, s.digits["val_loss"]) for s in steps
+                      if s.val_loss is not None]
+    run.train_points = [ValPoint(s.step, s.train_loss, s.train_time_ms, s.digits["train_loss"]) for s in steps
+                        if s.train_loss is not None]
     for s in steps:
         if s.malformed:
             warn(f"{run.path}: step {s.step}: {', '.join(s.malformed)} is not a number; ignoring it")
@@ -329,31 +335,45 @@ def _read(path: Path) -> str:
         raise LogError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def load_train_points(path: Path) -> list[ValPoint]:
-    """Per logged step, the train loss and train time from a run's .jsonl (full precision); [] when unreadable."""
-    points = []
+def load_step_records(path: Path) -> dict[str, list[ValPoint]]:
+    """Per logged step, the train loss and per validation the val loss, with the train time, from a run's .jsonl
+    (full precision), by "train_loss" and "val_loss"; empty when unreadable. A run in progress or stopped has no
+    summary: these are its exact losses. The last line may be cut short by a kill: it is left out."""
+    points: dict[str, list[ValPoint]] = {"train_loss": [], "val_loss": []}
     try:
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            entry = json.loads(line)
-            step, loss = _int(entry.get("step")), _loss(entry.get("train_loss"))
-            if step is not None and loss is not None:
-                points.append(ValPoint(step, loss, _num(entry.get("train_time_ms"))))
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for number, line in enumerate(lines):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines) - 1:
+                    break
+                raise
+            for key, found in points.items():
+                step, loss = _int(entry.get("step")), _loss(entry.get(key))
+                if step is not None and loss is not None:
+                    found.append(ValPoint(step, loss, _num(entry.get("train_time_ms"))))
     except (OSError, json.JSONDecodeError, AttributeError):
-        warn(f"{path}: unreadable step records; the train loss comes from the log lines")
-        return []
+        warn(f"{path}: unreadable step records; the losses come from the log lines")
+        return {"train_loss": [], "val_loss": []}
     return points
 
 
 def load_run(path: Path) -> Run:
     """One run from its .txt log, with the .json summary and the .jsonl step records beside it applied when
-    present."""
+    present: the losses as the trainer computed them, and only where neither is there as the log printed them."""
     run = parse_log(_read(path), path.stem, path)
     summary = path.with_suffix(".json")
     if summary.is_file():
         apply_summary(run, load_summary(summary))
     records = path.with_suffix(".jsonl")
     if records.is_file():
-        run.train_points = load_train_points(records) or run.train_points
+        exact = load_step_records(records)
+        run.train_points = exact["train_loss"] or run.train_points
+        if exact["val_loss"] and not run.has_summary:
+            final = run.final_val_loss is not None and exact["val_loss"][-1].step == run.last_step
+            run.val_points = exact["val_loss"]
+            run.final_val_loss = run.val_points[-1].loss if final else run.final_val_loss
     return run
 
 
@@ -527,39 +547,60 @@ def matching_val_losses(a: Run, b: Run) -> list[tuple[int, float, float]]:
     return [(p.step, p.loss, b_at[p.step]) for p in a.val_points if p.step in b_at]
 
 
-def logged_losses(run: Run) -> dict[tuple[int, str], float]:
+def logged_losses(run: Run) -> dict[tuple[int, str], ValPoint]:
     """Every loss a run logged, by (step, "train" or "val")."""
-    return {**{(p.step, "train"): p.loss for p in run.train_points},
-            **{(p.step, "val"): p.loss for p in run.val_points}}
+    return {**{(p.step, "train"): p for p in run.train_points}, **{(p.step, "val"): p for p in run.val_points}}
 
 
-def same_loss(x: float, y: float) -> bool:
-    return x == y or (math.isnan(x) and math.isnan(y))  # two diverged runs agree on NaN
+def compared_digits(x: ValPoint, y: ValPoint) -> int | None:
+    """The precision two losses can be compared at: the fewer decimals of the one a log line printed; None: both
+    exact (a summary's or a .jsonl's)."""
+    printed = [p.digits for p in (x, y) if p.digits is not None]
+    return min(printed) if printed else None
+
+
+def same_loss(x: ValPoint, y: ValPoint) -> bool:
+    """Equal at the precision both have: bit for bit when both are exact, else as the log prints them."""
+    digits = compared_digits(x, y)
+    if digits is not None:
+        return f"{x.loss:.{digits}f}" == f"{y.loss:.{digits}f}"
+    return x.loss == y.loss or (math.isnan(x.loss) and math.isnan(y.loss))  # two diverged runs agree on NaN
+
+
+def describe_span(keys: Sequence[tuple[int, str]]) -> str:
+    steps = sorted({step for step, _ in keys})
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
 def verdict(a: Run, b: Run) -> str:
-    """One line: whether B reproduced A (every train and val loss either logged equal, at the same steps), else
-    the first step where they differ and the largest difference."""
+    """One line: whether B reproduced A (every train and val loss either logged equal, at the same steps); where one
+    covers steps the other does not (a resumed, stopped or running run), whether the losses of the steps both cover
+    are equal, and which those are; else the first step where they differ and the largest difference. A loss known
+    only as a log line printed it is compared at that line's precision."""
     la, lb = logged_losses(a), logged_losses(b)
     if not la or not lb:
         return f"verdict: cannot tell: {' and '.join(r.name for r, l in ((a, la), (b, lb)) if not l)} logged no loss"
     common = sorted(la.keys() & lb.keys())
-    if la.keys() == lb.keys() and all(same_loss(la[k], lb[k]) for k in common):
-        trains = sum(kind == "train" for _, kind in common)
-        return (f"verdict: reproduced: all {len(common)} logged losses equal ({trains} train, {len(common) - trains} "
-                f"val)")
-    parts = []
+    if not common:
+        return (f"verdict: cannot tell: no step logged by both ({a.name}: {describe_span(list(la))}, {b.name}: "
+                f"{describe_span(list(lb))})")
     differ = [k for k in common if not same_loss(la[k], lb[k])]
+    only = [(run, sorted(mine.keys() - other.keys())) for run, mine, other in ((a, la, lb), (b, lb, la))]
+    only_parts = [f"{len(keys)} logged loss(es) only in {run.name} ({describe_span(keys)})" for run, keys in only
+                  if keys]
     if differ:
-        (step, kind), gaps = differ[0], {k: abs(lb[k] - la[k]) for k in differ}
+        (step, kind), gaps = differ[0], {k: abs(lb[k].loss - la[k].loss) for k in differ}
         worst = max(gaps, key=lambda k: math.inf if math.isnan(gaps[k]) else gaps[k])  # a NaN against a number: worst
-        parts.append(f"first difference at step {step} ({kind} loss {la[step, kind]!r} vs {lb[step, kind]!r}), "
-                     f"largest {gaps[worst]:.4g} ({worst[1]} loss, step {worst[0]})")
-    for run, mine, other in ((a, la, lb), (b, lb, la)):
-        only = sorted(mine.keys() - other.keys())
-        if only:
-            parts.append(f"{len(only)} logged loss(es) only in {run.name} (from step {only[0][0]})")
-    return f"verdict: not reproduced: {'; '.join(parts)}"
+        return "verdict: not reproduced: " + "; ".join([
+            f"first difference at step {step} ({kind} loss {la[step, kind].loss!r} vs {lb[step, kind].loss!r}), "
+            f"largest {gaps[worst]:.4g} ({worst[1]} loss, step {worst[0]})", *only_parts])
+    trains = sum(kind == "train" for _, kind in common)
+    printed = [d for k in common if (d := compared_digits(la[k], lb[k])) is not None]
+    equal = (f"all {len(common)} logged losses equal ({trains} train, {len(common) - trains} val"
+             f"{f'; {len(printed)} to the {min(printed)} decimals a log line prints' if printed else ''})")
+    if not only_parts:
+        return f"verdict: reproduced: {equal}"
+    return f"verdict: equal on the steps both cover, {describe_span(common)}: {equal}; {'; '.join(only_parts)}"
 
 
 def diff_report(a: Run, b: Run, with_code: bool = False) -> str:

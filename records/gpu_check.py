@@ -7,7 +7,8 @@ corpus for the benchmarks: shards in the git-ignored data/proxy/ (proxy_train_*.
 in data/fineweb10B/ (python data/cached_fineweb10B.py 1). Four stages, in order of what a first run trips on
 first, each under its own time limit:
 
-1. kernels: the Triton kernels in bf16 at the recipe's shapes (autotuned on the GPU) and the FP8 ops (opcheck,
+1. kernels: FA3 (#89's attention, from the kernels package) against FlexAttention at the recipe's shapes first,
+   then the Triton kernels in bf16 at the recipe's shapes (autotuned on the GPU) and the FP8 ops (opcheck,
    saturation, the head at the recipe's shape), through cuBLAS; the CPU suite's FP8 tests.
 2. model: the rest of tests/test_cuda.py (compiled FlexAttention against dense attention, the prefetch loader
    against a slowed stream, the compiled GPT's graphs, the model's matmuls and attention in bf16, a tiny run
@@ -46,11 +47,14 @@ REPO = Path(__file__).resolve().parents[1]
 CORPORA = [("data/proxy/proxy_train_*.bin", "data/proxy/proxy_val_*.bin"),
            ("data/fineweb10B/fineweb_train_*.bin", "data/fineweb10B/fineweb_val_*.bin")]
 # The kernels and FP8 ops first: each is quick, and a first run on a new GPU or torch trips there first.
-KERNEL_TESTS = ["tests/test_model.py::test_fp8_ops_pass_opcheck",
+KERNEL_TESTS = ["tests/test_cuda.py::test_cuda_environment",
+                "tests/test_cuda.py::test_fa3_follows_flex_attention_at_the_recipes_shapes",
+                "tests/test_model.py::test_fp8_ops_pass_opcheck",
                 "tests/test_model.py::test_fp8_head_saturates_values_beyond_each_formats_range",
                 "tests/test_model.py::test_fp8_head_gradients_quantize_like_the_records_unscaled_loss",
-                "tests/test_cuda.py::test_cuda_environment",
-                "tests/test_cuda.py::test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path",
+                "tests/test_cuda.py::test_relu2_mlp_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_mlp",
+                "tests/test_cuda.py::test_fp8_mlp_kernels_at_the_recipes_shape_follow_the_torch_path_and_the_quantizers"
+                "_is_bit_exact",
                 "tests/test_cuda.py::test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logits"
                 "_memory", "tests/test_cuda.py::test_fp8_ops_pass_opcheck_on_cuda",
                 "tests/test_cuda.py::test_fp8_head_saturates_on_cuda",

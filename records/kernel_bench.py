@@ -3,15 +3,17 @@
 
     python records/kernel_bench.py [--out FILE.json] [--repeats N] [--small]
 
-On a GPU, bf16 at the recipe's shapes: --relu2_kernel (49,152 x 768 @ 768 x 3,072, then ReLU^2) and --fused_head
-(49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5) and three next tokens, FP8 where the GPU
-has it; and validation's loss alone over one 262,144-token sequence), each torch path compiled as the trainer
-compiles it. Where the GPU has FP8, also #89's FP8 MLP (fp8_mlp: gpt_kernels.mlp_fp8) against the bf16 MLP. And
+On a GPU, bf16 at the recipe's shapes, each torch path compiled as the trainer compiles it: the MLP's ReLU^2 GEMM
+(--relu2_kernel, gpt_kernels.linear_relu_square) in the bf16 MLP (49,152 x 768 -> 3,072 -> 768, forward and
+backward; and validation's forward alone over one 262,144-token sequence), and where the GPU has FP8 in #89's FP8
+MLP (gpt_kernels.mlp_fp8, the kernel against its torch path) and its down-weight quantizer (12 layers of 3,072 x
+768, a delayed-scale call); --fused_head (49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5)
+and three next tokens, FP8 where the GPU has it; and validation's loss alone over one 262,144-token sequence). And
 Polar Express with its momentum on one rank's Muon blocks at 8 GPUs (qk 8 x 256 x 768, vo 3 x 768 x 768, mlp 3 x
 3072 x 768): gpt_kernels' symmetric GEMMs against torch's, both compiled as the optimizer compiles them.
 --small runs shapes that Triton's interpreter manages on a CPU (TRITON_INTERPRET=1): that checks the script, its
-times say nothing. The whole step before and after:
-train_gpt.py --bench with and without the flags, then records/compare.py on the two logs.
+times say nothing. The whole step before and after: train_gpt.py --bench with and without the flags, then
+records/compare.py on the two logs.
 """
 
 from __future__ import annotations
@@ -64,15 +66,34 @@ def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> dict[
 Cases = tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Callable[[], object]]]  # (x, w), {path: a call}
 
 
-def relu2_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
-    g = torch.Generator(device=device).manual_seed(0)
+def mlp_weights(cfg: T.Config, layers: int, device: torch.device) -> torch.Tensor:
+    """An MLP bank (layers, 2, hidden, d) in bf16: [W_fc, W_proj] per layer, N(0, 0.05^2)."""
+    g = torch.Generator(device=device).manual_seed(1)
     hidden = cfg.mlp_ratio * cfg.model_dim
+    return (0.05 * torch.randn(layers, 2, hidden, cfg.model_dim, device=device, generator=g)).bfloat16()
+
+
+def relu2_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
+    """The bf16 MLP (GPT.mlp outside FP8 training), forward and backward: the ReLU^2 GEMM's bf16 forward and
+    backward modes (speedrun::mlp_relu2) against the compiled torch MLP."""
+    g = torch.Generator(device=device).manual_seed(0)
     x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=g)).to(dtype).requires_grad_()
-    w = (0.05 * torch.randn(cfg.model_dim, hidden, device=device, generator=g)).requires_grad_()
-    grad = torch.randn(rows, hidden, device=device, generator=g).to(dtype)
-    torch_path = compile_(lambda: F.relu(x @ w.type_as(x)).square())
-    return (x, w), {"torch": lambda: torch_path().backward(grad),
-                    "kernel": lambda: torch.ops.speedrun.relu2_mm(x, w).backward(grad)}
+    w_fc, w_proj = (w.clone().requires_grad_() for w in mlp_weights(cfg, 1, device)[0])
+    grad = torch.randn(rows, cfg.model_dim, device=device, generator=g).to(dtype)
+    torch_path = compile_(lambda: F.relu(F.linear(x, w_fc)).square() @ w_proj)
+    return (x, w_fc), {"torch": lambda: torch_path().backward(grad),
+                       "kernel": lambda: torch.ops.speedrun.mlp_relu2(x, w_fc, w_proj).backward(grad)}
+
+
+def relu2_eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable
+                     ) -> Cases:
+    """Validation's MLP (no gradient) over one val_seq_len sequence: the ReLU^2 GEMM's bf16 forward mode."""
+    x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=torch.Generator(device).manual_seed(0)))
+    x = x.to(dtype)
+    w_fc, w_proj = mlp_weights(cfg, 1, device)[0]
+    torch_path = compile_(lambda: F.relu(F.linear(x, w_fc)).square() @ w_proj)
+    return (x, w_fc), {"torch": torch.no_grad()(torch_path),
+                       "kernel": torch.no_grad()(lambda: torch.ops.speedrun.mlp_relu2(x, w_fc, w_proj))}
 
 
 def head_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable, fp8: bool
@@ -110,35 +131,45 @@ def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
                     "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, one, *caps, [], False)[0] / rows}
 
 
+def fp8_mlp_state(bank: torch.Tensor) -> list[torch.Tensor]:
+    """quantize_mlp_weights_'s state for a bank: w8_fc, up_scales, w8_proj_t, used_scales, next_scales."""
+    layers, _, hidden, dim = bank.shape
+    f32 = dict(dtype=torch.float32, device=bank.device)
+    return [torch.empty(layers, hidden, dim, dtype=torch.float8_e4m3fn, device=bank.device), torch.empty(layers, **f32),
+            torch.empty(layers, dim, hidden, dtype=torch.float8_e4m3fn, device=bank.device), torch.empty(layers, **f32),
+            torch.empty(layers, **f32)]
+
+
 def fp8_mlp_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
-    """#89's FP8 MLP (gpt_kernels.mlp_fp8: e4m3 up- and down-projections, the backward in bf16) against the bf16
-    MLP as the model runs it. The weights are quantized once, outside the timing (quantize_mlp_weights_ runs once
-    per optimizer step, not per micro-step); post's delayed scale is the amax of a first call, with #89's headroom."""
+    """#89's FP8 MLP (gpt_kernels.mlp_fp8: e4m3 up- and down-projections, the backward in bf16), forward and
+    backward: the ReLU^2 GEMM (kernel=True) against the op's torch path. The weights are quantized once, outside the
+    timing (quantize_mlp_weights_ runs once per optimizer step, not per micro-step); post's delayed scale is the
+    amax of a first call, with #89's headroom."""
     g = torch.Generator(device=device).manual_seed(0)
-    hidden = cfg.mlp_ratio * cfg.model_dim
     x = T.norm(torch.randn(rows, cfg.model_dim, device=device, generator=g)).to(dtype).requires_grad_()
-    bank = (0.05 * torch.randn(1, 2, hidden, cfg.model_dim, device=device, generator=g)).to(dtype)
+    bank = mlp_weights(cfg, 1, device)
     w_fc, w_proj = (bank[0, i].clone().requires_grad_() for i in range(2))
     grad = torch.randn(rows, cfg.model_dim, device=device, generator=g).to(dtype)
-    f32 = dict(dtype=torch.float32, device=device)
-    codes = (torch.empty(1, hidden, cfg.model_dim, dtype=torch.float8_e4m3fn, device=device), torch.empty(1, **f32),
-             torch.empty(1, cfg.model_dim, hidden, dtype=torch.float8_e4m3fn, device=device), torch.empty(1, **f32),
-             torch.empty(1, **f32))
-    K.quantize_mlp_weights_(bank, *codes, bootstrap=True)
-    w8_fc, up, w8_proj_t, used, _ = codes
-    fp8_args = (w8_fc[0], up[0], w8_proj_t[0], used[0])
+    state = fp8_mlp_state(bank)
+    K.quantize_mlp_weights_(bank, *state, bootstrap=True)
+    fp8_args = (state[0][0], state[1][0], state[2][0], state[3][0])
     with torch.no_grad():
-        amax = torch.ops.speedrun.mlp_fp8(x, w_fc, w_proj, *fp8_args, torch.ones((), **f32))[1]
-    act_scale = amax * (1.8 / 448)
+        amax = torch.ops.speedrun.mlp_fp8(x, w_fc, w_proj, *fp8_args, torch.ones((), device=device), False)[1].max()
+    act_scale = amax * (cfg.fp8_down_act_headroom / 448)
+    paths = {path: compile_(lambda kernel=kernel: torch.ops.speedrun.mlp_fp8(x, w_fc, w_proj, *fp8_args, act_scale,
+                                                                             kernel)[0])
+             for path, kernel in (("torch", False), ("kernel", True))}
+    return (x, w_fc), {path: lambda fn=fn: fn().backward(grad) for path, fn in paths.items()}
 
-    def bf16() -> torch.Tensor:  # the model's MLP outside training's FP8
-        return F.relu(F.linear(x, w_fc)).square() @ w_proj
 
-    def fp8() -> torch.Tensor:
-        return torch.ops.speedrun.mlp_fp8(x, w_fc, w_proj, *fp8_args, act_scale)[0]
-
-    torch_path, fp8_path = compile_(bf16), compile_(fp8)
-    return (x, w_fc), {"torch": lambda: torch_path().backward(grad), "kernel": lambda: fp8_path().backward(grad)}
+def fp8_quantize_cases(cfg: T.Config, layers: int, device: torch.device) -> Cases:
+    """quantize_mlp_weights_ after an optimizer step (the delayed down-weight scale), every layer of the bank: the
+    down-projection's part by its Triton kernels against torch (the up-projection's is torch in both, as #89's)."""
+    bank = mlp_weights(cfg, layers, device)
+    state = fp8_mlp_state(bank)
+    K.quantize_mlp_weights_(bank, *state, bootstrap=True, kernel=False)
+    return (bank, state[0]), {path: lambda kernel=kernel: K.quantize_mlp_weights_(bank, *state, False, kernel=kernel)
+                              for path, kernel in (("torch", False), ("kernel", True))}
 
 
 def polar_express_cases(cfg: T.Config, small: bool, device: torch.device, compiled: bool) -> Cases:
@@ -166,22 +197,28 @@ def main() -> int:
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda and not (opts.small and os.environ.get("TRITON_INTERPRET") == "1"):
         sys.exit("error: the benchmark needs a CUDA GPU; on a CPU, TRITON_INTERPRET=1 with --small checks the script")
+    if not cuda:  # the interpreter computing as sm90 does (its bf16 dots, its casts, a persistent kernel's loop)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import interpreter_sm90
+        interpreter_sm90.install()
     dims = ["--model_dim=64", "--head_dim=32", "--vocab_size=512"] if opts.small else []
     cfg = T.parse_config([*dims])
     rows = 64 if opts.small else cfg.train_seq_len
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16  # the kernels' (Triton's interpreter computes bf16 as sm90 does: tests/interpreter_sm90.py)
     fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)
     compile_ = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if cuda else (lambda fn: fn)
     where = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter: times say nothing)"
     print(f"kernel_bench: {where}, torch {torch.__version__}, {rows} rows, {dtype}, fp8 head {fp8}")
     rows_out = []
     val_rows = rows if opts.small else cfg.val_seq_len
-    kernels = [("relu2_mm", relu2_cases(cfg, rows, dtype, device, compile_)),
-               ("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8)),
-               ("softcap_ce_eval", eval_cases(cfg, val_rows, dtype, device, compile_))]
-    if fp8 or opts.small:  # the CPU runs the FP8 op too, as the trainer's CPU rehearsal does
-        kernels.append(("fp8_mlp", fp8_mlp_cases(cfg, rows, torch.bfloat16, device, compile_)))
-    kernels.append(("polar_express", polar_express_cases(cfg, opts.small, device, compiled=cuda)))
+    kernels = [("relu2_mlp", relu2_cases(cfg, rows, dtype, device, compile_)),
+               ("relu2_mlp_eval", relu2_eval_cases(cfg, val_rows, dtype, device, compile_))]
+    if fp8 or opts.small:  # the CPU runs the FP8 ops too, as the trainer's CPU rehearsal does
+        kernels += [("fp8_mlp", fp8_mlp_cases(cfg, rows, dtype, device, compile_)),
+                    ("fp8_mlp_quantize", fp8_quantize_cases(cfg, 2 if opts.small else cfg.num_layers + 1, device))]
+    kernels += [("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8)),
+                ("softcap_ce_eval", eval_cases(cfg, val_rows, dtype, device, compile_)),
+                ("polar_express", polar_express_cases(cfg, opts.small, device, compiled=cuda))]
     for kernel, cases in kernels:
         for path, fn in cases[1].items():
             figures = timed(fn, opts.repeats, device)

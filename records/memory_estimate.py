@@ -237,13 +237,14 @@ def fused_head_workspace(cfg: T.Config, training: bool) -> int:
 
 
 def mlp_fp8_workspace(node: torch.fx.Node) -> int:
-    """The FP8 MLP's own buffers while it runs (gpt_kernels.mlp_fp8_forward, mlp_fp8_backward): in the forward the
-    e4m3 copies of x (M, d) and of relu(pre)^2 (M, hidden), 1 byte each; in the backward g W_proj^T and dpre, bf16
-    (M, hidden) each (its outputs and saved pre/post are the graph's own)."""
+    """The FP8 MLP's own buffers while it runs (gpt_kernels.mlp_fp8_forward, mlp_backward): in the forward the
+    e4m3 copies of x (M, d) and of relu(pre)^2 (M, hidden), 1 byte each; in the backward dpre, bf16 (M, hidden),
+    and on the torch path (kernel=False) g W_proj^T before it (the ReLU^2 GEMM's epilogue never writes that one).
+    Its outputs and saved pre/post are the graph's own (the bf16 MLP's mlp_relu2_forward: all of its buffers)."""
     forward = node.target._opname == "mlp_fp8_forward"
     x, w_fc = (node.args[i].meta["val"] for i in ((0, 1) if forward else (1, 2)))  # backward: (g, x, w_fc, ...)
     m, d, hidden = x.shape[0], x.shape[-1], w_fc.shape[0]
-    return m * d + m * hidden if forward else 2 * 2 * m * hidden
+    return m * d + m * hidden if forward else (1 if node.args[-1] else 2) * 2 * m * hidden
 
 
 def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
@@ -287,18 +288,19 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
             name = getattr(node.target, "_opname", None)
             if name == "softcap_ce":
                 return size
-            return mlp_fp8_workspace(node) if name in ("mlp_fp8_forward", "mlp_fp8_backward") else 0
+            return mlp_fp8_workspace(node) if name in ("mlp_fp8_forward", "mlp_backward") else 0
         return workspace
 
     fw_trunk, _ = liveness_peak(graphs["forward"].graph, static)
     (fw_peak, fw_at), (bw_peak, bw_at) = (liveness_peak(graphs[g].graph, static, head(True))
                                           for g in ("forward", "backward"))
     val_peak, val_at = liveness_peak(val.graph, leading_inputs(val.graph, len(state)), head(False))
-    def where(phase: str, node: torch.fx.Node) -> str:  # the op and its output's shape (the fused head: its chunk)
-        name = getattr(node.target, "_opname", node.name)
+    def where(phase: str, node: torch.fx.Node) -> str:  # the op and its (largest) output's shape (the fused head:
+        name = getattr(node.target, "_opname", node.name)  # its chunk)
         if name == "softcap_ce":
             return f"{phase}, softcap_ce's chunk {T.gpt_kernels.HEAD_CHUNK_ROWS}x{cfg.vocab_size}"
-        return f"{phase}, {name} {'x'.join(map(str, node.meta['val'].shape))}"
+        largest = max(tensors(node.meta["val"]), key=lambda t: t.numel())
+        return f"{phase}, {name} {'x'.join(map(str, largest.shape))}"
 
     return {"seq_len": last.seq_len, "saved": sum(saved.values()), "forward_trunk_peak": fw_trunk,
             "backward_peak": bw_peak, "train_peak": max(fw_peak, bw_peak),

@@ -65,7 +65,7 @@ def train(model: T.GPT, cfg: T.Config, data: list[torch.Tensor], at: int, bf16_m
     """Train on data with step `at`'s schedule; the parameters after each step, and the last micro-step's loss."""
     opt = T.ShardedMuonAdam(model, cfg, 0, 1, compile_ns=False)
     schedules = T.schedule_table(cfg)
-    knobs = T.step_knobs(schedules, torch.device("cpu"))(at)
+    knobs = T.StepKnobs(cfg, schedules, torch.device("cpu")).train(at)
     matrices = [p for n, p in model.named_parameters() if n.endswith(MATRICES)]
     trajectory, loss = [], 0.0
     for batch in data:

@@ -3,14 +3,17 @@
     python records/sm90_kernels.py [--json FILE]
 
 Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
-the fused ReLU^2 GEMM (--relu2_kernel) at model_dim 768 in each tile its autotuner may pick, the softcapped
-multi-token cross-entropy (--fused_head, #89's numerics) over the 50,304-column vocabulary with 1 to 3 loss weights
-(padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone
-(validation), Polar Express's symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x 768, mlp 3072 x 768; a
-rank's count of blocks, 8/3/3 on 8 GPUs or 64/24/24 on one, is the grid's, not the compiled kernel's) and the FP8
-head backward's transposes, each with the specialization Triton's JIT gives the real launch. For
-each: shared memory, registers per thread and spilled bytes (from cuobjdump, which ships with Triton). A compile
-error, shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
+the MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel) in its three modes at model_dim 768
+and hidden 3072 over each stage's rows per micro-step (16,384, 32,768, 49,152): the FP8 forward and the backward
+in training, the bf16 forward in validation (262,144 rows) and in training without FP8; the FP8 MLP's down-weight
+quantizer over the 12 x 3072 x 768 bank and its scale reduction; the softcapped multi-token cross-entropy
+(--fused_head, #89's numerics) over the 50,304-column vocabulary with 1 to 3 loss weights (padded to 2 or 4): with
+its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone (validation); Polar Express's
+symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x 768, mlp 3072 x 768; a rank's count of blocks, 8/3/3 on
+8 GPUs or 64/24/24 on one, is the grid's, not the compiled kernel's) and the FP8 head backward's transposes, each
+with the specialization Triton's JIT gives the real launch (TMA descriptors: their dtype and block shape). For each:
+shared memory, registers per thread and spilled bytes (from cuobjdump, which ships with Triton). A compile error,
+shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     sys.exit("error: sm90_kernels.py runs Triton's compiler: pip install triton==3.6.0")
 
@@ -43,6 +47,35 @@ import train_gpt as T  # noqa: E402
 H100 = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm90
 DEFAULTS = {"num_warps": 4, "num_stages": 3}  # what a launch without options gets
+H100_SMS = 132  # the persistent GEMM's width: one program per SM (an H100 SXM's 132)
+STAGE_ROWS = (16_384, 32_768, 49_152)  # the recipe's rows per micro-step, by stage (train_seq_len's stages)
+
+
+def descriptor(dtype: torch.dtype, rows: int, cols: int, block: list[int]) -> TensorDescriptor:
+    """A row-major (rows, cols) tensor's TMA descriptor as the launcher makes it, on a small host tensor (only its
+    dtype and alignment reach the compiler, with the block shape)."""
+    return TensorDescriptor(torch.empty(8, dtype=dtype), [rows, cols], [cols, 1], block)
+
+
+def mlp_gemm_cases(dim: int, hidden: int, val_rows: int) -> list[tuple[str, object, tuple, dict]]:
+    """linear_relu_square's launches: a (rows, K) @ b (N, K)^T into (rows, N) halves of 128 x 128."""
+    kernel, cases = K.linear_relu_square_launcher().kernel, []
+    bf16, e4m3, f32 = torch.bfloat16, torch.float8_e4m3fn, torch.empty(8)
+    runs = [("fp8 forward", rows) for rows in STAGE_ROWS] + [("backward", rows) for rows in STAGE_ROWS] + [
+        ("bf16 forward", rows) for rows in (*STAGE_ROWS, val_rows)]
+    for mode, rows in runs:
+        block_k, stages = K.MLP_GEMM_MODES[mode]
+        fp8 = mode == "fp8 forward"
+        a_dtype = e4m3 if fp8 else bf16  # x8 and W8_fc; x and W_fc; g and W_proj
+        half = [K.MLP_BLOCK_M, K.MLP_BLOCK_N // 2]
+        args = (descriptor(a_dtype, rows, dim, [K.MLP_BLOCK_M, block_k]),
+                descriptor(a_dtype, hidden, dim, [K.MLP_BLOCK_N, block_k]), descriptor(bf16, rows, hidden, half),
+                descriptor(bf16, rows, hidden, half), descriptor(e4m3, rows, hidden, half) if fp8 else None,
+                *((f32, f32, f32) if fp8 else (None, None, None)), rows, hidden, dim)
+        cases.append((f"linear_relu_square {mode} M={rows}", kernel, args,
+                      {"BLOCK_M": K.MLP_BLOCK_M, "BLOCK_N": K.MLP_BLOCK_N, "BLOCK_K": block_k, "NUM_SMS": H100_SMS,
+                       "FORWARD": mode != "backward", "FP8": fp8, "num_warps": 8, "num_stages": stages}))
+    return cases
 
 
 def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, dict]]:
@@ -51,11 +84,18 @@ def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, d
     (only their dtype and 16-byte alignment reach the compiler), integers are the real sizes and strides."""
     bf16 = torch.empty(8, dtype=torch.bfloat16)
     dim, hidden, vocab = cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.vocab_size
-    relu2 = K.relu2_launcher().kernel  # x (rows, dim) @ c_fc (dim, hidden) -> (rows, hidden), all row-major
-    out = [(f"relu2_mm bf16 K={dim} {bm}x{bn}x{bk} w{warps} s{stages}", relu2,
-            (bf16, bf16, bf16, rows, hidden, dim, dim, 1, hidden, 1, hidden, 1),
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
-           for bm, bn, bk, warps, stages in K.RELU2_CONFIGS]
+    out = mlp_gemm_cases(dim, hidden, cfg.val_seq_len)
+    # the down-weight quantizer over the whole bank (its layers one W_proj apart in the (L, 2, hidden, d) bank), then
+    # the reduction of its 48 x 12 tile maxima per layer to the next scales
+    layers, tiles = cfg.num_layers + 1, -(-hidden // K.QUANT_BLOCK) * -(-dim // K.QUANT_BLOCK)
+    out.append((f"quantize_mlp_down bf16->e4m3 {layers}x{hidden}x{dim}", K.quantize_mlp_down_launcher().kernel,
+                (bf16, torch.empty(8, dtype=torch.float8_e4m3fn), torch.empty(8), torch.empty(8), torch.empty(8),
+                 2 * hidden * dim, dim), {"HIDDEN": hidden, "DIM": dim, "BLOCK": K.QUANT_BLOCK, "num_warps": 4,
+                                          "num_stages": 1}))
+    out.append((f"amax_scales {layers}x{tiles} headroom {cfg.fp8_down_w_headroom}", K.amax_scales_launcher().kernel,
+                (torch.empty(8), torch.empty(8), tiles), {"COUNT": tiles, "HEADROOM": cfg.fp8_down_w_headroom,
+                                                          "BLOCK": triton.next_power_of_2(tiles), "num_warps": 4,
+                                                          "num_stages": 1}))
     ce = K.softcap_ce_launcher().kernel  # one HEAD_CHUNK_ROWS chunk of logits, its first row at row0
     targets, losses, e5m2 = torch.empty(8, dtype=torch.int64), torch.empty(8), torch.empty(8, dtype=torch.float8_e5m2)
     # training with the FP8 head (e5m2 codes, grad_s #89's), with the bf16 head (in place), validation (loss alone)
@@ -133,7 +173,7 @@ def main() -> int:
     for r in rows:
         figures = (f"shared {r['shared_bytes'] / 1024:6.1f} KB  registers {r['registers']:3d}  "
                    f"spills {r['spill_bytes'] + r['stack_bytes']} B" if "shared_bytes" in r else "")
-        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['kernel']:44s} {figures}  {r['problem']}".rstrip())
+        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['kernel']:50s} {figures}  {r['problem']}".rstrip())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

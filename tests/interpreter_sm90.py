@@ -5,9 +5,12 @@ Two of its shortcuts would make an interpreted kernel disagree with the same ker
 - float down-casts (fp32 -> bf16, fp16, e4m3, e5m2) cut the mantissa (truncation, and a round-half-up that can
   overflow into the exponent), where sm90's cvt.rn rounds to nearest even, and to e4m3/e5m2 with satfinite
   (tests/test_sm90_kernels.py checks that the compiled kernels use those instructions).
-install() replaces both with torch's conversions, which round to nearest even: a bf16 or fp8 dot takes the exact fp32
-values of its operands (their products are exact in fp32) and accumulates in fp32, in numpy's order, not the
-tensor cores'; every float-to-float cast rounds as the GPU's does. Import it before any kernel runs.
+A third is numpy's: a loop bound that is a runtime value (a persistent kernel's program id, a tile count from a
+size argument) reaches range() as a one-element array, which numpy 2.4 no longer converts to an int.
+install() replaces the first two with torch's conversions, which round to nearest even: a bf16 or fp8 dot takes the
+exact fp32 values of its operands (their products are exact in fp32) and accumulates in fp32, in numpy's order, not
+the tensor cores'; every float-to-float cast rounds as the GPU's does; and it reads a loop bound's one element.
+Import it before any kernel runs.
 """
 
 from __future__ import annotations
@@ -39,7 +42,17 @@ def to_storage(t: torch.Tensor) -> np.ndarray:
 
 
 def convert(data: np.ndarray, src: tl.dtype, dst: tl.dtype) -> np.ndarray:
-    """src -> dst as sm90's cvt.rn rounds: to nearest even; into fp8 saturating at its largest finite (NaN stays)."""
+    """src -> dst as sm90's cvt.rn rounds: to nearest even; into fp8 saturating at its largest finite (NaN stays).
+    bf16 <-> fp32 and fp16 -> fp32 in numpy, on the bits, as torch rounds them (a NaN stays a NaN): a wide block's
+    loads and their `other` fill, whose torch round trips were most of an interpreted cross-entropy's time."""
+    if dst == tl.float32 and src == tl.bfloat16:
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    if dst == tl.float32 and src == tl.float16:
+        return data.astype(np.float32)
+    if dst == tl.bfloat16 and src == tl.float32:
+        bits = data.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
     values = to_torch(data, src).to(torch.float32 if src != tl.float64 else torch.float64)
     wanted = TORCH_DTYPES[dst]
     if wanted in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -80,6 +93,13 @@ def install() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
 
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):  # after the interpreter's own patches, restored with them
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
     for name in ("create_fp_ext", "create_fp_trunc"):
         setattr(builder, name, cast)
     builder.cast_impl = cast

@@ -44,6 +44,41 @@ def test_cuda_environment(record_property):
     assert torch.cuda.is_bf16_supported()
 
 
+def test_fa3_follows_flex_attention_at_the_recipes_shapes(record_property):
+    # #89's kernel (FA3's varlen call, from the kernels package) against FlexAttention with the same mask rule, at the
+    # last stage's shape: 49,152 tokens of documents cut at 2,048, windows 5/11 blocks, YaRN's gain of the stage, and
+    # the paired layers' 98,304 positions. Forward and the gradients of q, k, v; FA3 first on a new machine.
+    fa3, why = T.load_fa3()
+    if fa3 is None:
+        pytest.skip(why)
+    cfg = T.parse_config(["--attention=fa3"])
+    s = T.schedule(T.stage_starts(cfg)[2], cfg)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    tokens = torch.randint(0, 50000, (s.seq_len,), device=CUDA, generator=g)
+    starts = torch.cumsum(torch.randint(1, s.max_doc_len + 1, (s.seq_len // 100,), device=CUDA, generator=g), 0)
+    tokens[0], tokens[starts[starts < s.seq_len]] = T.BOS_ID, T.BOS_ID
+    documents = int((tokens == T.BOS_ID).sum())
+    knobs = T.StepKnobs(cfg, [s], CUDA, T.DocumentCounts({(s.seq_len, s.max_doc_len): documents}, documents))
+    models = {"flex": T.GPT(cfg, use_flex=True, fp8_head=False, compile_flex=True).to(CUDA),
+              "fa3": T.GPT(cfg, use_flex=False, fp8_head=False, fa3=fa3).to(CUDA)}
+    for model in models.values():
+        model.apply_yarn(s.yarn_windows)
+    attend = {"flex": models["flex"].attention_kernels(tokens, knobs.windows[0]),
+              "fa3": models["fa3"].attention_kernels(tokens, knobs.plan(0, training=True))}
+    for kind, positions, heads in (("long", s.seq_len, 6), ("short", s.seq_len, 6), ("paired", 2 * s.seq_len, 3)):
+        q, k, v = (T.norm(torch.randn(1, positions, heads, 128, device=CUDA, generator=g)).bfloat16() for _ in "qkv")
+        grad = torch.randn(1, positions, heads, 128, device=CUDA, generator=g).bfloat16()
+        results = {}
+        for path in ("flex", "fa3"):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attend[path][kind](*inputs)
+            out.backward(grad)
+            results[path] = [out, *(t.grad for t in inputs)]
+        errors = [rel(a, b) for a, b in zip(results["fa3"], results["flex"])]
+        record_property(f"{kind}_rel_error_out_dq_dk_dv", [round(e, 5) for e in errors])
+        assert max(errors) < 2e-2, (kind, errors)  # bf16 kernels' own rounding: ~4e-3 expected
+
+
 @fp8
 def test_fp8_ops_pass_opcheck_on_cuda():
     torch.manual_seed(0)
@@ -238,20 +273,61 @@ def test_worker_threads_select_the_runs_device(tmp_path, monkeypatch):
     assert {"prefetch", "ckpt-writer"} <= set(seen)
 
 
-def test_relu2_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_path(record_property):
-    # The fused up-projection + ReLU^2 (--relu2_kernel) on the GPU, bf16, one micro-step's 49,152 x 768 @ 768 x 3072.
+def test_relu2_mlp_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_mlp(record_property):
+    # The bf16 MLP through the ReLU^2 GEMM (--relu2_kernel outside FP8 training) on the GPU, one micro-step's
+    # 49,152 x 768 -> 3,072 -> 768, forward and backward, against the bf16 torch MLP.
     g = torch.Generator(device="cuda").manual_seed(0)
     x = T.norm(torch.randn(49152, 768, device="cuda", generator=g)).bfloat16().requires_grad_()
-    w = (torch.rand(768, 3072, device="cuda", generator=g) - 0.5).mul(0.0625).requires_grad_()
-    grad = torch.randn(49152, 3072, device="cuda", generator=g).bfloat16()
-    got = torch.ops.speedrun.relu2_mm(x, w)
-    (got * grad).sum().backward()
-    gx, gw = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
-    want = F.relu(x @ w.bfloat16()).square()
-    (want * grad).sum().backward()
-    record_property("relu2_rel_err", rel(got, want))
-    assert rel(got, want) < 0.01 and rel(gx, x.grad) < 0.02 and rel(gw, w.grad) < 0.02
+    w_fc, w_proj = ((torch.rand(3072, 768, device="cuda", generator=g) - 0.5).mul(0.0625).bfloat16().requires_grad_()
+                    for _ in range(2))
+    grad = torch.randn(49152, 768, device="cuda", generator=g).bfloat16()
+    results = []
+    for mlp in (torch.ops.speedrun.mlp_relu2, lambda x, w_fc, w_proj: F.relu(F.linear(x, w_fc)).square() @ w_proj):
+        out = mlp(x, w_fc, w_proj)
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad for t in (x, w_fc, w_proj))])
+        x.grad = w_fc.grad = w_proj.grad = None
+    for name, got, want in zip(("out", "grad_x", "grad_w_fc", "grad_w_proj"), *results):
+        record_property(f"{name}_rel_err", f"{rel(got, want):.2e}")
+        assert rel(got, want) < 0.01, name
+
+
+@fp8
+def test_fp8_mlp_kernels_at_the_recipes_shape_follow_the_torch_path_and_the_quantizers_is_bit_exact(record_property):
+    # The FP8 MLP's kernels against its torch path on the same GPU, at the recipe's shapes: the down-weight
+    # quantizer over the 12-layer bank (bootstrap, then a delayed scale past which some weights grew: saturation),
+    # bit for bit; the op at one micro-step's 49,152 rows through the ReLU^2 GEMM against cuBLAS's e4m3 GEMM (both
+    # fast-accumulated: their order alone differs), forward and backward; its partial maxima one per SM.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bank = ((torch.rand(12, 2, 3072, 768, device="cuda", generator=g) - 0.5) * 0.06).bfloat16()
+    f32 = dict(dtype=torch.float32, device="cuda")
+    states = {kernel: [torch.empty(12, 3072, 768, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(12, **f32),
+                       torch.empty(12, 768, 3072, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(12, **f32),
+                       torch.empty(12, **f32)] for kernel in (False, True)}
+    for bootstrap in (True, False):
+        for kernel, state in states.items():
+            K.quantize_mlp_weights_(bank, *state, bootstrap, 1.12, kernel=kernel)
+        for a, b in zip(states[True], states[False]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+        bank[:, 1] *= torch.where(torch.rand(bank[:, 1].shape, device="cuda", generator=g) < 1e-4, 1.3, 1.0).bfloat16()
+    x = T.norm(torch.randn(49152, 768, device="cuda", generator=g)).bfloat16()
+    grad = torch.randn(49152, 768, device="cuda", generator=g).bfloat16()
+    w8_fc, up, w8_proj_t, used, _ = states[True]
+    results = {}
+    for kernel in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, bank[0, 0], bank[0, 1])]
+        out, maxima, pre, post = torch.ops.speedrun.mlp_fp8_forward(*leaves, w8_fc[0], up[0], w8_proj_t[0], used[0],
+                                                                    torch.tensor(0.01, device="cuda"), kernel)
+        out.backward(grad)
+        results[kernel] = [out.detach(), maxima, pre, post, *(t.grad for t in leaves)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert results[True][1].shape == (sms,) and results[False][1].shape == (1,)
+    assert results[True][1].max().item() == pytest.approx(results[False][1].item(), rel=2**-7)
+    for name, got, want in zip(("out", "maxima", "pre", "post", "grad_x", "grad_w_fc", "grad_w_proj"),
+                               results[True], results[False]):
+        if name != "maxima":
+            record_property(f"{name}_rel_err", f"{rel(got, want):.2e}")
+            assert rel(got, want) < (0.005 if name in ("pre", "post") else 0.02), name
 
 
 def polar_express_float64(G: torch.Tensor) -> torch.Tensor:
@@ -319,7 +395,7 @@ def test_fp8_mlp_at_the_recipes_shape_follows_its_cpu_path_and_the_quantizer_mat
         xs = x.to(device).requires_grad_()
         w_fc, w_proj = b[0, 0].clone().requires_grad_(), b[0, 1].clone().requires_grad_()
         out, amax = torch.ops.speedrun.mlp_fp8(xs, w_fc, w_proj, w8_fc[0], up[0], w8_proj_t[0], used[0],
-                                               torch.tensor(0.01, device=device))
+                                               torch.tensor(0.01, device=device), False)
         (out * grad.to(device)).sum().backward()
         results[device] = [t.detach().cpu() for t in (w8_fc, w8_proj_t, up, used, out, amax, xs.grad, w_fc.grad,
                                                       w_proj.grad)]
@@ -361,7 +437,8 @@ def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logit
 
 
 def test_a_compiled_run_with_both_triton_kernels_learns(tmp_path):
-    # --relu2_kernel and --fused_head inside the compiled model (one graph with the custom ops), with the MTP loss.
+    # --relu2_kernel and --fused_head inside the compiled model (one graph with the custom ops), with the MTP loss:
+    # the FP8 MLP through the ReLU^2 GEMM in training, the bf16 one in validation.
     result = T.run(tiny_args(tmp_path, run_id="kernels", relu2_kernel=True, fused_head=True, mtp_stages="1/0.5",
                              logit_cap=23, logit_shift=5, num_steps=8, val_every=4, warmup_steps=1, **RUN))
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.3

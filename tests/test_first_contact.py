@@ -33,6 +33,17 @@ def test_the_readme_installs_what_ci_installs_and_quotes_the_records_final_loss(
     assert f"| {final:.4f} |" in row  # records/README.md quotes the same run
 
 
+def test_the_readme_points_a_linux_cpu_machine_at_pytorchs_cpu_wheels():
+    # pip's default torch for Linux is the CUDA build: gigabytes a CPU machine never uses. Beside CI's line, the
+    # README gives the CPU index's torch, at CI's pin, the build the bundled record ran.
+    install = README.split("\n## Install\n")[1].split("\n## ")[0]
+    ci = re.search(r"^python -m pip install --quiet (.+)$", (REPO / ".ci" / "run").read_text(), re.M).group(1)
+    cpu = re.search(r"`pip install (torch==\S+) --index-url https://download\.pytorch\.org/whl/cpu`", install)
+    assert cpu and cpu.group(1) in ci.split(), install
+    version = cpu.group(1).split("==")[1]
+    assert f"Running PyTorch {version}+cpu compiled for CUDA None" in (REPO / RECORD).read_text()
+
+
 def scratch_copy(tmp_path: Path) -> Path:
     """The tracked files (and the uncommitted edits to them) alone, as a clone would have them."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,

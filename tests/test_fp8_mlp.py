@@ -133,9 +133,9 @@ def selection_weights() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def run(*args):
-    """(out, post_amax, pre, post): mlp_fp8's outputs and the activations its backward keeps."""
-    out, amax, pre, post = torch.ops.speedrun.mlp_fp8_forward(*args)
-    public = torch.ops.speedrun.mlp_fp8(*args)
+    """(out, post_amax, pre, post): mlp_fp8's outputs on the torch path and the activations its backward keeps."""
+    out, amax, pre, post = torch.ops.speedrun.mlp_fp8_forward(*args, False)
+    public = torch.ops.speedrun.mlp_fp8(*args, False)
     assert len(public) == 2 and torch.equal(public[0], out) and torch.equal(public[1], amax)
     return out, amax, pre, post
 
@@ -227,7 +227,7 @@ def test_no_gradient_reaches_the_codes_the_scales_or_the_extra_outputs():
     q = quantized(weights)
     up = q["up_scales"][0].clone().requires_grad_()
     args = (x.requires_grad_(), weights[0, 0], weights[0, 1], q["w8_fc"][0], up, q["w8_proj_t"][0],
-            q["used_scales"][0], scalar(1.0))
+            q["used_scales"][0], scalar(1.0), False)
     for outs in (torch.ops.speedrun.mlp_fp8_forward(*args), torch.ops.speedrun.mlp_fp8(*args)):
         assert outs[0].requires_grad and not any(t.requires_grad for t in outs[1:])
     outs[0].float().sum().backward()
@@ -245,19 +245,19 @@ def test_the_mlp_op_passes_opcheck(monkeypatch):
     x, weights = activations(), bank()
     q = quantized(weights)
     args = (x.requires_grad_(), weights[0, 0].clone().requires_grad_(), weights[0, 1].clone().requires_grad_(),
-            q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0], q["used_scales"][0], scalar(0.25))
+            q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0], q["used_scales"][0], scalar(0.25), False)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # the bodies are compiled: no AOT check
     for op in (torch.ops.speedrun.mlp_fp8.default, torch.ops.speedrun.mlp_fp8_forward.default):
         torch.library.opcheck(op, args, test_utils=utils)
     grads = (torch.randn(M, D).to(BF16), x.detach(), *args[1:3], *torch.ops.speedrun.mlp_fp8_forward(*args)[2:])
-    torch.library.opcheck(torch.ops.speedrun.mlp_fp8_backward.default, tuple(t.detach() for t in grads),
+    torch.library.opcheck(torch.ops.speedrun.mlp_backward.default, (*(t.detach() for t in grads), False),
                           test_utils=utils)
 
 
 def test_the_mlp_op_compiled_in_one_graph_equals_eager():
     x, weights = activations(), bank()
     q = quantized(weights)
-    codes_ = (q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0], q["used_scales"][0], scalar(0.25))
+    codes_ = (q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0], q["used_scales"][0], scalar(0.25), False)
 
     def fn(x, w_fc, w_proj):
         return torch.ops.speedrun.mlp_fp8(x, w_fc, w_proj, *codes_)
@@ -281,4 +281,4 @@ def test_the_mlp_ops_bodies_serve_several_row_counts(shape):
     q = quantized(weights)
     out, amax, pre, post = run(x, weights[0, 0], weights[0, 1], q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0],
                                q["used_scales"][0], scalar(1.0))
-    assert out.shape == shape and pre.shape == post.shape == (shape[0], HIDDEN) and amax.shape == ()
+    assert out.shape == shape and pre.shape == post.shape == (shape[0], HIDDEN) and amax.shape == (1,)

@@ -79,8 +79,9 @@ def test_stages_run_kernels_first_then_the_model_then_the_bench_at_its_last_stag
     assert [c[0] for c in calls] == ["kernels", "model", "bench"]
     kernels, model = calls[0][1], calls[1][1]
     cuda_kernel_tests = [t for t in kernels if t.startswith("tests/test_cuda.py::")]
-    assert {t.split("::")[1] for t in cuda_kernel_tests} >= {"test_relu2_kernel_in_bf16_at_the_recipes_shape_follows"
-                                                             "_the_torch_path", "test_fp8_ops_pass_opcheck_on_cuda"}
+    assert {t.split("::")[1] for t in cuda_kernel_tests} >= {
+        "test_relu2_mlp_kernel_in_bf16_at_the_recipes_shape_follows_the_torch_mlp", "test_fp8_ops_pass_opcheck_on_cuda",
+        "test_fp8_mlp_kernels_at_the_recipes_shape_follow_the_torch_path_and_the_quantizers_is_bit_exact"}
     # Each CUDA test runs once: the kernel ones in the first stage, deselected from the model stage's file.
     assert "tests/test_cuda.py" in model and {f"--deselect={t}" for t in cuda_kernel_tests} <= set(model)
     for test in [t for t in kernels + model if "::" in t and not t.startswith("--")]:  # no renamed test lost

@@ -20,8 +20,8 @@ import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
              "scaled_dot_product_attention", "flex_attention"}
 # The activation argument of each custom op (the weights may stay fp32: the ops cast them).
-CUSTOM_X = {"fp8_mm": 0, "fp8_mm_backward": 0, "relu2_mm": 0, "softcap_ce": 0, "mlp_fp8_forward": 0,
-            "mlp_fp8_backward": 0}
+CUSTOM_X = {"fp8_mm": 0, "fp8_mm_backward": 0, "mlp_relu2_forward": 0, "softcap_ce": 0, "mlp_fp8_forward": 0,
+            "mlp_backward": 0}
 
 
 class InputDtypes(TorchDispatchMode):
@@ -76,7 +76,7 @@ def test_every_matmul_attention_and_kernel_input_is_bf16_at_the_real_shape(args)
         assert not ops.not_bf16(), (step, sorted(set(ops.not_bf16())))
     names = {name for ops in steps.values() for name, _ in ops.seen}
     if cfg.fused_head:
-        assert {"relu2_mm", "softcap_ce", "mlp_fp8_forward", "mlp_fp8_backward"} <= names, names
+        assert {"mlp_relu2_forward", "softcap_ce", "mlp_fp8_forward", "mlp_backward"} <= names, names
     else:
         assert "fp8_mm" in names, names
 
@@ -108,12 +108,14 @@ def test_rope_tables_are_one_per_length_and_built_on_their_device(args, tables):
     assert not host.made, host.made[:3]
 
 
-@pytest.mark.parametrize("args", [[], ["--preset=tiny"]], ids=["recipe", "tiny"])
+@pytest.mark.parametrize("args", [[], ["--preset=tiny"], ["--attention=fa3"], ["--preset=tiny", "--attention=fa3"]],
+                         ids=["recipe", "tiny", "recipe-fa3", "tiny-fa3"])
 @pytest.mark.parametrize("world_size", [1, 8])
 def test_each_compiled_function_of_a_full_run_needs_a_handful_of_graphs(args, world_size):
     # From the schedule and the optimizer's buckets at the real shapes (meta device): the model's graphs (one
-    # per training length and validation's), Muon's three functions (one per shard shape), Adam's (one per shard
-    # shape, dtype and betas, as #89's per parameter), the FP8 ops.
+    # per training length and validation's; with FA3 one per training plan, 4, and per validation's, 4 in the
+    # recipe: every stage's, and the last one's windows), Muon's three functions (one per shard shape), Adam's (one
+    # per shard shape, dtype and betas, as #89's per parameter), the FP8 ops.
     cfg = T.parse_config(args)
     with torch.device("meta"):
         model = T.GPT(cfg, use_flex=False, fp8_head=True)

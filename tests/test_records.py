@@ -267,7 +267,8 @@ def test_diff_identical_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     a = make_log(tmp_path / "a.txt", curve(3.28))
     rc, out, _ = run_main(capsys, "diff", str(a), str(a))
     assert rc == 0 and "(no differences)" in out and "(identical)" in out
-    assert out.splitlines()[0] == "verdict: reproduced: all 3 logged losses equal (0 train, 3 val)"
+    assert out.splitlines()[0] == ("verdict: reproduced: all 3 logged losses equal (0 train, 3 val; 3 to the 4 "
+                                   "decimals a log line prints)")  # no .jsonl, no summary: the lines alone
 
 
 def write_losses(log: Path, train: dict[int, float], val: dict[int, float]) -> None:
@@ -293,7 +294,41 @@ def test_diff_says_first_whether_the_run_reproduced_every_logged_loss(tmp_path, 
         f"{math.nextafter(train[4], 0)!r}), largest 0.25 (train loss, step 12)")
     write_losses(short, {s: v for s, v in train.items() if s <= 10}, {s: v for s, v in val.items() if s <= 10})
     rc, out, _ = run_main(capsys, "diff", str(record), str(short))
-    assert out.splitlines()[0] == "verdict: not reproduced: 11 logged loss(es) only in record (from step 11)"
+    assert out.splitlines()[0] == ("verdict: equal on the steps both cover, steps 0-10: all 12 logged losses equal "
+                                   "(10 train, 2 val); 11 logged loss(es) only in record (steps 11-20)")
+
+
+def test_diff_compares_an_unfinished_or_resumed_run_on_the_steps_both_cover_at_the_precision_both_have(tmp_path,
+                                                                                                     capsys):
+    train, val = {s: 10 - s / 7 for s in range(1, 21)}, {0: 10.827478408813477, 10: 4.000012, 20: 3.28}
+    record = make_log(tmp_path / "record.txt", val)
+    write_losses(record, train, val)
+    # A log cut at step 10 (a run still going, killed, or copied in part) without its .jsonl: its val lines print
+    # 10.8275 and 4.0000, equal to the record's losses as far as a log line tells.
+    cut = tmp_path / "cut.txt"
+    text = make_log(cut, val).read_text()
+    cut.write_text(text[: text.index("step:11/20")])
+    rc, out, _ = run_main(capsys, "diff", str(record), str(cut))
+    assert rc == 0 and out.splitlines()[0] == (
+        "verdict: equal on the steps both cover, steps 0-10: all 2 logged losses equal (0 train, 2 val; 2 to the 4 "
+        "decimals a log line prints); 21 logged loss(es) only in record (steps 1-20)")
+    # The same run with its .jsonl (a kill may cut its last line short): the exact losses, compared bit for bit.
+    records = [{"step": 0, "val_loss": val[0]}, *({"step": s, "train_loss": train[s]} for s in range(1, 11)),
+               {"step": 10, "val_loss": val[10]}]
+    cut.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 11, "trai')
+    rc, out, err = run_main(capsys, "diff", str(record), str(cut))
+    assert out.splitlines()[0] == ("verdict: equal on the steps both cover, steps 0-10: all 12 logged losses equal "
+                                   "(10 train, 2 val); 11 logged loss(es) only in record (steps 11-20)") and not err
+    records[-1]["val_loss"] = math.nextafter(val[10], 0)  # one ulp off: no longer equal
+    cut.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rc, out, _ = run_main(capsys, "diff", str(record), str(cut))
+    assert out.splitlines()[0].startswith("verdict: not reproduced: first difference at step 10 (val loss 4.000012 vs")
+    # A run resumed from step 10's checkpoint logs from there on: equal on steps 10-20, which it says.
+    resumed = make_log(tmp_path / "resumed.txt", val)
+    write_losses(resumed, {s: v for s, v in train.items() if s > 10}, {s: v for s, v in val.items() if s >= 10})
+    rc, out, _ = run_main(capsys, "diff", str(record), str(resumed))
+    assert out.splitlines()[0] == ("verdict: equal on the steps both cover, steps 10-20: all 12 logged losses equal "
+                                   "(10 train, 2 val); 11 logged loss(es) only in record (steps 0-10)")
 
 
 def test_show_keeps_the_hardware_column_narrow(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """What can be known at start-up is refused there: one `error:` line, exit code 2, and no file or folder written
-(no log set aside, no folder created, nothing outside --log_dir). Then the command line's own manners: argparse's
-two option forms, one value per flag, the signal handler's lifetime, the resume command an interrupt prints, and a
-signal during the final validation."""
+(no log set aside, no folder created, nothing outside --log_dir), nor anything built that grows with the step count.
+Then the command line's own manners: argparse's two option forms, one value per flag, the ranges --help states, the
+signal handler's lifetime, the resume command an interrupt prints, and a signal during the final validation."""
 
 import dataclasses
 import json
@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import train_gpt as T
 from conftest import REPO, SMALL, main_in_process, tiny_args
@@ -31,6 +32,15 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
     (["--run_id=a/b"], "--run_id='a/b' names the run's files"),
     (["--run_id=.."], "--run_id='..' names the run's files"),
     (["--run_id=" + "r" * 201], "at most 200 characters"),
+    (["--run_id=a\nb"], "--run_id='a\\nb' names the run's files inside --log_dir: no '/' or '\\', no whitespace or "
+                        "control characters"),
+    (["--run_id=a b"], "no whitespace or control characters"),
+    (["--run_id=a\x1b[2Jb"], "no whitespace or control characters"),
+    (["--log_dir="], "--log_dir is empty: give the folder for the run's logs (e.g. --log_dir=logs; --log_dir=. for "),
+    (["--seed=99999999999999999999999"], "--seed must be in [-1, 4294967295], got 99999999999999999999999"),
+    (["--num_steps=10000000"], "--num_steps must be in [1, 100000], got 10000000"),  # refused before any table
+    (["--train_epochs=1000000000000"], "--train_epochs must be in [1, 10000]"),  # before a list of 10^12 shards
+    (["--num_steps=100000"], "the run needs 100000 steps of 8 sequences"),  # counted step by step to the corpus's end
     (["--train_files="], "--train_files is empty: give a glob of token shards, e.g. --train_files='data/sample/"),
     (["--val_files= "], "--val_files is empty"),
     (["--num_steps=3", "--num_steps", "4"], "--num_steps is given twice ('3' and '4'): give it once"),
@@ -43,6 +53,11 @@ def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
     work = tmp_path / "work"  # the run's folder: --log_dir is work/logs; ../escape would land in work/
     work.mkdir()
     monkeypatch.chdir(work)
+
+    def every_step(cfg):  # a table of every step: minutes for --num_steps=10000000, before any refusal said why
+        raise AssertionError(f"schedule_table({cfg.num_steps} steps) was built before the refusal")
+
+    monkeypatch.setattr(T, "schedule_table", every_step)
     given = {a[2:].split("=")[0] for a in args}  # these replace tiny_args' own
     base = [a for a in tiny_args(work, run_id="r") if a[2:].split("=")[0] not in given]
     code, out, err = main_in_process(base + args, monkeypatch, capsys)
@@ -56,6 +71,25 @@ def test_every_float_field_has_a_finite_range(name):
     for value in (float("nan"), float("inf")):
         with pytest.raises(T.UsageError, match=f"--{name} must be "):
             T.validate_config(dataclasses.replace(T.Config(), **{name: value}), 1)
+
+
+def test_help_states_each_numeric_fields_range_and_what_a_zero_window_means(monkeypatch, capsys):
+    code, out, _ = main_in_process(["--help"], monkeypatch, capsys)
+    help_of = {}  # --field=default -> its description, continued on the lines below it
+    for line in out.splitlines():
+        if line.startswith("  --"):
+            name, _, text = line[4:].partition("=")
+            help_of[name] = text.split(maxsplit=1)[1] if " " in text.strip() else ""
+        elif line.startswith(" " * 44) and help_of:
+            help_of[name] += " " + line.strip()
+    assert code == 0 and help_of["seed"].endswith("must be in [-1, 4294967295]")
+    assert help_of["num_steps"].endswith("must be in [1, 100000]") and help_of["muon_lr"].endswith("must be in (0, 10]")
+    for name, rule in T.FIELD_RULES.items():
+        assert help_of[name].endswith(f"must be {rule}"), (name, help_of[name])
+    # A window of 0 blocks (the tiny preset's first short window) is a token attending to itself alone.
+    assert "(0: itself only)" in help_of["window_stages"] and T.PRESETS["tiny"]["window_stages"].startswith("0/")
+    tokens = torch.tensor([T.BOS_ID, 5, 6, 7, T.BOS_ID, 8, 9, 10] * 32)
+    assert torch.equal(T.dense_mask(tokens, 128, torch.tensor(0)), torch.eye(256, dtype=torch.bool))
 
 
 def test_options_read_as_argparse_reads_them():
@@ -88,22 +122,46 @@ def test_the_signal_handler_belongs_to_the_run_and_the_previous_one_comes_back(t
 FIELDS = dict(num_steps=8, val_every=0, **SMALL)
 
 
-def test_a_signal_during_the_final_validation_finishes_the_run_and_says_so(tmp_path, monkeypatch, capsys):
+def test_a_signal_during_the_final_validation_stops_there_as_anywhere_else(tmp_path, monkeypatch, capsys):
+    fields = dict(FIELDS, num_steps=2)
+    full = T.run(tiny_args(tmp_path, run_id="full", **fields))
     validate = T.validate
 
-    def sigterm_in_the_last(model, val, cfg, rt, log, windows, step, train_time_ms):
+    def sigterm_in_the_last(model, val, cfg, rt, log, windows, step, *args, **kwargs):
         if step == cfg.num_steps:  # a SIGTERM arriving while the last validation runs (deferred: the loop's)
             T.STOP(signal.SIGTERM, None)
-        return validate(model, val, cfg, rt, log, windows, step, train_time_ms)
+        return validate(model, val, cfg, rt, log, windows, step, *args, **kwargs)
 
     monkeypatch.setattr(T, "validate", sigterm_in_the_last)
-    code, out, err = main_in_process(tiny_args(tmp_path, run_id="last", **FIELDS), monkeypatch, capsys)
-    assert code == 0 and "terminated: stopping at the next step boundary" in err, err
-    assert "terminated: the signal came during the last step, so the run finishes (summary written, exit code 0) " \
-           "rather than checkpointing" in out
-    assert json.loads((tmp_path / "logs" / "last.json").read_text())["steps"] == 8
-    assert not (tmp_path / "logs" / "last").exists()  # no checkpoint was promised in the end
-    assert T.STOP.received is None  # nor does the signal outlive its run
+    code, out, err = main_in_process(tiny_args(tmp_path, run_id="last", **fields), monkeypatch, capsys)
+    # What the notice says and the README promises: a checkpoint at the step boundary, exit code 143.
+    assert code == 143 and err.strip().splitlines() == [
+        "terminated: stopping at the next step boundary, after a checkpoint", "terminated"], err
+    folder = tmp_path / "logs" / "last" / "ckpt_2"
+    assert "validation at step 2 abandoned: a stop signal came; the resumed run validates this step" in out
+    assert f"terminated after step 2: checkpoint {folder}; resume with: " in out
+    assert not (tmp_path / "logs" / "last.json").exists() and T.STOP.received is None  # nor does it outlive its run
+    monkeypatch.undo()
+    resumed = T.run(tiny_args(tmp_path, run_id="resumed", resume=folder, **fields))
+    assert resumed.val_losses == [full.val_losses[-1]]  # the final validation, redone: bit for bit
+
+
+def test_a_signal_with_no_step_boundary_before_the_end_lets_the_run_finish_and_exits_143(tmp_path, monkeypatch,
+                                                                                        capsys):
+    validate = T.validate
+
+    def sigterm_in_the_last(model, val, cfg, rt, log, windows, step, *args, **kwargs):
+        if step == cfg.num_steps:  # step 3 of Adam every 2: no checkpoint there could resume the run
+            T.STOP(signal.SIGTERM, None)
+        return validate(model, val, cfg, rt, log, windows, step, *args, **kwargs)
+
+    monkeypatch.setattr(T, "validate", sigterm_in_the_last)
+    args = tiny_args(tmp_path, run_id="odd", **dict(FIELDS, num_steps=3, adam_every=2))
+    code, out, err = main_in_process(args, monkeypatch, capsys)
+    assert code == 143 and err.strip().splitlines()[-1] == "terminated", err
+    assert "terminated: the run finished before a step boundary where a checkpoint resumes it (summary written)" in out
+    assert json.loads((tmp_path / "logs" / "odd.json").read_text())["val_losses"][-1][0] == 3
+    assert not (tmp_path / "logs" / "odd").exists()
 
 
 @pytest.mark.slow

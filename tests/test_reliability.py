@@ -20,6 +20,7 @@ import torch
 
 import train_gpt as T
 from conftest import REPO, SMALL, main_in_process, tiny_args
+from test_first_contact import logged_losses
 
 
 def digest(folder: Path, run_id: str) -> dict[str, str]:
@@ -109,6 +110,91 @@ def test_sigterm_under_torchrun_stops_every_rank_cleanly(tmp_path):
     assert "\nterminated\n" in err and f'File "{REPO / "train_gpt.py"}"' not in err
 
 
+def test_sigterm_during_a_validation_abandons_it_and_the_resumed_run_redoes_it(tmp_path, monkeypatch, capsys):
+    # A scheduler's SIGTERM gives ~30 s; a validation can take minutes (a loaded CPU, a long --val_tokens). The run
+    # stops at the next val batch with a checkpoint of that step boundary, whose resumed run validates it again.
+    fields = dict(SMALL, num_steps=2, val_every=1, val_seq_len=256)  # 4 val batches a validation
+    full = T.run(tiny_args(tmp_path, run_id="full", **fields))
+    forward, evals = T.GPT.forward, []
+
+    def sigterm_in_step_1s_validation(self, *args):
+        if not self.training:
+            evals.append(1)
+            if len(evals) == 4 + 2:  # step 0's four batches, then step 1's second
+                T.STOP(signal.SIGTERM, None)
+        return forward(self, *args)
+
+    monkeypatch.setattr(T.GPT, "forward", sigterm_in_step_1s_validation)
+    code, out, err = main_in_process(tiny_args(tmp_path, run_id="cut", **fields), monkeypatch, capsys)
+    assert code == 143 and err.strip().splitlines()[-1] == "terminated", err
+    assert len(evals) == 6  # nothing validated after the signal
+    folder = tmp_path / "logs" / "cut" / "ckpt_1"
+    assert "validation at step 1 abandoned: a stop signal came; the resumed run validates this step" in out
+    assert f"terminated after step 1: checkpoint {folder}; resume with: " in out
+    monkeypatch.undo()
+    resumed = T.run(tiny_args(tmp_path, run_id="resumed", resume=folder, **fields))
+    assert resumed.val_losses == full.val_losses[1:]  # steps 1 and 2, bit for bit
+    cut, again = (logged_losses(tmp_path / "logs" / f"{r}.jsonl") for r in ("cut", "resumed"))
+    assert {**cut, **again} == logged_losses(tmp_path / "logs" / "full.jsonl")  # together: the uninterrupted run's
+
+
+def test_the_stop_notice_says_it_waits_for_the_next_adam_step(tmp_path, monkeypatch, capsys):
+    forward, steps = T.GPT.forward, []
+
+    def sigterm_in_step_3(self, *args):  # just past the boundary after step 2: steps 3 and 4 (Adam's) still run
+        if self.training:
+            steps.append(1)
+            if len(steps) == 2 * 2 + 1:  # two micro-steps a step (SMALL's two sequences, one rank)
+                T.STOP(signal.SIGTERM, None)
+        return forward(self, *args)
+
+    monkeypatch.setattr(T.GPT, "forward", sigterm_in_step_3)
+    code, out, err = main_in_process(tiny_args(tmp_path, run_id="adam", num_steps=6, val_every=0, adam_every=2,
+                                               **SMALL), monkeypatch, capsys)
+    assert code == 143 and err.strip().splitlines() == [
+        "terminated: stopping at the end of the next Adam step (one in 2 steps: up to 2 more steps), after a "
+        "checkpoint", "terminated"], err
+    assert f"terminated after step 4: checkpoint {tmp_path / 'logs' / 'adam' / 'ckpt_4'}" in out
+
+
+def test_overwrite_is_refused_while_the_run_with_that_id_is_still_going(tmp_path, monkeypatch, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    live = T.RunLog(logs / "live.txt", logs / "live.jsonl")  # another run's logs, open and being written
+    live("step:1/100 train_loss:10.0000", console=False, flush=True)
+    try:
+        code, _, err = main_in_process(tiny_args(tmp_path, run_id="live", overwrite=True, num_steps=1, **SMALL),
+                                       monkeypatch, capsys)
+        assert code == 2 and err.strip() == (
+            f"error: run live is still running (another process holds its log {logs / 'live.txt'}): --overwrite "
+            f"replaces the logs of a run that has ended; wait for it or choose another --run_id"), err
+        assert (logs / "live.txt").read_text() == "step:1/100 train_loss:10.0000\n"
+    finally:
+        live.close()
+    code, _, _ = main_in_process(tiny_args(tmp_path, run_id="live", overwrite=True, num_steps=1, **SMALL), monkeypatch,
+                                 capsys)  # that run has ended: its logs are replaced
+    assert code == 0 and (logs / "live.json").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_under_torchrun_leaves_one_line_and_its_log_set_aside(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = start(tmp_path, tiny_args(tmp_path, run_id="lost", num_steps=200, device="cpu", **SMALL), launcher)
+    wait_for(proc, "step:2/")
+    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    rank1 = next(pid for pid in ranks if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes())
+    os.kill(int(rank1), signal.SIGKILL)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]  # torchrun's own report aside
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 lost the connection to another rank ("), err
+    assert errors[0].endswith("): a rank stopped or died; its own output says why")
+    assert f'File "{REPO / "train_gpt.py"}"' not in err and "[rank0]" not in err  # no traceback of rank 0's
+    logs = tmp_path / "logs"
+    assert not (logs / "lost.txt").exists()  # set aside as every failed run's, its last line the error
+    assert (logs / "lost.failed.txt").read_text().rstrip().splitlines()[-1] == errors[0]
+
+
 @pytest.mark.slow
 def test_repeated_ctrl_c_prints_its_notice_and_its_stop_once(tmp_path):
     proc = start(tmp_path, tiny_args(tmp_path, num_steps=200, save_every=1, **SMALL))
@@ -135,15 +221,17 @@ def test_a_hard_kill_loses_no_printed_line(tmp_path):
     T.read_checkpoint_meta(folder)  # and the checkpoint it names is complete
 
 
-def test_a_checkpoint_file_from_another_step_is_refused(tmp_path):
+def test_a_checkpoint_file_from_another_step_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
     T.run(tiny_args(tmp_path, run_id="src", num_steps=4, save_every=2, val_every=0, **SMALL))
     run_dir = tmp_path / "logs" / "src"
     shutil.copy(run_dir / "ckpt_2" / "model.pt", run_dir / "ckpt_4" / "model.pt")  # same size, other weights
-    with pytest.raises(T.UsageError, match=r"model.pt does not match its checksum in meta.json"):
-        T.run(tiny_args(tmp_path, run_id="again", num_steps=6, resume=run_dir / "ckpt_4", **SMALL))
-    # the error came after the log was opened: the log says why the run stopped, set aside (nothing trained)
-    assert (tmp_path / "logs" / "again.failed.txt").read_text().rstrip().splitlines()[-1].startswith(
-        "error: checkpoint file ")
+    before = sorted((tmp_path / "logs").rglob("*"))
+    code, _, err = main_in_process(tiny_args(tmp_path, run_id="again", num_steps=6, resume=run_dir / "ckpt_4",
+                                             **SMALL), monkeypatch, capsys)
+    assert code == 2 and err.strip() == (f"error: checkpoint file {run_dir / 'ckpt_4' / 'model.pt'} does not match "
+                                         f"its checksum in meta.json: corrupt or from another checkpoint; use another "
+                                         f"checkpoint")
+    assert sorted((tmp_path / "logs").rglob("*")) == before  # checked at start-up: no log, not even a .failed one
 
 
 def test_resume_points_at_temporary_files_an_interrupted_save_left(tmp_path):
@@ -160,6 +248,15 @@ def test_resume_from_a_file_says_it_wants_the_folder(tmp_path, monkeypatch, caps
     (tmp_path / "model.pt").write_bytes(b"x")
     code, _, err = main_in_process(tiny_args(tmp_path, resume=tmp_path / "model.pt", **SMALL), monkeypatch, capsys)
     assert code == 2 and "is a file: --resume takes a ckpt_<step> directory" in err
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_says_so(tmp_path, monkeypatch, capsys):
+    sample = REPO / "data" / "sample"  # the battery's: a folder of shards, not an incomplete checkpoint
+    code, _, err = main_in_process(tiny_args(tmp_path, resume=sample, **SMALL), monkeypatch, capsys)
+    assert code == 2 and err.strip() == (f"error: {sample} is not a checkpoint: --resume takes a ckpt_<step> "
+                                         f"directory, as a run with --save_every, --save_final or a stop signal "
+                                         f"writes them under <log_dir>/<run_id>/"), err
+    assert not (tmp_path / "logs").exists()
 
 
 def long_documents(tmp_path: Path, doc_len: int, docs: int) -> str:
@@ -182,8 +279,8 @@ def test_the_data_check_counts_what_the_stream_serves(tmp_path, monkeypatch, cap
         while True:
             stream.next_step()
             served += 1
-    fresh = T.TrainTokenStream(T.find_shards(files), cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, shape)
-    assert served == fresh.steps_available(served + 5) and served < 60 // cfg.global_batch_seqs + 1
+    supplied, _ = T.count_documents(cfg, T.find_shards(files), served + 5, shape)
+    assert served == supplied and served < 60 // cfg.global_batch_seqs + 1
     tokens_allow = 60 * 4 * 128 // (cfg.global_batch_seqs * (cfg.train_seq_len + 1))
     assert tokens_allow > 3 * served  # what the token count alone would have let through
     args = tiny_args(tmp_path, train_files=files, num_steps=served + 1, **SMALL)
@@ -192,7 +289,7 @@ def test_the_data_check_counts_what_the_stream_serves(tmp_path, monkeypatch, cap
     T.run(tiny_args(tmp_path, train_files=files, num_steps=served, val_every=0, **SMALL))  # exactly enough: runs
 
 
-def test_a_diverging_run_stops_at_the_next_logging_step_with_one_line(tmp_path, monkeypatch, capsys):
+def test_a_diverging_run_stops_at_the_next_logging_step_and_its_logs_are_set_aside(tmp_path, monkeypatch, capsys):
     # The ranges refuse learning rates that would blow up (at most 10), so the scalars overflow by hand from the
     # fifth step's update on: a divergence as the metrics see one.
     adam_update, fp32_updates = T.adam_update_, itertools.count(1)
@@ -205,14 +302,16 @@ def test_a_diverging_run_stops_at_the_next_logging_step_with_one_line(tmp_path, 
     monkeypatch.setattr(T, "adam_update_", overflowing)
     args = tiny_args(tmp_path, run_id="nan", num_steps=30, val_every=0, **SMALL)
     code, out, err = main_in_process(args, monkeypatch, capsys)
-    assert code == 2 and err.count("\n") == 1, err
+    assert code == 2 and err.count("\n") == 2, err  # the error, then where its logs are kept
+    assert err.splitlines()[1] == f"(its log is kept as {tmp_path / 'logs' / 'nan.failed.txt'}; the run id is free " \
+                                  f"for a rerun)"
     step = int(err.split(" at step ")[1].split(":")[0])
     assert err.startswith("error: the train loss is nan at step") and "the run diverged" in err
-    lines = [json.loads(x) for x in (tmp_path / "logs" / "nan.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "nan.failed.jsonl").read_text().splitlines()]
     losses = {e["step"]: e["train_loss"] for e in lines if "train_loss" in e}
     assert math.isnan(losses[step]) and all(math.isfinite(v) for s, v in losses.items() if s < step)
     assert max(losses) <= step + 1  # stopped at the next logging step
-    assert (tmp_path / "logs" / "nan.txt").read_text().rstrip().splitlines()[-1] == err.strip()
+    assert (tmp_path / "logs" / "nan.failed.txt").read_text().rstrip().splitlines()[-1] == err.splitlines()[0]
 
 
 # The tokenizer with its last document hanging in a pool process: the interrupt lands inside the work, after a

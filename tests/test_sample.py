@@ -1,12 +1,14 @@
 """sample.py: text from a checkpoint of the tiny model; the logits it samples from are the ones the loss reads."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sample
 import train_gpt as T
-from conftest import SMALL, tiny_args
+from conftest import REPO, SMALL, tiny_args
 
 
 # Two stages of two steps: the embedding unties after step 2 and YaRN rescales at step 2, before the final checkpoint.
@@ -66,6 +68,7 @@ def test_sampling_is_reproducible_and_greedy_is_top_1(checkpoint, capsys):
     (["--temperature=nan"], "--temperature must be a finite number >= 0, got nan"),
     (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
     (["--top_k=-1"], "--top_k must be >= 0, got -1"),
+    (["--top_k=50305"], "--top_k must be at most this model's vocabulary, 50304 tokens (0: all of them), got 50305"),
     (["--tokens=100000"], "this model takes at most 1024"),
 ])
 def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, flags, message):
@@ -74,3 +77,25 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, flags, message):
         sample.main([target, *flags])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def corrupt(folder):  # model.pt's first bytes overwritten: the same size, another checksum
+    with open(folder / "model.pt", "r+b") as f:
+        f.write(b"\0" * 64)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (None, "is not a checkpoint: sample.py's CHECKPOINT argument takes a ckpt_<step> directory"),
+    (corrupt, "model.pt does not match its checksum in meta.json: corrupt or from another checkpoint; use another "
+              "checkpoint"),
+])
+def test_a_bad_checkpoint_is_one_line_that_does_not_speak_of_resuming(checkpoint, tmp_path, capsys, damage, message):
+    folder = REPO / "data" / "sample"  # the battery's: a folder of shards
+    if damage is not None:
+        folder = tmp_path / "ckpt_4"
+        shutil.copytree(checkpoint, folder)
+        damage(folder)
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main([str(folder)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err and "resum" not in err, err

@@ -1,7 +1,8 @@
 """The Triton kernels compiled for the H100 (sm90) offline by Triton's own compiler and ptxas, no GPU needed:
 every launch the recipe makes compiles, within sm90's shared memory and without spills (records/sm90_kernels.py);
 the cross-entropy's e5m2 codes are the GPU's own rounding (cvt.rn.satfinite) of values its bit-level rounding put
-on e5m2's grid, which the compiler keeps (no fast-math folding of (a + 128) - 128)."""
+on e5m2's grid, which the compiler keeps (no fast-math folding of (a + 128) - 128); the FP8 MLP's e4m3 codes come
+from an IEEE division (div.rn: Triton's / is approximate) and the saturating nearest-even cast."""
 
 import json
 import re
@@ -10,7 +11,6 @@ import sys
 
 import pytest
 
-import gpt_kernels as K
 import train_gpt as T
 from conftest import REPO
 
@@ -25,9 +25,12 @@ def test_every_recipe_launch_compiles_for_sm90_within_shared_memory_and_without_
     print(run.stdout)  # the table: shared memory and registers of each kernel
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     rows = json.loads((tmp_path / "sm90.json").read_text())
-    assert {r["kernel"].split()[0] for r in rows} == {"relu2_mm", "softcap_ce", "xxt", "xtx", "ba_plus_caa",
-                                                      "transpose_copy"}
-    assert len(rows) == len(K.RELU2_CONFIGS) + 6 + 5 + 2 and len(K.RELU2_CONFIGS) >= 4  # every tile autotuning may pick
+    assert {r["kernel"].split()[0] for r in rows} == {"linear_relu_square", "quantize_mlp_down", "amax_scales",
+                                                      "softcap_ce", "xxt", "xtx", "ba_plus_caa", "transpose_copy"}
+    gemm = {r["kernel"] for r in rows if r["kernel"].startswith("linear_relu_square")}  # #89's three modes
+    assert gemm == {f"linear_relu_square {mode} M={m}" for mode, ms in (
+        ("fp8 forward", (16384, 32768, 49152)), ("backward", (16384, 32768, 49152)),
+        ("bf16 forward", (16384, 32768, 49152, 262144))) for m in ms}, gemm
     ce = {r["kernel"] for r in rows if r["kernel"].startswith("softcap_ce")}  # #89's three modes, 2 or 4 weights
     assert ce == {f"softcap_ce bf16 K={k} {mode}" for k in (2, 4) for mode in ("loss+grad e5m2", "loss+grad bf16",
                                                                                "loss")}, ce
@@ -36,32 +39,44 @@ def test_every_recipe_launch_compiles_for_sm90_within_shared_memory_and_without_
     assert {r["kernel"] for r in rows if r["kernel"].split()[0] in ("xxt", "xtx", "ba_plus_caa", "transpose_copy")} == {
         "xxt bf16 256x768 (qk)", "xxt bf16 768x768 (vo)", "xtx bf16 3072x768 (mlp)", "ba_plus_caa bf16 256x256 (qk)",
         "ba_plus_caa bf16 768x768 (vo, mlp)", "transpose_copy e4m3 49152x768", "transpose_copy e5m2 49152x50304"}
+    assert len(rows) == 10 + 2 + 6 + 5 + 2
     for r in rows:
         assert r["ok"] and 0 < r["registers"] <= 255 and r["shared_bytes"] <= 227 * 1024, r
 
 
 def test_the_sm90_check_compiles_the_specialization_triton_launches():
-    # Triton's JIT makes unit strides constants and hints 16-divisible sizes and aligned pointers; a compile
-    # without them is a different kernel (for the relu2 GEMM: unvectorized, unpipelined loads, 255 registers).
+    # Triton's JIT types each TMA descriptor by its dtype and block shape, makes the constexprs (and an unused
+    # None) constants, and hints 16-divisible sizes and aligned pointers; a compile without them is another kernel.
     sys.path.insert(0, str(TOOL.parent))
     import sm90_kernels as S
-    name, kernel, args, keywords = S.cases(T.Config())[0]
-    src, options = S.source(kernel, args, keywords)
-    names = list(src.signature)
-    constants = {names[i]: v for (i,), v in src.constants.items()}
-    hinted = {names[i] for (i,), a in src.attrs.items() if ["tt.divisibility", 16] in a}
-    assert {"sxk": 1, "swn": 1, "son": 1, "K": 768}.items() <= constants.items(), constants
-    assert {"x_ptr", "w_ptr", "out_ptr", "M", "N", "sxm", "swk", "som"} <= hinted, hinted
-    assert options == {"num_warps": keywords["num_warps"], "num_stages": keywords["num_stages"]}
+    launches = {name: case for name, *case in S.cases(T.Config())}
+    for name, fp8 in (("linear_relu_square fp8 forward M=49152", True), ("linear_relu_square backward M=49152", False)):
+        kernel, args, keywords = launches[name]
+        src, options = S.source(kernel, args, keywords)
+        names = list(src.signature)
+        constants = {names[i]: v for (i,), v in src.constants.items()}
+        hinted = {names[i] for (i,), a in src.attrs.items() if ["tt.divisibility", 16] in a}
+        a = "fp8e4nv" if fp8 else "bf16"
+        assert src.signature["a_desc"] == f"tensordesc<{a}[128, {128 if fp8 else 64}]>", src.signature
+        assert src.signature["b_desc"] == f"tensordesc<{a}[256, {128 if fp8 else 64}]>", src.signature
+        assert src.signature["c_desc"] == src.signature["aux_desc"] == "tensordesc<bf16[128, 128]>", src.signature
+        assert {"NUM_SMS": 132, "FORWARD": fp8, "FP8": fp8}.items() <= constants.items(), constants
+        pointers = {"amax_ptr", "dequant_ptr", "act_scale_ptr"}
+        if fp8:  # the scales' pointers unhinted (do_not_specialize_on_alignment): one compile for every layer
+            assert src.signature["post8_desc"] == "tensordesc<fp8e4nv[128, 128]>", src.signature
+            assert "amax_ptr" in hinted and not {"dequant_ptr", "act_scale_ptr"} & hinted, hinted
+        else:
+            assert all(constants[p] is None for p in (*pointers, "post8_desc")), constants
+        assert {"M", "N", "K"} <= hinted, hinted
+        assert options == {"num_warps": keywords["num_warps"], "num_stages": keywords["num_stages"]}
 
 
 @pytest.mark.slow
-def test_the_sm90_check_fails_a_tile_beyond_shared_memory():
-    # 256 x 256 tiles with K blocks of 256 in bf16, 4 stages: 2 MB of operands in flight, far over sm90's 227 KB.
+def test_the_sm90_check_fails_a_launch_beyond_shared_memory():
+    # The FP8 forward with one pipeline stage more than #89's 3: 240 KB, over sm90's 227 KB.
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import sm90_kernels as S, train_gpt as T; "
             "name, kernel, args, kw = S.cases(T.Config())[0]; "
-            "print(json.dumps(S.check(name, kernel, args, dict(kw, BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, "
-            "num_warps=8, num_stages=4))))")
+            "print(json.dumps(S.check(name, kernel, args, dict(kw, num_stages=4))))")
     run = subprocess.run([sys.executable, "-c", code, str(REPO / "records")], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -69,21 +84,36 @@ def test_the_sm90_check_fails_a_tile_beyond_shared_memory():
     assert not row["ok"] and "shared memory" in row["problem"], row
 
 
-@pytest.mark.slow
-def test_the_cross_entropys_e5m2_rounding_survives_the_compiler():
+def compiled_ptx(name_prefix: str) -> str:
     sys.path.insert(0, str(TOOL.parent))
     import triton
 
     import sm90_kernels as S
-    _, kernel, args, keywords = next(c for c in S.cases(T.Config()) if "e5m2" in c[0])
+    _, kernel, args, keywords = next(c for c in S.cases(T.Config()) if c[0].startswith(name_prefix))
     src, options = S.source(kernel, args, keywords)
-    ptx = triton.compile(src, target=S.H100, options=options).asm["ptx"]
+    return triton.compile(src, target=S.H100, options=options).asm["ptx"]
+
+
+@pytest.mark.slow
+def test_the_cross_entropys_e5m2_rounding_survives_the_compiler():
+    ptx = compiled_ptx("softcap_ce bf16 K=2 loss+grad e5m2")
     assert "cvt.rn.satfinite.e5m2x2.f32" in ptx  # nearest-even, saturating: exact on values already on the grid
     assert re.search(r"add\.f32.*0f43000000", ptx)  # + 128 and - 128 both there: the subnormals' rounding
     assert re.search(r"(sub\.f32.*0f43000000|add\.f32.*0fC3000000)", ptx)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launch", ["linear_relu_square fp8 forward", "quantize_mlp_down"])
+def test_the_fp8_mlps_e4m3_codes_are_the_torch_paths_roundings_on_sm90(launch):
+    # post / s_act and W_proj / s_next: one IEEE division (the torch path's), then the nearest-even saturating cast;
+    # the GEMM on the tensor cores (wgmma) fed by TMA, its bf16 roundings nearest-even.
+    ptx = compiled_ptx(launch)
+    assert "div.rn.f32" in ptx and not re.search(r"div\.(full|approx)", ptx)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if launch.startswith("linear_relu_square"):
+        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx and "cvt.rn.bf16.f32" in ptx
+
+
 def test_the_bf16_gemms_round_their_outputs_to_nearest_even_as_the_interpreter_shim_does():
     # tests/interpreter_sm90.py makes the interpreter's casts round to nearest even: that is what the GPU runs only if
     # the compiled kernels' fp32 -> bf16 casts are cvt.rn (not the truncating cvt.rz), as here, and their dots are the
@@ -92,11 +122,11 @@ def test_the_bf16_gemms_round_their_outputs_to_nearest_even_as_the_interpreter_s
     import triton
 
     import sm90_kernels as S
-    cases = S.cases(T.Config())  # a relu2 tile, then each Polar Express launch
-    for name, kernel, args, keywords in cases[:1] + [c for c in cases if c[0].split()[0] in ("xxt", "xtx",
-                                                                                             "ba_plus_caa")]:
+    cases = S.cases(T.Config())  # the MLP GEMM's bf16 mode at the first stage's rows, each Polar Express launch
+    for name, kernel, args, keywords in [c for c in cases if c[0] == "linear_relu_square bf16 forward M=16384"
+                                         or c[0].split()[0] in ("xxt", "xtx", "ba_plus_caa")]:
         src, options = S.source(kernel, args, keywords)
         ptx = triton.compile(src, target=S.H100, options=options).asm["ptx"]
         casts = set(re.findall(r"cvt\.[a-z0-9.]+", ptx))
-        assert "cvt.rn.bf16x2.f32" in casts and not any(".rz" in c for c in casts), (name, casts)
+        assert any(c.startswith("cvt.rn.bf16") for c in casts) and not any(".rz" in c for c in casts), (name, casts)
         assert "wgmma" in ptx, name

@@ -41,6 +41,15 @@ def test_a_finished_run_has_released_its_process_group_and_its_threads(tmp_path)
         assert not [t for t in rank["threads"] if "gloo" in t or "tcpstore" in t], rank["threads"]
 
 
+def test_the_run_id_is_printed_first_and_the_config_line_only_in_the_log(tmp_path, monkeypatch, capsys):
+    code, out, _ = main_in_process(tiny_args(tmp_path, run_id="first", num_steps=1, val_every=0, **SMALL), monkeypatch,
+                                   capsys)
+    log = (tmp_path / "logs" / "first.txt").read_text()
+    assert code == 0 and out.splitlines()[0] == f"run first seed 1, log {tmp_path / 'logs'}/first.txt"
+    assert "\nconfig: {" in log and "config: {" not in out  # ~3,000 characters: the log's, not the terminal's
+    assert max(map(len, out.splitlines())) < 300
+
+
 def test_warmup_leaves_no_trace_in_training(tmp_path):
     cold = T.run(tiny_args(tmp_path, num_steps=3, warmup_steps=0, **SMALL))
     warm = T.run(tiny_args(tmp_path, num_steps=3, warmup_steps=2, **SMALL))
@@ -148,7 +157,7 @@ def test_sigterm_writes_a_checkpoint_the_run_resumes_from_exactly(tmp_path):
     (["--num_step=3"], {}, "unknown option --num_step; did you mean --num_steps? (see --help)"),
     (["--num_steps=ten"], {}, "--num_steps expects int"),
     (["--preset=huge"], {}, "unknown preset 'huge'"),
-    (["--num_steps=0"], {}, "--num_steps must be > 0, got 0"),
+    (["--num_steps=0"], {}, "--num_steps must be in [1, 100000], got 0"),
     (["--device=tpu"], {}, "--device must be auto, cuda or cpu"),
     ([], {"WORLD_SIZE": "3"}, "not divisible by the world size 3"),
     (["--train_files=nowhere/*.bin"], {}, "no files match 'nowhere/*.bin'"),
