@@ -1019,6 +1019,8 @@ class ParamGroup:
     wd: float = 0.0  # cautious weight decay
     betas: tuple[float, float] = (0.0, 0.0)  # Adam's
 
+TIED_EMBEDDING = "embed.weight"  # reads the head's weight until the untie (#51): no gradient of its own till then
+
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     """#89's table: Muon for the three banks (W_proj at mlp_down_lr_mul), Adam for the rest by kind."""
     named = dict(model.named_parameters())
@@ -1033,7 +1035,7 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     groups = [group("muon", cfg.muon_lr, muon, wd=cfg.muon_wd,
                     lr_muls=[per_matrix.get(n, [1.0] * (named[n].numel() // math.prod(named[n].shape[-2:])))
                              for n in muon]),
-              group("adam", cfg.head_lr, ["embed.weight"], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas),
+              group("adam", cfg.head_lr, [TIED_EMBEDDING], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas),
               group("adam", cfg.embed_lr, ["value_embeds", "bigram_embed.weight"],
                     wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
               group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
@@ -1191,11 +1193,12 @@ class ShardedMuonAdam:
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.steps = update_steps(compile_ns, polar_express_kernels(next(model.parameters()).device))
-        self.lr_mult, self.momentum, self.adam_step = 1.0, cfg.muon_momentum_start, True  # set_step() sets them
+        self.lr_mult, self.momentum, self.adam_step, self.tied = 1.0, cfg.muon_momentum_start, True, False  # set_step()
         self.step_count, self.adam_steps = 0, 0
         named = dict(model.named_parameters())
         plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
         self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
+        assert [TIED_EMBEDDING] in [b.names for b in self.buckets], "the tied embedding rests in a bucket of its own"
         self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
         self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
         if world_size > 1 and cfg.comm_overlap == "hooks":
@@ -1205,9 +1208,13 @@ class ShardedMuonAdam:
 
     def set_step(self, s: StepSchedule) -> None:
         """Take the schedule's values for the step about to be trained (before its first backward)."""
-        self.lr_mult, self.momentum, self.adam_step = s.lr_mult, s.muon_momentum, s.adam_step
+        self.lr_mult, self.momentum, self.adam_step, self.tied = s.lr_mult, s.muon_momentum, s.adam_step, s.tied
 
     def _updates(self, bucket: Bucket) -> bool:
+        # While tied the embedding's gradient is exactly zero and so is its Adam update (m = v = 0, no decay where
+        # u p = 0): its bucket is neither reduced, updated nor gathered, as #89 skips it. The untie copies locally.
+        if bucket.names == [TIED_EMBEDDING]:
+            return self.adam_step and not self.tied
         return bucket.kind == "muon" or self.adam_step
 
     def _grad_final(self, bucket: Bucket) -> None:
@@ -3452,7 +3459,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         for step in range(start_step, last_step + 1):
             last = step == last_step
             if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
-                optimizer.copy_param("lm_head.weight", "embed.weight")
+                optimizer.copy_param("lm_head.weight", TIED_EMBEDDING)
             raw_model.tie_embedding(schedules[step].tied)
             raw_model.apply_yarn(schedules[step].yarn_windows)
             if validates_at(cfg, step):
