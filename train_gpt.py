@@ -166,7 +166,8 @@ class Config:
     fp8_down_exact_steps: int = 16  # the weight scale is the current amax (no headroom) after the first N steps
     prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, main thread
     bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
-    comm_overlap: str = "hooks"  # hooks: reduce-scatter each bucket as backward finishes it | after_backward
+    comm_overlap: str = "after_backward"  # #89's: every reduce-scatter after backward, in its table's order | hooks:
+    #                                       each bucket as backward finishes it (gradient-ready order)
     peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
     cpu_bf16_gemm: str = "auto"  # CPU runs' bf16 matmuls: native (oneDNN) | fp32 (fp32 GEMM, bf16 result) | auto
     # run
@@ -1020,6 +1021,15 @@ class ParamGroup:
     betas: tuple[float, float] = (0.0, 0.0)  # Adam's
 
 TIED_EMBEDDING = "embed.weight"  # reads the head's weight until the untie (#51): no gradient of its own till then
+# #89's orders: gradients reduce-scattered in its parameter table's order, updates (each followed by its all-gather)
+# small parameters first and the Muon banks last, so that the large reductions finish while the rest updates.
+SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate.weight", "skip_gate.weight",
+                 "attn_gate_bank", "ve_gate_bank", "lm_head.weight", "bigram_embed.weight", "post_lambdas",
+                 "x0_lambdas", "bigram_lambdas", "resid_lambdas", "xsa_alphas", "value_embeds", TIED_EMBEDDING,
+                 "mudd_w1", "mudd_w2", "mudd_b2")
+WORK_ORDER = ("scalars", "smear_gate.weight", "skip_gate.weight", "attn_gate_bank", "ve_gate_bank", "mudd_b2",
+              "xsa_alphas", "post_lambdas", "x0_lambdas", "bigram_lambdas", "resid_lambdas", "mudd_w2", "value_embeds",
+              "bigram_embed.weight", "mudd_w1", "lm_head.weight", TIED_EMBEDDING, "qk_bank", "vo_bank", "mlp_bank")
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     """#89's table: Muon for the three banks (W_proj at mlp_down_lr_mul), Adam for the rest by kind."""
@@ -1066,12 +1076,13 @@ def grad_ready_order(model: nn.Module) -> list[str]:
     names = [n for n, _ in model.named_parameters()][::-1]
     return [n for n in names if n != "scalars"] + [n for n in names if n == "scalars"]
 
-def plan_buckets(groups: list[ParamGroup], ready_order: list[str], bucket_mb: float,
+def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
                  world_size: int) -> list[tuple[ParamGroup, list[str]]]:
-    """Split each group into buckets of one dtype (and Muon matrix shape) of about bucket_mb, in gradient-ready
-    order; a parameter is never split. A Muon bucket takes a multiple of world_size matrices where it can (padding
-    goes to a shape's last). Ordered by their last gradient: the order every rank launches them in."""
-    pos = {n: i for i, n in enumerate(ready_order)}
+    """Split each group into buckets of one dtype (and Muon matrix shape) of about bucket_mb, taking parameters in
+    `order` (#89's table's, or the gradient-ready order with hooks); a parameter is never split. A Muon bucket takes
+    a multiple of world_size matrices where it can (padding goes to a shape's last). Ordered by their last
+    parameter: the order every rank launches their reduce-scatters in."""
+    pos = {n: i for i, n in enumerate(order)}
     entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
     open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
     closed: list[tuple[int, ParamGroup, list[str]]] = []
@@ -1196,12 +1207,15 @@ class ShardedMuonAdam:
         self.lr_mult, self.momentum, self.adam_step, self.tied = 1.0, cfg.muon_momentum_start, True, False  # set_step()
         self.step_count, self.adam_steps = 0, 0
         named = dict(model.named_parameters())
-        plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model), cfg.bucket_mb, world_size)
+        hooks = world_size > 1 and cfg.comm_overlap == "hooks"
+        plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model) if hooks else list(SCATTER_ORDER),
+                            cfg.bucket_mb, world_size)
         self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
+        self.work_order = sorted(self.buckets, key=lambda b: min(WORK_ORDER.index(n) for n in b.names))
         assert [TIED_EMBEDDING] in [b.names for b in self.buckets], "the tied embedding rests in a bucket of its own"
         self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
         self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
-        if world_size > 1 and cfg.comm_overlap == "hooks":
+        if hooks:
             for b in self.buckets:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(lambda _, b=b: self._grad_final(b))
@@ -1236,7 +1250,7 @@ class ShardedMuonAdam:
         self.step_count += 1
         self.adam_steps += self.adam_step
         c = self.cfg
-        for b in self.buckets:
+        for b in self.work_order:
             b.pending = len(b.params)
             if not self._updates(b):
                 continue

@@ -360,3 +360,35 @@ def test_comm_overlap_and_bucket_size_are_validated():
         T.validate_config(small_config(comm_overlap="eager"), 1)
     with pytest.raises(T.UsageError, match=r"--bucket_mb must be in \(0, 100000\]"):
         T.validate_config(small_config(bucket_mb=0), 1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_step_reduces_in_89s_table_order_and_updates_in_its_work_order(monkeypatch, tied):
+    # One Adam step of rank 0 of 2, the collectives recorded in place of gloo's: every reduce-scatter after backward
+    # in #89's table's order, then each bucket's update and all-gather in #89's work order (small parameters first,
+    # the Muon banks last). While tied, the embedding's bucket takes no part.
+    cfg = small_config(bucket_mb=1000.0)
+    model = make_model(cfg, "recipe")
+    opt = T.ShardedMuonAdam(model, cfg, 0, 2, compile_ns=False)
+    names = {id(b.grad): b.names for b in opt.buckets} | {id(b.data): b.names for b in opt.buckets}
+    calls = []
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    monkeypatch.setattr(T, "_reduce_scatter", lambda out, inp: calls.append(("reduce", names[id(inp)])) or Done())
+    monkeypatch.setattr(T, "all_gather_into", lambda out, inp, async_op=False: calls.append(
+        ("gather", names[id(out)])) or Done())
+    opt.set_step(T.StepSchedule(1.0, 0.9, 1, 0, True, cfg.train_seq_len, 2048, (1,), (1.0,), tied))
+    loss(model, make_data(cfg)[0, 0]).backward()
+    opt.step()
+    last = [max(T.SCATTER_ORDER.index(n) for n in b.names) for b in opt.buckets]  # a group's bucket: its last
+    assert last == sorted(last) and "qk_bank" in opt.buckets[0].names
+    skipped = [[T.TIED_EMBEDDING]] if tied else []
+    reduced = [b.names for b in opt.buckets if b.names not in skipped]
+    gathered = [b.names for b in opt.work_order if b.names not in skipped]
+    assert calls == [("reduce", n) for n in reduced] + [("gather", n) for n in gathered]
+    first = [min(T.WORK_ORDER.index(n) for n in names) for names in gathered]
+    muon = sum(b.kind == "muon" for b in opt.buckets)
+    assert first == sorted(first) and all(b.kind == "muon" for b in opt.work_order[-muon:])
