@@ -222,15 +222,6 @@ RMS_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm adds for bf16 and fp
 def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=RMS_EPS)
 
-def weight_as(master: Tensor, x: Tensor) -> Tensor:
-    """A Muon matrix as the activations x read it. In bf16 it is #89's bf16 + 16-bit mantissa storage seen as bf16:
-    the fp32 master's upper 16 bits, i.e. truncated toward zero, not rounded; the gradient passes straight through
-    to the master. (A float copy of the model, as tests make, reads the master itself.)"""
-    if x.dtype != torch.bfloat16:
-        return master.to(x.dtype)
-    upper = (master.detach().view(torch.int32) & -65536).view(torch.float32)
-    return (master + (upper - master.detach())).bfloat16()
-
 def init_matrix_(w: Tensor, bound: float) -> None:
     """U(-bound, bound) rounded to bf16, as #89 draws its banks in fp32 and stores them in bf16 with zero mantissas."""
     with torch.no_grad():
@@ -458,7 +449,7 @@ class GPT(nn.Module):
     """Record #89's model. Attention: fa3 (FA3's flash_attn_varlen_func, or a stand-in with its signature), else
     use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone
     (an uncompiled model on CUDA: unfused flex would materialize the score matrix). Parameter names are #89's
-    optimizer labels; the Muon banks (qk, vo, mlp) are fp32 masters read as bf16."""
+    optimizer labels; the Muon banks (qk, vo, mlp) are bf16, their fp32 masters completed by the optimizer's state."""
 
     def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False,
                  fa3: Callable | None = None):
@@ -494,11 +485,12 @@ class GPT(nn.Module):
         self.ve_gate_bank = nn.Parameter(torch.zeros(n_ve, H, cfg.gate_channels, dtype=torch.bfloat16))
         # Muon's matrices (#80): Q and K in head pairs, per attention layer H/2 of Q then H/2 of K, (2D, d) each; V and
         # W_o per layer, (HD, d) each; W_fc and W_proj per layer, (4d, d) each (W_proj read as h W_proj).
-        self.qk_bank = nn.Parameter(torch.empty(n_attn * H, 2 * D, d))
-        self.vo_bank = nn.Parameter(torch.empty(2 * n_attn, H * D, d))
-        self.mlp_bank = nn.Parameter(torch.zeros(L, 2, cfg.mlp_ratio * d, d))
-        for bank in (self.qk_bank, self.vo_bank, self.mlp_bank[:, 0]):
+        # Drawn in fp32, stored bf16 as #89's: the optimizer keeps their low 16 bits (muon_state's mantissa).
+        qk, vo, mlp = torch.empty(n_attn * H, 2 * D, d), torch.empty(2 * n_attn, H * D, d), torch.zeros(
+            L, 2, cfg.mlp_ratio * d, d)
+        for bank in (qk, vo, mlp[:, 0]):
             init_matrix_(bank, bound)
+        self.qk_bank, self.vo_bank, self.mlp_bank = (nn.Parameter(bank.bfloat16()) for bank in (qk, vo, mlp))
         # Per layer: (lambda_qkv, lambda_o) folded into the attention weights (#47/#48); then the smear's lambda and
         # the skip's s of sigmoid(s) (init -1.5, #32).
         self.scalars = nn.Parameter(torch.cat([torch.tensor((0.5, 1.0)).repeat(L), torch.tensor((0.0, -1.5))]))
@@ -562,8 +554,7 @@ class GPT(nn.Module):
     def quantize_mlp_(self, exact_down: bool) -> None:
         """The FP8 MLP weights from the bf16 ones, after every optimizer step (#84, #89). exact_down: the down-
         projection's weight scale is the current amax / 448, as for the first steps, not last step's x headroom."""
-        bank = weight_as(self.mlp_bank, self.lm_head.weight)
-        gpt_kernels.quantize_mlp_weights_(bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
+        gpt_kernels.quantize_mlp_weights_(self.mlp_bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
                                           self.fp8_down_scales, self.fp8_down_next_scales, exact_down,
                                           self.cfg.fp8_down_w_headroom)
 
@@ -664,7 +655,7 @@ class GPT(nn.Module):
         x = x0 = with_bigram(norm(e[None]), bigram * bigram_lambdas[0])
         skip_gate = torch.sigmoid(self.scalars[2 * L + 1]) * 2 * torch.sigmoid(self.skip_gate(x0[..., : 2 * half]))
         ves = self.value_embeds[:, input_seq]
-        qk, vo, mlp = (weight_as(bank, x) for bank in (self.qk_bank, self.vo_bank, self.mlp_bank))
+        qk, vo, mlp = self.qk_bank, self.vo_bank, self.mlp_bank
         saved: dict[int, Tensor] = {}  # the skip's source and the attention input layer's output
         amaxes: list[Tensor] = []
         for i, plan in enumerate(self.plans):
@@ -930,6 +921,14 @@ def momentum_polar_express(grad: Tensor, buf: Tensor, momentum: Tensor, kernels:
     a 0-d tensor, so that a new value recompiles nothing."""
     return polar_express(nesterov_(grad, buf, momentum), kernels)
 
+def muon_state(p: Tensor) -> dict[str, Tensor]:
+    """Muon's state for the matrices p: fp32 momentum, NorMuon's second moment and, for a bf16 p, its mantissa."""
+    state = {"momentum": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+             "v": torch.zeros(normuon_state_shape(p.shape), device=p.device)}
+    if p.dtype == torch.bfloat16:
+        state["mantissa"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+    return state
+
 def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
     rows, cols = shape[-2:]
@@ -948,11 +947,29 @@ def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
     new_norm = sqrt32(eager_sum(mean_sq * n * scale.square(), [-2, -1]))
     return O * (scale * (norm / new_norm.clamp_min(1e-10))).type_as(O)
 
-def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor) -> None:
-    """#89's step on the fp32 master p: p - p decay step_lr where the update has p's sign or is zero (cautious weight
-    decay), minus step_lr x the update; decay (wd x lr) a 0-d, step_lr a 0-d or per-matrix fp32 tensor."""
+def master_of(p: Tensor, mantissa: Tensor) -> Tensor:
+    """The fp32 value that a bf16 parameter (its upper 16 bits) and its int16 mantissa (the lower ones) make: #89's
+    master weight, never stored whole."""
+    return ((p.view(torch.int16).to(torch.int32) << 16) | (mantissa.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+def split_master_(p: Tensor, mantissa: Tensor, master: Tensor) -> None:
+    """Store an fp32 master back as the bf16 parameter (its upper bits: truncated, as #89) and the mantissa."""
+    bits = master.view(torch.int32)
+    p.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    mantissa.copy_(((bits << 16) >> 16).to(torch.int16))  # the low 16 bits, sign-extended: exact in int16
+
+def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor, mantissa: Tensor | None = None
+                     ) -> None:
+    """#89's step on the fp32 master (p, or the bf16 p and its mantissa): master - master decay step_lr where the
+    update has its sign or is zero (cautious weight decay), minus step_lr x the update; decay (wd x lr) a 0-d,
+    step_lr a 0-d or per-matrix fp32 tensor."""
+    master = p if mantissa is None else master_of(p, mantissa)
     update = update.float()
-    p.copy_(p - p * (update * p >= 0) * decay * step_lr - update * step_lr)
+    new = master - master * (update * master >= 0) * decay * step_lr - update * step_lr
+    if mantissa is None:
+        p.copy_(new)
+    else:
+        split_master_(p, mantissa, new)
 
 def adam_step_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float, eps: float,
                step_size: Tensor, decay: Tensor) -> None:
@@ -996,12 +1013,13 @@ def scalar(x: float) -> Tensor:
 
 def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
                  lr_mul: float | Tensor = 1.0, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
-    """Nesterov momentum and orthogonalization, NorMuon, then #89's cautious step on the fp32 master p with step_lr =
+    """Nesterov momentum and orthogonalization, NorMuon, then #89's cautious step on the fp32 master (p, or the bf16
+    p with state["mantissa"]: muon_state) with step_lr =
     lr x lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)) and decay wd x lr, both fp32 as #89's."""
     O = steps.orthogonalize(grad.float(), state["momentum"], scalar(momentum))
     update = steps.normuon(O, state["v"], normuon_beta2)
     step_lr = torch.as_tensor(lr_mul * (lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1))))).float()  # no host sync
-    steps.cautious_update(p, update, scalar(wd * lr), step_lr)
+    steps.cautious_update(p, update, scalar(wd * lr), step_lr, state.get("mantissa"))
 
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                  eps: float, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
@@ -1139,8 +1157,7 @@ class Bucket:
         self.grad_shard = self.grad.view(shape) if world_size == 1 else torch.empty(shape, dtype=self.grad.dtype,
                                                                                      device=self.grad.device)
         if self.kind == "muon":
-            self.state = {"momentum": torch.zeros(shape, dtype=torch.float32, device=self.data.device),
-                          "v": torch.zeros(normuon_state_shape(shape), device=self.data.device)}
+            self.state = muon_state(self.shard)
             group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier (padding: 1)
             muls = [m for n in names for m in group_mul[n]]
             muls += [1.0] * (self.shard_units * world_size - len(muls))

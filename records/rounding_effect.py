@@ -7,7 +7,6 @@ already above 1), every variant trains `--steps` steps beside the recipe as the 
 - floor: the recipe itself, one weight the forward reads moved by one bf16 ulp (run-to-run noise: any rounding
   that flips once);
 - softmax scale: YaRN's attention gain in the kernel's scale, as #89 has it, not a factor rounding q to bf16;
-- bf16 Muon gradients: the matrices' gradients kept in bf16 between micro-steps, as #89's bf16 parameters have them;
 - half the gradient: a difference that is not rounding (the scale of every gradient, which Adam's eps sees), to
   show the measure tells one apart.
 For each it prints the parameters' distance from the recipe's after every step, relative to how far the recipe's
@@ -51,7 +50,7 @@ def one_ulp(model: T.GPT) -> None:
     """The smallest change the forward can see: one element of the first matrix up by one bf16 ulp."""
     with torch.no_grad():
         w = next(p for n, p in model.named_parameters() if n.endswith(MATRICES)).view(-1)
-        w[0] = torch.nextafter(w[:1].bfloat16(), torch.full((1,), float("inf"), dtype=torch.bfloat16)).float()
+        w[0] = torch.nextafter(w[:1], torch.full((1,), float("inf"), dtype=w.dtype))
 
 
 def softmax_scale(model: T.GPT) -> None:
@@ -60,13 +59,11 @@ def softmax_scale(model: T.GPT) -> None:
     model.q_gain.fill_(1.0)
 
 
-def train(model: T.GPT, cfg: T.Config, data: list[torch.Tensor], at: int, bf16_muon_grads: bool = False,
-          loss_scale: float = 1.0) -> tuple[list[dict[str, torch.Tensor]], float]:
+def train(model: T.GPT, cfg: T.Config, data: list[torch.Tensor], at: int, loss_scale: float = 1.0) -> tuple[list[dict[str, torch.Tensor]], float]:
     """Train on data with step `at`'s schedule; the parameters after each step, and the last micro-step's loss."""
     opt = T.ShardedMuonAdam(model, cfg, 0, 1, compile_ns=False)
     schedules = T.schedule_table(cfg)
     knobs = T.StepKnobs(cfg, schedules, torch.device("cpu")).train(at)
-    matrices = [p for n, p in model.named_parameters() if n.endswith(MATRICES)]
     trajectory, loss = [], 0.0
     for batch in data:
         opt.set_step(schedules[at])
@@ -74,10 +71,6 @@ def train(model: T.GPT, cfg: T.Config, data: list[torch.Tensor], at: int, bf16_m
             opt.final_micro_step = m == batch.size(0) - 1
             loss = model(batch[m, :-1], batch[m, 1:], *knobs)
             (loss * T.train_loss_scale(cfg) * loss_scale).backward()
-            if bf16_muon_grads:
-                with torch.no_grad():
-                    for p in matrices:
-                        p.grad.copy_(p.grad.bfloat16())
         opt.step()
         opt.zero_grad()
         trajectory.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
@@ -101,13 +94,12 @@ def main() -> None:
     initial = {n: p.detach().float().clone() for n, p in start.named_parameters()}
     unchanged = lambda m: None  # noqa: E731  (the change is in train())
     variants = {"recipe": unchanged, "floor (1 ulp, 1 weight)": one_ulp, "softmax scale": softmax_scale,
-                "bf16 Muon gradients": unchanged, "half the gradient": unchanged}
+                "half the gradient": unchanged}
     runs = {}
     for name, change in variants.items():
         model = copy.deepcopy(start)
         change(model)
-        runs[name] = train(model, cfg, data, at, bf16_muon_grads=name == "bf16 Muon gradients",
-                           loss_scale=0.5 if name == "half the gradient" else 1.0)
+        runs[name] = train(model, cfg, data, at, loss_scale=0.5 if name == "half the gradient" else 1.0)
     base, base_loss = runs.pop("recipe")
     moved = [distance(step, initial) for step in base]
     print(f"{args.steps} steps of the tiny preset's last stage from identical weights and batches; recipe's last loss "

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 import train_gpt as T
@@ -51,3 +52,30 @@ def test_adam_step_equals_torch_adam():
         ref.grad = g.clone()
         reference.step()
     torch.testing.assert_close(p, ref.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape, lr_mul", [((3, 16, 40), 1.0), ((2, 40, 16), torch.tensor([1.0, 2.0]).view(2, 1, 1))],
+                         ids=["wide", "tall-per-matrix"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_bf16_bank_with_its_mantissa_updates_as_its_fp32_master_bit_for_bit(shape, lr_mul, compiled):
+    # #89's storage (bf16 parameter + the master's low 16 bits) against an fp32 master, from the same value and the
+    # same bf16 gradients: every bit of the master, of the momentum and of NorMuon's state, over four steps, the
+    # state cloned in between as a checkpoint's (a resume). Negative values, tiny ones and zeros cover the split.
+    steps = T.update_steps(compiled=compiled, kernels=False)
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(shape, generator=g) * torch.logspace(-6, 0, shape[-1])
+    master[0, 0, :3] = torch.tensor([0.0, -0.0, 1e-30])
+    p32 = master.clone()
+    p16, mantissa = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.int16)
+    T.split_master_(p16, mantissa, master)
+    assert torch.equal(T.master_of(p16, mantissa).view(torch.int32), master.view(torch.int32))
+    ref, state = T.muon_state(p32), {**T.muon_state(p16), "mantissa": mantissa}
+    assert "mantissa" not in ref
+    for k in range(4):
+        grad = torch.randn(shape, generator=g).bfloat16()
+        T.muon_update_(p32, grad, ref, 0.02 * (k + 1), 0.9, 0.9, lr_mul, 1.2, steps)
+        T.muon_update_(p16, grad, state, 0.02 * (k + 1), 0.9, 0.9, lr_mul, 1.2, steps)
+        assert torch.equal(T.master_of(p16, state["mantissa"]).view(torch.int32), p32.view(torch.int32)), k
+        assert torch.equal(p16, p32.view(torch.int32).bitwise_and(-65536).view(torch.float32).bfloat16())
+        assert all(torch.equal(ref[key], state[key]) for key in ref)
+        state = {key: t.clone() for key, t in state.items()}  # a checkpoint's copy, resumed from

@@ -40,8 +40,6 @@ def perturbed_model(cfg: T.Config) -> T.GPT:
     with torch.no_grad():  # every parameter away from its init, so every term counts
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-        for name in ("mlp_bank", "qk_bank", "vo_bank"):  # masters the bf16 forward reads as they are
-            getattr(model, name).copy_(getattr(model, name).bfloat16())
     return model
 
 

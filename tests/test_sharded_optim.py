@@ -337,6 +337,31 @@ def test_state_dicts_reassemble_to_the_reference_state(world_size, sharded, fp32
                 assert torch.equal(one.state_dict()["params"][name][key].view_as(full), got)
 
 
+@pytest.mark.slow  # the spawned worlds
+def test_the_bf16_banks_mantissas_load_the_same_at_one_two_and_four_ranks(sharded):
+    # The recipe variant's state after two ranks' steps (bf16 banks: their mantissas are state), loaded at 1 and 4
+    # ranks (each rank of 4 built alone: loading needs no collective) and saved again: every piece the same bits.
+    for case in CASES:
+        sds = [r[("recipe", *case)]["state_dict"] for r in sharded[2]]
+        cfg = small_config(comm_overlap=case[0], bucket_mb=case[1])
+        full = {}
+        for world_size in (1, 4):
+            for rank in range(world_size):
+                opt = T.ShardedMuonAdam(make_model(cfg, "recipe"), cfg, rank, world_size, compile_ns=False)
+                opt.load_state_dict(sds)
+                for name, entry in opt.state_dict()["params"].items():
+                    full.setdefault((world_size, name), []).append(entry)
+        for (world_size, name), pieces in full.items():
+            saved = sorted((sd["params"][name] for sd in sds if name in sd["params"]), key=lambda e: e["units"])
+            pieces.sort(key=lambda e: e["units"])
+            for key in saved[0]:
+                if key not in ("bucket", "units"):
+                    assert torch.equal(torch.cat([e[key] for e in pieces]), torch.cat([e[key] for e in saved])), (
+                        world_size, name, key)
+        banks = [e for sd in sds for n, e in sd["params"].items() if n.endswith("_bank") and "mantissa" in e]
+        assert len(banks) >= 3 and any(e["mantissa"].any() for e in banks)  # the mantissas travel, and are not zero
+
+
 def test_buckets_pad_uneven_groups_and_split_big_ones():
     cfg = small_config(bucket_mb=0.05)
     opt = T.ShardedMuonAdam(make_model(cfg, "recipe"), cfg, 0, 4, compile_ns=False)
