@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -91,13 +93,16 @@ class Collectives(contextlib.ExitStack):
                 self.enter_context(mock.patch.object(dist, name, self._wrap(original, kind, at)))
         return self
 
-    def _wrap(self, original, kind: str, at: int):
-        def call(*args, **kwargs):
-            buffer = args[at]
+    def _wrap(self, original: Callable, kind: str, at: int) -> Callable:
+        signature = inspect.signature(original)  # the buffer and async_op, passed by position or by name
+
+        def call(*args: object, **kwargs: object) -> object:
+            bound = signature.bind(*args, **kwargs).arguments
+            buffer = list(bound.values())[at]
             tensors = buffer if isinstance(buffer, (list, tuple)) else [buffer]
             self.calls.append(Call(kind, tensors[0].dtype, sum(t.numel() for t in tensors)))
             if self.stand_in:
-                return _Done() if kwargs.get("async_op") else None
+                return _Done() if bound.get("async_op") else None
             return original(*args, **kwargs)
         return call
 
