@@ -1,0 +1,269 @@
+"""Communication per step: the bytes one rank sends per training step, by collective kind, record #89 against this
+repo's recipe, at W = 1, 2, 4, 8 ranks, for three step kinds: Muon-only (even steps: the three Muon banks), an Adam
+step while the embedding is tied to the head, and an Adam step after the untie.
+
+Accounting. MB = 10^6 bytes one rank sends. Rings: a reduce-scatter or an all-gather sends (W-1)/W of the full
+buffer, an all-reduce 2(W-1)/W; an all-to-all sends what goes to the other ranks ((W-1)/W of an even split).
+
+The recipe: counted from the code. The recipe's model (Config() defaults) is built on the meta device and
+ShardedMuonAdam at rank 0 of W; stand-ins for torch.distributed's collectives record each call (kind, dtype, numel
+of the full buffer) and return a finished work object; step() runs after set_step() of the schedule's first step of
+each kind. Whatever the optimizer issues is counted, so this table follows train_gpt.py as it changes.
+
+Record #89: from its parameter table (record89_spec.md §5.1, §5.6): replicated parameters all-reduce, sharded ones
+reduce-scatter and all-gather; while tied, `embed` does neither (its gradient joins the head's). At W = 8 only
+(grad_accum_steps 1) the bigram table's gradient goes as an all-to-all of the rows a rank touched in the step pair
+that belong to other ranks' shards, 192 bf16 values and a 4-byte row id each; its all-gather stays dense.
+
+Touched rows: measured on a corpus through the trainer's own data path (TrainTokenStream, bigram_index): per stage
+shape, a few step pairs of 8 ranks (one sequence each); without the corpus, the counts the issue's totals imply.
+
+    python records/comm_bytes.py [--train_files GLOB] [--pairs 4] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import train_gpt as T  # noqa: E402
+
+DEFAULT_FILES = str(REPO / "data" / "proxy" / "proxy_train_*.bin")
+WORLD_SIZES = (1, 2, 4, 8)
+KINDS = ("reduce-scatter", "all-reduce", "all-gather", "all-to-all")
+STEP_KINDS = {"Muon-only": (False, None), "Adam tied": (True, True), "Adam untied": (True, False)}  # (adam, tied)
+
+# -----------------------------------------------------------------------------
+# Counting collectives: every torch.distributed entry point of the four kinds (tensor and list forms; broadcast and
+# reduce too, so none goes unseen), with the argument that holds the full buffer.
+
+COLLECTIVES = {"reduce_scatter_single": ("reduce-scatter", 1), "reduce_scatter_tensor": ("reduce-scatter", 1),
+               "reduce_scatter": ("reduce-scatter", 1), "all_reduce": ("all-reduce", 0),
+               "all_gather_single": ("all-gather", 0), "all_gather_into_tensor": ("all-gather", 0),
+               "all_gather": ("all-gather", 0), "all_to_all_single": ("all-to-all", 1), "all_to_all": ("all-to-all", 1),
+               "broadcast": ("broadcast", 0), "reduce": ("reduce", 0)}
+RING = {"all-reduce": 2.0}  # full buffers a ring sends per (W-1)/W; every other kind: one
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: str
+    dtype: torch.dtype
+    numel: int  # of the full buffer (all ranks' shards)
+
+    def bytes(self, world_size: int) -> float:
+        return RING.get(self.kind, 1.0) * (world_size - 1) / world_size * self.numel * self.dtype.itemsize
+
+
+class _Done:
+    """A finished dist.Work: what the stand-ins return to async callers."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Collectives(contextlib.ExitStack):
+    """Within the block, records every collective call; stand_in: completes it at once without communicating (no
+    process group needed), else passes it on to torch.distributed."""
+
+    def __init__(self, stand_in: bool):
+        super().__init__()
+        self.stand_in, self.calls = stand_in, []
+
+    def __enter__(self) -> "Collectives":
+        super().__enter__()
+        for name, (kind, at) in COLLECTIVES.items():
+            if (original := getattr(dist, name, None)) is not None:
+                self.enter_context(mock.patch.object(dist, name, self._wrap(original, kind, at)))
+        return self
+
+    def _wrap(self, original: Callable, kind: str, at: int) -> Callable:
+        signature = inspect.signature(original)  # the buffer and async_op, passed by position or by name
+
+        def call(*args: object, **kwargs: object) -> object:
+            bound = signature.bind(*args, **kwargs).arguments
+            buffer = list(bound.values())[at]
+            tensors = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+            self.calls.append(Call(kind, tensors[0].dtype, sum(t.numel() for t in tensors)))
+            if self.stand_in:
+                return _Done() if bound.get("async_op") else None
+            return original(*args, **kwargs)
+        return call
+
+    def take(self) -> list[Call]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def by_kind(calls: list[Call], world_size: int) -> dict[str, float]:
+    """Bytes per kind (the four, then any other seen)."""
+    out = dict.fromkeys(KINDS, 0.0)
+    for c in calls:
+        out[c.kind] = out.get(c.kind, 0.0) + c.bytes(world_size)
+    return out
+
+# -----------------------------------------------------------------------------
+# The recipe, counted: the optimizer's communication path run on meta tensors (the update math runs too: on meta it
+# only propagates shapes).
+
+
+def step_rows(cfg: T.Config) -> dict[str, T.StepSchedule]:
+    """The schedule's first step of each step kind."""
+    table = T.schedule_table(cfg)[:-1]  # the last row is the final validation's
+    return {kind: next(s for s in table if s.adam_step == adam and (tied is None or s.tied == tied))
+            for kind, (adam, tied) in STEP_KINDS.items()}
+
+
+def recipe_optimizer(cfg: T.Config, world_size: int) -> T.ShardedMuonAdam:
+    with torch.device("meta"):
+        model = T.GPT(cfg, use_flex=False, fp8_head=False)
+    return T.ShardedMuonAdam(model, cfg, 0, world_size, compile_ns=False)
+
+
+def recipe_calls(cfg: T.Config, world_size: int) -> dict[str, list[Call]]:
+    """Per step kind, the collectives one optimizer step issues (gradients present: the buckets' own buffers)."""
+    opt, out = recipe_optimizer(cfg, world_size), {}
+    for kind, row in step_rows(cfg).items():
+        opt.set_step(row)
+        with Collectives(stand_in=True) as seen:
+            opt.step()
+            opt.wait_for_params()
+        out[kind] = seen.calls
+    return out
+
+# -----------------------------------------------------------------------------
+# Record #89, from its parameter table (spec §5.1): (label, numel, bytes per element, comms) at world size W. Its
+# Muon banks shard in whole blocks, padded to a multiple of W (qk: 60 -> 64 at W = 8); `scalars` pads to one too.
+
+V, D, L = 50304, 768, 11
+BIGRAM_ROWS, BIGRAM_DIM = 15 * V, 192
+SPARSE_ROW_BYTES = BIGRAM_DIM * 2 + 4  # a bf16 gradient row and its int32 row id
+MUON_LABELS = ("qk_bank", "vo_bank", "mlp_bank")
+
+
+def record89_params(world_size: int) -> list[tuple[str, int, int, str]]:
+    W = world_size
+    pad = lambda n: -(-n // W) * W  # noqa: E731
+    bigram = "sharded_sparse" if W == 8 else "sharded"  # sparse only with grad_accum_steps 1 (§5.6)
+    return [("qk_bank", pad(60) * 256 * D, 2, "sharded"), ("vo_bank", pad(20) * D * D, 2, "sharded"),
+            ("mlp_bank", 24 * 3072 * D, 2, "sharded"), ("scalars", pad(2 * L + 2), 4, "replicated"),
+            ("smear_gate", 12, 2, "replicated"), ("skip_gate", 12, 2, "replicated"),
+            ("attn_gate_bank", 10 * 6 * 12, 2, "replicated"), ("ve_gate_bank", 5 * 6 * 12, 2, "replicated"),
+            ("lm_head", D * V, 2, "sharded"), ("bigram_embed", BIGRAM_ROWS * BIGRAM_DIM, 2, bigram),
+            ("post_lambdas", 2 * L, 4, "replicated"), ("x0_lambdas", L, 4, "replicated"),
+            ("bigram_lambdas", L, 4, "replicated"), ("resid_lambdas", 2 * L, 4, "replicated"),
+            ("xsa_alphas", 6 * L, 4, "replicated"), ("value_embeds", 5 * V * D, 2, "sharded"),
+            ("embed", V * D, 2, "sharded"), ("mudd_w1", 2 * 64 * D, 2, "replicated"),
+            ("mudd_w2", 2 * 14 * 64, 2, "replicated"), ("mudd_b2", 2 * 14, 2, "replicated")]
+
+
+def record89_bytes(world_size: int, step_kind: str, touched_rows: float) -> dict[str, float]:
+    """#89's bytes per kind for one rank and step; touched_rows: other ranks' bigram rows this rank sends (W = 8)."""
+    adam, tied = STEP_KINDS[step_kind]
+    out, ring = dict.fromkeys(KINDS, 0.0), (world_size - 1) / world_size
+    for label, numel, size, comms in record89_params(world_size):
+        if world_size == 1 or not adam and label not in MUON_LABELS or tied and label == "embed":
+            continue
+        if comms == "replicated":
+            out["all-reduce"] += 2 * ring * numel * size
+            continue
+        if comms == "sharded":
+            out["reduce-scatter"] += ring * numel * size
+        else:
+            out["all-to-all"] += touched_rows * SPARSE_ROW_BYTES
+        out["all-gather"] += ring * numel * size
+    return out
+
+# -----------------------------------------------------------------------------
+# Touched bigram rows: the rows a rank's two steps hash to (#89's row mask, cleared after each odd step) that lie in
+# another rank's contiguous shard of the table. The figures the issue's 1,364.0 / 1,509.5 MB imply are the fallback.
+
+ISSUE_TOUCHED_ROWS = {16384: 18_200, 49152: 44_650}
+
+
+def touched_rows(files: list[Path], seq_len: int, max_doc_len: int, pairs: int, world_size: int = 8) -> float:
+    """Mean over `pairs` step pairs from the corpus start and over ranks (one sequence per rank per step)."""
+    stream = T.TrainTokenStream(files, seq_len, world_size, V, lambda _: (seq_len, max_doc_len), epochs=8)
+    shard_rows, counts = BIGRAM_ROWS // world_size, []
+    for _ in range(pairs):
+        seen: list[list[np.ndarray]] = [[] for _ in range(world_size)]
+        for _ in range(2):
+            for rank, pieces in enumerate(stream.next_step()):  # TrainBatches' rule: rank r takes sequence r
+                tokens = np.concatenate([stream.tokens[a:b] for a, b in pieces])[:-1].astype(np.int64)
+                seen[rank].append(T.bigram_index(torch.from_numpy(tokens), BIGRAM_ROWS).numpy())
+        for rank, hashes in enumerate(seen):
+            rows = np.unique(np.concatenate(hashes))
+            counts.append(int((rows // shard_rows != rank).sum()))
+    return float(np.mean(counts))
+
+
+def stage_rows(pattern: str, pairs: int) -> tuple[dict[int, float], str]:
+    """Touched rows per stage's tokens per rank (seq_len), and where they came from."""
+    cfg = T.Config()
+    shapes = zip(T.parse_stages("seq_len_stages", cfg.seq_len_stages),
+                 T.parse_stages("doc_len_stages", cfg.doc_len_stages))
+    try:
+        files = T.find_shards(pattern)
+    except T.UsageError:
+        return dict(ISSUE_TOUCHED_ROWS), f"no files match {pattern}: the counts the issue's totals imply"
+    return ({seq: touched_rows(files, seq, doc, pairs) for seq, doc in shapes},
+            f"measured: {pairs} step pairs x 8 ranks of {pattern}")
+
+# -----------------------------------------------------------------------------
+# The table: per W, each step kind's #89 line and recipe line in MB; #89's touched rows at the step's own shape.
+
+
+def table(rows_at: dict[int, float]) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+    cfg, out = T.Config(), {}
+    rows = step_rows(cfg)
+    for W in WORLD_SIZES:
+        recipe = recipe_calls(cfg, W)
+        out[W] = {kind: {"record #89": record89_bytes(W, kind, rows_at.get(rows[kind].seq_len, 0.0)),
+                         "recipe": by_kind(recipe[kind], W)} for kind in STEP_KINDS}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--train_files", default=DEFAULT_FILES, help="corpus for the touched bigram rows")
+    ap.add_argument("--pairs", type=int, default=4, help="step pairs per stage for the touched rows")
+    ap.add_argument("--json", default="", help="also write the table here")
+    args = ap.parse_args(argv)
+    rows_at, source = stage_rows(args.train_files, args.pairs)
+    print(f"#89's bigram all-to-all at W = 8, touched rows per rank per step pair ({source}):")
+    print("  " + ", ".join(f"{seq:,} tokens: {n:,.0f}" for seq, n in rows_at.items()))
+    step_seq = {kind: s.seq_len for kind, s in step_rows(T.Config()).items()}
+    print("  used: " + ", ".join(f"{k} at {seq:,} tokens" for k, seq in step_seq.items() if STEP_KINDS[k][0]))
+    result = table(rows_at)
+    for W, kinds in result.items():
+        print(f"\nW = {W}: MB per rank per step  {''.join(f'{k:>15}' for k in KINDS)}{'total':>10}")
+        for kind, lines in kinds.items():
+            for who, mb in lines.items():
+                print(f"  {kind:<12}{who:<16}{''.join(f'{mb[k] / 1e6:15.1f}' for k in KINDS)}"
+                      f"{sum(mb.values()) / 1e6:10.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"touched_rows": {"source": source, **rows_at},
+                                               "mb": {W: {kind: {who: {k: v / 1e6 for k, v in mb.items()}
+                                                                 for who, mb in lines.items()}
+                                                          for kind, lines in kinds.items()}
+                                                      for W, kinds in result.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
