@@ -865,7 +865,7 @@ SPLIT_ROWS = 1024  # #89: a block of more rows forms its product, then adds a X 
 def sqrt32(x: Tensor) -> Tensor:
     """Correctly rounded fp32 sqrt: torch's, compiled or on CUDA; eager on the CPU numpy's (IEEE's instruction, as
     inductor's C++), as torch's vector kernel there is an ulp off in one fp32 value in five."""
-    if x.is_cuda or x.dtype != torch.float32 or torch.compiler.is_compiling():
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
         return x.sqrt()
     return torch.as_tensor(np.sqrt(x.numpy()))
 
