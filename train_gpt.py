@@ -1016,6 +1016,7 @@ def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, m
     """Nesterov momentum and orthogonalization, NorMuon, then #89's cautious step on the fp32 master (p, or the bf16
     p with state["mantissa"]: muon_state) with step_lr =
     lr x lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)) and decay wd x lr, both fp32 as #89's."""
+    assert (p.dtype == torch.bfloat16) == ("mantissa" in state), "a bf16 bank updates with its mantissa (muon_state)"
     O = steps.orthogonalize(grad.float(), state["momentum"], scalar(momentum))
     update = steps.normuon(O, state["v"], normuon_beta2)
     step_lr = torch.as_tensor(lr_mul * (lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1))))).float()  # no host sync

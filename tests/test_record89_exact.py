@@ -231,11 +231,11 @@ def test_optimizer_table_is_record_89s_for_every_label():
 def test_normuon_step_is_the_references_per_block_axis(shape, axis, monkeypatch):
     g = torch.Generator().manual_seed(0)
     rows, cols = shape[0] // 8, shape[1] // 8  # the same aspect, smaller
-    p32 = (torch.rand(2, rows, cols, generator=g) - 0.5).bfloat16().float()
+    p16 = (torch.rand(2, rows, cols, generator=g) - 0.5).bfloat16()  # #89's storage: bf16, the mantissa in the state
     grads = [torch.randn(2, rows, cols, generator=g).bfloat16() for _ in range(3)]
-    state = {"momentum": torch.zeros(2, rows, cols), "v": torch.zeros(T.normuon_state_shape((2, rows, cols)))}
+    state = T.muon_state(p16)
     assert state["v"].shape[axis] == 1 and state["v"].shape[-1 - (axis == -1)] == (cols if axis == -2 else rows)
-    ref = [(p32[j].bfloat16(), torch.zeros(rows, cols, dtype=torch.int32), torch.zeros(rows, cols),
+    ref = [(p16[j].clone(), torch.zeros(rows, cols, dtype=torch.int32), torch.zeros(rows, cols),
             torch.zeros(state["v"].shape[1:])) for j in range(2)]
     outputs = {}
 
@@ -249,7 +249,7 @@ def test_normuon_step_is_the_references_per_block_axis(shape, axis, monkeypatch)
 
     lr, mul, mu = 0.023 * 0.8, [1.0, 2.0], 0.9
     for grad in grads:
-        T.muon_update_(p32, grad, state, lr, mu, 0.9, torch.tensor(mul, dtype=torch.float64).view(-1, 1, 1), wd=1.2,
+        T.muon_update_(p16, grad, state, lr, mu, 0.9, torch.tensor(mul, dtype=torch.float64).view(-1, 1, 1), wd=1.2,
                        steps=orthogonalizing(orthogonalize))
         shape_mul = math.sqrt(max(1.0, rows / cols))
         block = iter(outputs["O"])
@@ -263,7 +263,8 @@ def test_normuon_step_is_the_references_per_block_axis(shape, axis, monkeypatch)
             assert torch.allclose(state["v"][j], v, rtol=1e-6, atol=0)
             assert torch.allclose(state["momentum"][j], m, rtol=1e-6, atol=1e-7)
             master = RO.master_fp32(p, mant)
-            assert (p32[j] - master).abs().max() <= 4 * torch.finfo(torch.float32).eps * master.abs().max()
+            ours = T.master_of(p16[j], state["mantissa"][j])
+            assert (ours - master).abs().max() <= 4 * torch.finfo(torch.float32).eps * master.abs().max()
 
 
 # -- loss ---------------------------------------------------------------------------------------------------

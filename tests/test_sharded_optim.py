@@ -117,8 +117,7 @@ def reference(cfg: T.Config, variant: str, sum_like_ranks: int = 1) -> tuple[dic
                 lr = g.lr * LR_MULT[step]
                 for name, p, lr_mul in zip(g.names, g.params, g.lr_muls or [1.0] * len(g.names)):
                     if g.kind == "muon":
-                        s = state.setdefault(name, {"momentum": torch.zeros_like(p),
-                                                    "v": torch.zeros(T.normuon_state_shape(p.shape))})
+                        s = state.setdefault(name, T.muon_state(p))
                         per_matrix = torch.tensor(lr_mul, dtype=torch.float64).view(*p.shape[:-2], 1, 1)
                         T.muon_update_(p, total[name], s, lr, MOMENTUM[step], cfg.normuon_beta2, per_matrix, g.wd,
                                        steps)
