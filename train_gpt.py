@@ -227,13 +227,16 @@ def init_matrix_(w: Tensor, bound: float) -> None:
     with torch.no_grad():
         w.copy_(w.uniform_(-bound, bound).bfloat16())
 
-def bigram_index(input_seq: Tensor, rows: int) -> Tensor:
+def bigram_index(input_seq: Tensor | np.ndarray, rows: int) -> Tensor | np.ndarray:
     """Each position's row of the bigram table: ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1) in int32 (#62), the
     last row at position 0. #89 writes that row's index into x_0 before hashing: position 1 hashes it, not x_0, and
-    its product wraps around int32 (emulated in int64: inductor's integers must not overflow)."""
-    x = torch.cat([input_seq.new_full((1,), rows - 1), input_seq[1:]]).long()
-    cur, prev = ((mul * t + 2**31) % 2**32 - 2**31 for mul, t in zip(BIGRAM_MUL, (x[1:], x[:-1])))
-    return torch.cat([x[:1], (cur ^ prev) % (rows - 1)])
+    its product wraps around int32 (emulated in int64: inductor's integers must not overflow). Along the last axis;
+    the same arithmetic on a tensor (the model's) or a numpy array (the rows a host batch touches, ShardedMuonAdam)."""
+    xp = torch if isinstance(input_seq, Tensor) else np
+    x = input_seq.long() if xp is torch else input_seq.astype(np.int64)
+    x = xp.concatenate([x[..., :1] * 0 + (rows - 1), x[..., 1:]], -1)
+    cur, prev = ((mul * t + 2**31) % 2**32 - 2**31 for mul, t in zip(BIGRAM_MUL, (x[..., 1:], x[..., :-1])))
+    return xp.concatenate([x[..., :1], (cur ^ prev) % (rows - 1)], -1)
 
 def sign_index(input_seq: Tensor, rows: int) -> Tensor:
     """Each position's row of the bigram sign table (#83): (x_(t-1) xor x_t) mod rows; row 0 at position 0."""
@@ -1040,15 +1043,16 @@ class ParamGroup:
     betas: tuple[float, float] = (0.0, 0.0)  # Adam's
 
 TIED_EMBEDDING = "embed.weight"  # reads the head's weight until the untie (#51): no gradient of its own till then
+BIGRAM_TABLE = "bigram_embed.weight"  # a bucket of its own: only the rows a rank touched are exchanged (RowBucket)
 # #89's orders: gradients reduce-scattered in its parameter table's order, updates (each followed by its all-gather)
 # small parameters first and the Muon banks last, so that the large reductions finish while the rest updates.
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate.weight", "skip_gate.weight",
-                 "attn_gate_bank", "ve_gate_bank", "lm_head.weight", "bigram_embed.weight", "post_lambdas",
+                 "attn_gate_bank", "ve_gate_bank", "lm_head.weight", BIGRAM_TABLE, "post_lambdas",
                  "x0_lambdas", "bigram_lambdas", "resid_lambdas", "xsa_alphas", "value_embeds", TIED_EMBEDDING,
                  "mudd_w1", "mudd_w2", "mudd_b2")
 WORK_ORDER = ("scalars", "smear_gate.weight", "skip_gate.weight", "attn_gate_bank", "ve_gate_bank", "mudd_b2",
               "xsa_alphas", "post_lambdas", "x0_lambdas", "bigram_lambdas", "resid_lambdas", "mudd_w2", "value_embeds",
-              "bigram_embed.weight", "mudd_w1", "lm_head.weight", TIED_EMBEDDING, "qk_bank", "vo_bank", "mlp_bank")
+              BIGRAM_TABLE, "mudd_w1", "lm_head.weight", TIED_EMBEDDING, "qk_bank", "vo_bank", "mlp_bank")
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     """#89's table: Muon for the three banks (W_proj at mlp_down_lr_mul), Adam for the rest by kind."""
@@ -1065,8 +1069,8 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
                     lr_muls=[per_matrix.get(n, [1.0] * (named[n].numel() // math.prod(named[n].shape[-2:])))
                              for n in muon]),
               group("adam", cfg.head_lr, [TIED_EMBEDDING], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas),
-              group("adam", cfg.embed_lr, ["value_embeds", "bigram_embed.weight"],
-                    wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
+              group("adam", cfg.embed_lr, ["value_embeds"], wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
+              group("adam", cfg.embed_lr, [BIGRAM_TABLE], wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
               group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
               group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
               group("adam", cfg.scalar_lr, ["resid_lambdas"], betas=lambda_betas),
@@ -1084,6 +1088,11 @@ def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
     """Async SUM reduce-scatter (the loss is already scaled; gloo has no AVG). torch 2.13 renamed the collectives."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
+
+def all_to_all(out: Tensor, inp: Tensor, out_counts: list[int], in_counts: list[int], async_op: bool = False
+               ) -> dist.Work | None:
+    """All-to-all of rows along dim 0: in_counts[r] of inp's to rank r, out_counts[r] of out's from it."""
+    return dist.all_to_all_single(out, inp, out_counts, in_counts, async_op=async_op)
 
 def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Work | None:
     """All-gather into one tensor; inp may be this rank's slice of out (in place)."""
@@ -1200,6 +1209,11 @@ class Bucket:
             self.gather_work.wait()
             self.gather_work = None
 
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view
+
     def layout(self) -> dict:
         """What a checkpoint needs to check that its shard fits this bucket."""
         return {"kind": self.kind, "dtype": str(self.data.dtype), "unit": self.unit, "names": self.names,
@@ -1213,6 +1227,68 @@ class Bucket:
             if lo < hi:
                 rows = slice(lo - self.first_unit, hi - self.first_unit)
                 yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
+
+class RowBucket(Bucket):
+    """The bigram table alone, its gradient exchanged sparse as #89 does (§5.6): an embedding's gradient is exactly
+    zero in the rows no token hashed to, so each rank sends each other rank only the rows of its shard that this
+    rank's batches touched since the last update (their ids on the host, from the tokens: no device sync), and the
+    owner adds them into its own rows of its local gradient: a SUM reduce-scatter in another summation order. The
+    updated shard is all-gathered dense. Needs rows % W == 0 (row-aligned shards); otherwise the table takes a
+    plain Bucket's dense reduce-scatter (exchanges_rows). The touched rows accumulate with the gradient and are
+    cleared with it: a checkpoint (taken between Adam steps only, validate_config) never holds any."""
+
+    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
+        super().__init__(group, names, params, rank, world_size)
+        self.rank, (rows, self.dim) = rank, params[0].shape
+        self.shard_rows = rows // world_size
+        self.touched = np.zeros(rows, dtype=bool)  # this rank's rows since the last update
+        self.grad_shard = self.grad.view(world_size, -1)[rank]  # its own rows of its local gradient
+        # announce()'s: the row ids and counts this rank sends to and receives from each rank
+        self.send_ids = self.recv_ids = torch.zeros(0, dtype=torch.int32)
+        self.send_counts = self.recv_counts = [0] * world_size
+        self.recv_rows = torch.zeros(0, self.dim, dtype=self.grad.dtype)
+        self.ids_work: dist.Work | None = None
+
+    def touch(self, ids: np.ndarray) -> None:
+        self.touched[ids] = True
+
+    def announce(self) -> None:
+        """Before the forward of an update's step (every touch() done): tell each rank how many rows it will get
+        (a blocking all-to-all of host counts: gloo's) and which (async, overlapping the forward)."""
+        ids = np.flatnonzero(self.touched)  # sorted: grouped by owner
+        owner = ids // self.shard_rows
+        ids, owner = ids[owner != self.rank], owner[owner != self.rank]  # its own rows are in its gradient already
+        send = np.bincount(owner, minlength=self.world_size)
+        recv = torch.zeros(self.world_size, dtype=torch.int64)
+        all_to_all(recv, torch.from_numpy(send), [1] * self.world_size, [1] * self.world_size)
+        self.send_counts, self.recv_counts = send.tolist(), recv.tolist()
+        device = self.grad.device
+        self.send_ids = torch.from_numpy(ids.astype(np.int32)).to(device, non_blocking=True)
+        self.recv_ids = torch.empty(sum(self.recv_counts), dtype=torch.int32, device=device)
+        self.ids_work = all_to_all(self.recv_ids, self.send_ids, self.recv_counts, self.send_counts, async_op=True)
+
+    def reduce_grads(self) -> None:
+        if self.ids_work is None:
+            raise RuntimeError("the bigram table's update needs begin_step() before its step's forward")
+        self._bind_grads()
+        send = self.grad.view(-1, self.dim)[self.send_ids]
+        self.recv_rows = send.new_empty(sum(self.recv_counts), self.dim)
+        self.reduce_work = all_to_all(self.recv_rows, send, self.recv_counts, self.send_counts, async_op=True)
+
+    def wait_grads(self) -> None:
+        for work in (self.ids_work, self.reduce_work):
+            work.wait()
+        self.ids_work = self.reduce_work = None
+        self.grad.view(-1, self.dim).index_add_(0, self.recv_ids, self.recv_rows)  # all in this rank's shard
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.touched[:] = False
+
+def exchanges_rows(rows: int, world_size: int) -> bool:
+    """Whether the bigram table's gradient goes as touched rows (RowBucket): with several ranks, and only where each
+    rank's shard is whole rows; otherwise a row would have two owners, and the dense reduce-scatter does."""
+    return world_size > 1 and rows % world_size == 0
 
 class ShardedMuonAdam:
     """Muon + Adam, ZeRO-1: per step, reduce-scatter each bucket's gradients (from backward hooks on the last
@@ -1228,9 +1304,12 @@ class ShardedMuonAdam:
         hooks = world_size > 1 and cfg.comm_overlap == "hooks"
         plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model) if hooks else list(SCATTER_ORDER),
                             cfg.bucket_mb, world_size)
-        self.buckets = [Bucket(g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
+        rows_exchanged = exchanges_rows(named[BIGRAM_TABLE].size(0), world_size)
+        self.buckets = [(RowBucket if rows_exchanged and names == [BIGRAM_TABLE] else Bucket)(
+            g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
         self.work_order = sorted(self.buckets, key=lambda b: min(WORK_ORDER.index(n) for n in b.names))
         assert [TIED_EMBEDDING] in [b.names for b in self.buckets], "the tied embedding rests in a bucket of its own"
+        self.row_bucket = next((b for b in self.buckets if isinstance(b, RowBucket)), None)
         self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
         self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
         if hooks:
@@ -1241,6 +1320,22 @@ class ShardedMuonAdam:
     def set_step(self, s: StepSchedule) -> None:
         """Take the schedule's values for the step about to be trained (before its first backward)."""
         self.lr_mult, self.momentum, self.adam_step, self.tied = s.lr_mult, s.muon_momentum, s.adam_step, s.tied
+
+    def batch_rows(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """What begin_step() needs of a host batch (micro-steps, seq_len + 1 tokens): the bigram rows its inputs hash
+        to (the loader computes it where the tokens are); None where no rows are exchanged."""
+        if self.row_bucket is None:
+            return None
+        rows = self.row_bucket.touched.size
+        return lambda batch: bigram_index(batch[:, :-1], rows)
+
+    def begin_step(self, rows: np.ndarray | None) -> None:
+        """After set_step(), before the step's first forward: batch_rows() of its batch (None where that is None);
+        on an Adam step the bigram rows' exchange begins, overlapping the forward."""
+        if self.row_bucket is not None:
+            self.row_bucket.touch(rows)
+            if self.adam_step:
+                self.row_bucket.announce()
 
     def _updates(self, bucket: Bucket) -> bool:
         # While tied the embedding's gradient is exactly zero and so is its Adam update (m = v = 0, no decay where
@@ -1292,11 +1387,8 @@ class ShardedMuonAdam:
     def zero_grad(self, everything: bool = False) -> None:
         """Zero the gradient buffers of the buckets just updated (or all), in place."""
         for b in self.buckets:
-            if not (everything or self._updates(b)):
-                continue
-            b.grad.zero_()
-            for p, view in zip(b.params, b.grad_views):
-                p.grad = view
+            if everything or self._updates(b):
+                b.zero_grad()
 
     @torch.no_grad()
     def copy_param(self, src: str, dst: str) -> None:
@@ -1666,10 +1758,13 @@ class PrefetchLoader:
     """Batches from a source (TrainBatches or ValBatches), prepared ahead, copied to the device off the compute stream.
     A thread fills a ring of `depth` pinned host buffers; batch N+1 is copied on a copy stream when batch N is
     handed out, the compute stream waits on its event (record_stream ties it there), and a buffer is refilled only
-    once its copy is done. depth=0: the same work in the main thread. Errors in the thread surface in the caller."""
+    once its copy is done. depth=0: the same work in the main thread. Errors in the thread surface in the caller.
+    digest: what the host needs of a batch (ShardedMuonAdam.batch_rows), computed where the tokens are, by the thread
+    from the host buffer; self.digest is that of the batch last handed out."""
 
-    def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device):
-        self.source, self.depth, self.device = source, depth, device
+    def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device,
+                 digest: Callable[[np.ndarray], object] | None = None):
+        self.source, self.depth, self.device, self.make_digest = source, depth, device, digest
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         # Flat, sized for the longest batch (a shorter one is a view in front). The thread writes them through numpy
@@ -1678,8 +1773,10 @@ class PrefetchLoader:
                         for _ in range(max(depth, 1))]
         self.arrays = [b.numpy() for b in self.buffers]
         self.filled: list[tuple[int, int] | None] = [None] * len(self.buffers)  # the batch shape in each buffer
+        self.digests: list[object] = [None] * len(self.buffers)
+        self.digest: object = None
         self.copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
-        self.pending: tuple[Tensor, torch.cuda.Event | None] | None = None
+        self.pending: tuple[Tensor, torch.cuda.Event | None, object] | None = None
         self.error: Exception | None = None
         self.done = False
         if depth:
@@ -1695,6 +1792,8 @@ class PrefetchLoader:
         if self.copied[i] is not None:
             self.copied[i].synchronize()  # the previous copy out of this buffer has finished
         self.filled[i] = self.source.fill(self.arrays[i])
+        if self.filled[i] is not None and self.make_digest is not None:
+            self.digests[i] = self.make_digest(self.arrays[i][: math.prod(self.filled[i])].reshape(self.filled[i]))
         return self.filled[i] is not None
 
     def _produce(self) -> None:
@@ -1726,7 +1825,7 @@ class PrefetchLoader:
                 raise item
             return item
 
-    def _start_copy(self) -> tuple[Tensor, torch.cuda.Event | None] | None:
+    def _start_copy(self) -> tuple[Tensor, torch.cuda.Event | None, object] | None:
         """Issue the copy of the next host batch; never on the compute stream."""
         i = self._next_host()
         if i is None:
@@ -1741,9 +1840,10 @@ class PrefetchLoader:
                 batch = host.to(self.device, non_blocking=True)
                 event = self.copied[i]
                 event.record(self.copy_stream)
+        digest = self.digests[i]
         if self.depth:
             self.free.put(i)
-        return batch, event
+        return batch, event, digest
 
     def __iter__(self) -> "PrefetchLoader":
         return self
@@ -1755,7 +1855,7 @@ class PrefetchLoader:
         current = self.pending if self.pending is not None or self.done else self._start_copy()
         if current is None:
             raise StopIteration
-        batch, event = current
+        batch, event, self.digest = current
         if event is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(event)
@@ -3270,23 +3370,27 @@ def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]
     return lambda step: (schedules[step].seq_len, schedules[step].max_doc_len)
 
 def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
-                 skip_steps: int = 0, position: tuple[int, int] | None = None) -> PrefetchLoader:
+                 digest: Callable[[np.ndarray], object] | None, skip_steps: int = 0,
+                 position: tuple[int, int] | None = None) -> PrefetchLoader:
     """This rank's batches for `steps` steps of the given shapes (step_shape), after the sequences of the first
-    skip_steps (a resumed run's): from the position its checkpoint saved, else re-derived from these shapes."""
+    skip_steps (a resumed run's): from the position its checkpoint saved, else re-derived from these shapes; each
+    with its digest (ShardedMuonAdam.batch_rows)."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, shape, cfg.train_epochs,
                               preload=cfg.prefetch_depth > 0)
     if position is None:
         stream.skip(skip_steps)
     else:
         stream.seek(skip_steps, position)
-    return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device)
+    return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device, digest)
 
-def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, knobs: tuple[Tensor, Tensor],
-               loss_scale: float, metrics: Metrics | None = None, requantize: Callable[[], None] | None = None
-               ) -> None:
-    """One optimizer step on a (micro-steps, seq_len + 1) batch; the last backward arms the reduce-scatter hooks.
-    requantize: the FP8 MLP weights' update, once the parameters are gathered (GPT.quantize_mlp_)."""
+def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows: np.ndarray | None,
+               knobs: tuple[Tensor, Tensor], loss_scale: float, metrics: Metrics | None = None,
+               requantize: Callable[[], None] | None = None) -> None:
+    """One optimizer step on a (micro-steps, seq_len + 1) batch, rows its bigram rows (the loader's digest); the last
+    backward arms the reduce-scatter hooks. requantize: the FP8 MLP weights' update, once the parameters are
+    gathered (GPT.quantize_mlp_)."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
+    optimizer.begin_step(rows)
     for m in range(batch.size(0)):
         optimizer.final_micro_step = m == batch.size(0) - 1
         loss = model(batch[m, :-1], batch[m, 1:].long(), *knobs)
@@ -3347,7 +3451,7 @@ def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
     return sorted(plan)
 
 def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
-           loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, int], None]) -> None:
+           loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, object, int], None]) -> None:
     """Untimed steps on real batches, one micro-step each, at the shapes and windows of the steps in `plan`
     (compile, autotune); then what training writes (with --resume: the loaded state) is put back from device-side
     clones: the bucket buffers (every parameter is a view into one: checked), the optimizer state and the model's
@@ -3371,7 +3475,8 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     lap()
     with loader:
         for train_step_index in plan:
-            step(next(loader)[:1], train_step_index)
+            batch = next(loader)[:1]  # its digest holds every micro-step's rows: more than needed, never fewer
+            step(batch, loader.digest, train_step_index)
     optimizer.wait_for_params()
     lap()
     with torch.no_grad():
@@ -3470,8 +3575,9 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
 
     # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
-    warmup(cfg, rt, log, raw_model, optimizer, train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k])),
-           plan, lambda batch, step: train_step(model, optimizer, batch, knobs.train(step), loss_scale,
+    warmup(cfg, rt, log, raw_model, optimizer,
+           train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k]), optimizer.batch_rows()), plan,
+           lambda batch, rows, step: train_step(model, optimizer, batch, rows, knobs.train(step), loss_scale,
                                                 requantize=requantize(lambda: True)))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
@@ -3480,7 +3586,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     for line in stage_plan(cfg, schedules):
         log(line)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)
-    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, skip_steps=start_step,
+    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, optimizer.batch_rows(),
+                          skip_steps=start_step,
                           position=resumed.data_position if resumed else None)
     val_points: list[tuple[int, float, float]] = []
     if resumed:
@@ -3513,7 +3620,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
             with profiler.step(step, settle=optimizer.wait_for_params):
-                train_step(model, optimizer, next(loader), knobs.train(step), loss_scale, metrics,
+                batch = next(loader)
+                train_step(model, optimizer, batch, loader.digest, knobs.train(step), loss_scale, metrics,
                            requantize(lambda: step < cfg.fp8_down_exact_steps))
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
@@ -3541,7 +3649,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
 # -----------------------------------------------------------------------------
 # Main
 # Reads the launch environment (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), picks the device and the
-# process-group backend (NCCL on CUDA, gloo on CPU), seeds every rank alike, and runs training.
+# process-group backend (NCCL and gloo on CUDA, gloo on CPU), seeds every rank alike, and runs training.
 
 # Expandable segments let validation's logits (val_seq_len x vocab, ~26 GB at the recipe's shape) reuse
 # the memory of training's (~5 GB each) without fragmenting fixed-size segments; the record sets it too.
@@ -3569,7 +3677,8 @@ def setup_runtime(cfg: Config) -> Runtime:
     cuda = device.type == "cuda"
     attention = resolve_for_device(cfg, cuda)
     if world_size > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        # gloo beside NCCL on CUDA, as #89: the bigram rows' counts are exchanged from host memory (RowBucket)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None)
         paths: list[object] = [None] * world_size
         dist.all_gather_object(paths, cfg.attention)
         if len(set(paths)) > 1:  # auto found FA3 on some ranks only: they would call different collectives' graphs

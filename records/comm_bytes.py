@@ -3,20 +3,24 @@ repo's recipe, at W = 1, 2, 4, 8 ranks, for three step kinds: Muon-only (even st
 step while the embedding is tied to the head, and an Adam step after the untie.
 
 Accounting. MB = 10^6 bytes one rank sends. Rings: a reduce-scatter or an all-gather sends (W-1)/W of the full
-buffer, an all-reduce 2(W-1)/W; an all-to-all sends what goes to the other ranks ((W-1)/W of an even split).
+buffer, an all-reduce 2(W-1)/W; an all-to-all sends its whole input (the optimizer's hold only what goes to the
+other ranks: no rank sends itself rows).
 
 The recipe: counted from the code. The recipe's model (Config() defaults) is built on the meta device and
-ShardedMuonAdam at rank 0 of W; stand-ins for torch.distributed's collectives record each call (kind, dtype, numel
-of the full buffer) and return a finished work object; step() runs after set_step() of the schedule's first step of
-each kind. Whatever the optimizer issues is counted, so this table follows train_gpt.py as it changes.
+ShardedMuonAdam at each rank of W; stand-ins for torch.distributed's collectives record each call (kind, dtype,
+numel of the full buffer, of the input for an all-to-all) and return a finished work object; begin_step() and step()
+run after set_step() of the schedule's first step of each kind, the Adam kinds with the bigram rows the rank touched
+in a step pair (averaged over the ranks and the pairs). Whatever the optimizer issues is counted, so this table
+follows train_gpt.py as it changes.
 
 Record #89: from its parameter table (record89_spec.md §5.1, §5.6): replicated parameters all-reduce, sharded ones
 reduce-scatter and all-gather; while tied, `embed` does neither (its gradient joins the head's). At W = 8 only
 (grad_accum_steps 1) the bigram table's gradient goes as an all-to-all of the rows a rank touched in the step pair
 that belong to other ranks' shards, 192 bf16 values and a 4-byte row id each; its all-gather stays dense.
 
-Touched rows: measured on a corpus through the trainer's own data path (TrainTokenStream, bigram_index): per stage
-shape, a few step pairs of 8 ranks (one sequence each); without the corpus, the counts the issue's totals imply.
+Touched rows: measured on a corpus through the trainer's own data path (TrainTokenStream, bigram_index on the host
+tokens): per stage shape, a few step pairs of 8 sequences, rank r of W taking sequences r, r + W, ... of each step
+(TrainBatches); without the corpus, seeded uniform random tokens (far more distinct bigrams than text).
 
     python records/comm_bytes.py [--train_files GLOB] [--pairs 4] [--json PATH]
 """
@@ -65,7 +69,8 @@ class Call:
     numel: int  # of the full buffer (all ranks' shards)
 
     def bytes(self, world_size: int) -> float:
-        return RING.get(self.kind, 1.0) * (world_size - 1) / world_size * self.numel * self.dtype.itemsize
+        share = 1.0 if self.kind == "all-to-all" else RING.get(self.kind, 1.0) * (world_size - 1) / world_size
+        return share * self.numel * self.dtype.itemsize
 
 
 class _Done:
@@ -130,20 +135,29 @@ def step_rows(cfg: T.Config) -> dict[str, T.StepSchedule]:
             for kind, (adam, tied) in STEP_KINDS.items()}
 
 
-def recipe_optimizer(cfg: T.Config, world_size: int) -> T.ShardedMuonAdam:
+def recipe_model(cfg: T.Config) -> T.GPT:
     with torch.device("meta"):
-        model = T.GPT(cfg, use_flex=False, fp8_head=False)
-    return T.ShardedMuonAdam(model, cfg, 0, world_size, compile_ns=False)
+        return T.GPT(cfg, use_flex=False, fp8_head=False)
 
 
-def recipe_calls(cfg: T.Config, world_size: int) -> dict[str, list[Call]]:
-    """Per step kind, the collectives one optimizer step issues (gradients present: the buckets' own buffers)."""
-    opt, out = recipe_optimizer(cfg, world_size), {}
+def recipe_optimizer(cfg: T.Config, world_size: int, rank: int = 0, model: T.GPT | None = None
+                     ) -> T.ShardedMuonAdam:
+    """At `rank` of W; a model may serve several (each optimizer takes its parameters into its own buffers)."""
+    return T.ShardedMuonAdam(model or recipe_model(cfg), cfg, rank, world_size, compile_ns=False)
+
+
+def recipe_calls(cfg: T.Config, world_size: int, rows: dict[str, np.ndarray] | None = None, rank: int = 0,
+                 model: T.GPT | None = None) -> dict[str, list[Call]]:
+    """Per step kind, the collectives one optimizer step of `rank` issues (gradients present: the buckets' own
+    buffers); rows: per step kind, the bigram rows the rank touched since the last Adam step (none if left out)."""
+    opt, out = recipe_optimizer(cfg, world_size, rank, model), {}
     for kind, row in step_rows(cfg).items():
         opt.set_step(row)
         with Collectives(stand_in=True) as seen:
+            opt.begin_step((rows or {}).get(kind, np.zeros(0, dtype=np.int64)))
             opt.step()
             opt.wait_for_params()
+        opt.zero_grad()
         out[kind] = seen.calls
     return out
 
@@ -191,51 +205,64 @@ def record89_bytes(world_size: int, step_kind: str, touched_rows: float) -> dict
     return out
 
 # -----------------------------------------------------------------------------
-# Touched bigram rows: the rows a rank's two steps hash to (#89's row mask, cleared after each odd step) that lie in
-# another rank's contiguous shard of the table. The figures the issue's 1,364.0 / 1,509.5 MB imply are the fallback.
+# Touched bigram rows: the rows a rank's two steps hash to (#89's row mask, cleared after each odd step; the recipe's
+# RowBucket alike); those in another rank's contiguous shard of the table are sent. ISSUE_TOUCHED_ROWS: the counts
+# the issue's 1,364.0 / 1,509.5 MB imply.
 
 ISSUE_TOUCHED_ROWS = {16384: 18_200, 49152: 44_650}
+SEQS = 8  # sequences per step: the recipe's global_batch_seqs, #89's 8 ranks
 
 
-def touched_rows(files: list[Path], seq_len: int, max_doc_len: int, pairs: int, world_size: int = 8) -> float:
-    """Mean over `pairs` step pairs from the corpus start and over ranks (one sequence per rank per step)."""
-    stream = T.TrainTokenStream(files, seq_len, world_size, V, lambda _: (seq_len, max_doc_len), epochs=8)
-    shard_rows, counts = BIGRAM_ROWS // world_size, []
-    for _ in range(pairs):
-        seen: list[list[np.ndarray]] = [[] for _ in range(world_size)]
-        for _ in range(2):
-            for rank, pieces in enumerate(stream.next_step()):  # TrainBatches' rule: rank r takes sequence r
-                tokens = np.concatenate([stream.tokens[a:b] for a, b in pieces])[:-1].astype(np.int64)
-                seen[rank].append(T.bigram_index(torch.from_numpy(tokens), BIGRAM_ROWS).numpy())
-        for rank, hashes in enumerate(seen):
-            rows = np.unique(np.concatenate(hashes))
-            counts.append(int((rows // shard_rows != rank).sum()))
-    return float(np.mean(counts))
+def pair_rows(files: list[Path] | None, seq_len: int, max_doc_len: int, pairs: int) -> list[list[np.ndarray]]:
+    """Per step pair from the corpus start, the bigram rows of its 2 x 8 sequences' inputs (step-major); files None:
+    seeded random tokens."""
+    if files is None:
+        g = np.random.default_rng(0)
+        return [list(T.bigram_index(g.integers(0, V, (2 * SEQS, seq_len)), BIGRAM_ROWS)) for _ in range(pairs)]
+    stream = T.TrainTokenStream(files, seq_len, SEQS, V, lambda _: (seq_len, max_doc_len), epochs=8)
+    return [[T.bigram_index(np.concatenate([stream.tokens[a:b] for a, b in pieces])[:-1], BIGRAM_ROWS)
+             for _ in range(2) for pieces in stream.next_step()] for _ in range(pairs)]
 
 
-def stage_rows(pattern: str, pairs: int) -> tuple[dict[int, float], str]:
-    """Touched rows per stage's tokens per rank (seq_len), and where they came from."""
+def rank_rows(pair: list[np.ndarray], rank: int, world_size: int) -> np.ndarray:
+    """The rows rank r of W touched in a step pair: its sequences r, r + W, ... of each step (TrainBatches')."""
+    return np.concatenate([rows for k, rows in enumerate(pair) if k % SEQS % world_size == rank])
+
+
+def record89_rows(pairs: list[list[np.ndarray]], world_size: int = 8) -> float:
+    """#89's touched rows in other ranks' shards, mean over the pairs and the ranks."""
+    shard_rows = BIGRAM_ROWS // world_size
+    return float(np.mean([(np.unique(rank_rows(pair, r, world_size)) // shard_rows != r).sum()
+                          for pair in pairs for r in range(world_size)]))
+
+
+def stage_rows(pattern: str, pairs: int) -> tuple[dict[int, list[list[np.ndarray]]], str]:
+    """Per stage's tokens per sequence (seq_len), pair_rows, and where they came from."""
     cfg = T.Config()
     shapes = zip(T.parse_stages("seq_len_stages", cfg.seq_len_stages),
                  T.parse_stages("doc_len_stages", cfg.doc_len_stages))
     try:
-        files = T.find_shards(pattern)
+        files, source = T.find_shards(pattern), f"measured: {pairs} step pairs x 8 sequences of {pattern}"
     except T.UsageError:
-        return dict(ISSUE_TOUCHED_ROWS), f"no files match {pattern}: the counts the issue's totals imply"
-    return ({seq: touched_rows(files, seq, doc, pairs) for seq, doc in shapes},
-            f"measured: {pairs} step pairs x 8 ranks of {pattern}")
+        files, source = None, f"no files match {pattern}: seeded random tokens, {pairs} step pairs x 8 sequences"
+    return {seq: pair_rows(files, seq, doc, pairs) for seq, doc in shapes}, source
 
 # -----------------------------------------------------------------------------
 # The table: per W, each step kind's #89 line and recipe line in MB; #89's touched rows at the step's own shape.
 
 
-def table(rows_at: dict[int, float]) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
-    cfg, out = T.Config(), {}
-    rows = step_rows(cfg)
+def table(rows_at: dict[int, list[list[np.ndarray]]]) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+    """Per W and step kind, #89's MB and the recipe's, each at the step's own shape; the recipe's mean over its
+    ranks and the step pairs."""
+    cfg, out, model = T.Config(), {}, recipe_model(T.Config())
+    pairs = {kind: rows_at[s.seq_len] for kind, s in step_rows(cfg).items() if STEP_KINDS[kind][0]}
     for W in WORLD_SIZES:
-        recipe = recipe_calls(cfg, W)
-        out[W] = {kind: {"record #89": record89_bytes(W, kind, rows_at.get(rows[kind].seq_len, 0.0)),
-                         "recipe": by_kind(recipe[kind], W)} for kind in STEP_KINDS}
+        runs = [{kind: by_kind(calls, W) for kind, calls in recipe_calls(
+                    cfg, W, {kind: rank_rows(p[i], r, W) for kind, p in pairs.items()}, r, model).items()}
+                for r in range(W) for i in range(len(pairs["Adam tied"]))]
+        out[W] = {kind: {"record #89": record89_bytes(W, kind, record89_rows(pairs[kind]) if kind in pairs else 0.0),
+                         "recipe": {k: float(np.mean([run[kind][k] for run in runs])) for k in KINDS}}
+                  for kind in STEP_KINDS}
     return out
 
 
@@ -246,8 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default="", help="also write the table here")
     args = ap.parse_args(argv)
     rows_at, source = stage_rows(args.train_files, args.pairs)
-    print(f"#89's bigram all-to-all at W = 8, touched rows per rank per step pair ({source}):")
-    print("  " + ", ".join(f"{seq:,} tokens: {n:,.0f}" for seq, n in rows_at.items()))
+    counts = {seq: record89_rows(pairs) for seq, pairs in rows_at.items()}
+    print(f"The bigram all-to-all at W = 8 (#89's and the recipe's), rows a rank sends per step pair ({source}):")
+    print("  " + ", ".join(f"{seq:,} tokens: {n:,.0f}" for seq, n in counts.items()))
     step_seq = {kind: s.seq_len for kind, s in step_rows(T.Config()).items()}
     print("  used: " + ", ".join(f"{k} at {seq:,} tokens" for k, seq in step_seq.items() if STEP_KINDS[k][0]))
     result = table(rows_at)
@@ -258,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {kind:<12}{who:<16}{''.join(f'{mb[k] / 1e6:15.1f}' for k in KINDS)}"
                       f"{sum(mb.values()) / 1e6:10.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"touched_rows": {"source": source, **rows_at},
+        Path(args.json).write_text(json.dumps({"touched_rows": {"source": source, **counts},
                                                "mb": {W: {kind: {who: {k: v / 1e6 for k, v in mb.items()}
                                                                  for who, mb in lines.items()}
                                                           for kind, lines in kinds.items()}

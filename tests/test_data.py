@@ -218,3 +218,16 @@ def test_a_run_with_exactly_enough_data_never_sees_the_end(tmp_path):
             next(loader)
         with pytest.raises(T.UsageError, match="training data exhausted"):
             next(loader)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_loader_hands_each_batch_out_with_its_hosts_bigram_rows(tmp_path, depth):
+    # ShardedMuonAdam.batch_rows' digest, computed by the thread from the host buffer: the rows the batch handed
+    # out with it hashes to, micro-step by micro-step, as the model hashes them.
+    files = synthetic_shards(tmp_path)
+    rows = 1032
+    with T.PrefetchLoader(T.TrainBatches(stream(files), 1, 2, steps=4), depth, CPU,
+                          lambda batch: T.bigram_index(batch[:, :-1], rows)) as loader:
+        for batch in loader:
+            want = torch.stack([T.bigram_index(seq[:-1], rows) for seq in batch])
+            assert np.array_equal(loader.digest, want.numpy())

@@ -1,10 +1,10 @@
 """ShardedMuonAdam against a single-process reference, on gloo ranks spawned on the CPU.
 
 A small GPT shaped like the recipe's (five layers, four with attention: the Q/K, V/O and MLP banks in Muon, head and
-VE gates, MUDD and the lambdas in Adam, the skip's and smear's gates, the bigram table with the value embeddings) trains
-3 steps of 8 sequences with gradient accumulation and the recipe's optimizer: Polar Express, NorMuon, cautious
-weight decay, Adam every other step. The small bucket size splits groups into several buckets; the default one
-cuts parameters across ranks' shards.
+VE gates, MUDD and the lambdas in Adam, the skip's and smear's gates, the bigram table, whose gradient goes as the rows
+each rank touched: 1028 rows, whole rows per rank at W = 2 and 4) trains 3 steps of 8 sequences with gradient
+accumulation and the recipe's optimizer: Polar Express, NorMuon, cautious weight decay, Adam every other step. The
+small bucket size splits groups into several buckets; the default one cuts parameters across ranks' shards.
 
 Two variants. "recipe" is the model as trained (bf16 embeddings, bf16 Polar Express): a gradient summed in another
 order rounds differently, and bf16 orthogonalization and Adam's normalization blow such last-bit differences up, so
@@ -17,6 +17,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ CASES = [(overlap, mb) for overlap in T.COMM_OVERLAP for mb in (25.0, 0.05)]
 CASE_IDS = [f"{overlap}-{mb}MiB" for overlap, mb in CASES]
 COLLECTIVES = {"reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
                "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-               "all_reduce": "other", "reduce_scatter": "other", "all_gather": "other", "broadcast": "other"}
+               "all_to_all_single": "all_to_all", "all_reduce": "other", "reduce_scatter": "other",
+               "all_gather": "other", "all_to_all": "other", "broadcast": "other"}
 
 
 def _single_thread():
@@ -52,7 +54,7 @@ def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
     fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
                   train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, normuon_beta2=0.9,
                   num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2", attn_input_layer=3,
-                  bigram_rows=1031, bigram_dim=16, mudd_dim=8, paired_layers="0,3")
+                  bigram_rows=1028, bigram_dim=16, mudd_dim=8, paired_layers="0,3")
     if variant == "fp32":
         # Adam's step does not shrink with the gradient, so an element whose gradient nearly cancels
         # turns summation-order noise into a visible step; a larger eps bounds that gain.
@@ -80,6 +82,17 @@ def make_model(cfg: T.Config, variant: str) -> T.GPT:
 def make_data(cfg: T.Config) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, cfg.vocab_size, (STEPS, GLOBAL_SEQS, cfg.train_seq_len + 1), generator=g)
+
+
+def own_rows_data(cfg: T.Config) -> torch.Tensor:
+    """make_data with rank 1 of 2's sequences one token over and over: one bigram repeated (and the first two
+    positions'), all in rank 1's half of the table: it sends no row, rank 0 receives none."""
+    rows, half = cfg.bigram_rows, cfg.bigram_rows // 2
+    token = next(c for c in range(cfg.vocab_size)
+                 if (T.bigram_index(np.full(cfg.train_seq_len, c), rows) >= half).all())
+    data = make_data(cfg)
+    data[:, 1::2] = token
+    return data
 
 
 def loss(model: T.GPT, seq: torch.Tensor) -> torch.Tensor:
@@ -153,22 +166,26 @@ class CollectiveCounter:
 
 
 def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, counter: CollectiveCounter,
-                  set_to_none: bool = False) -> dict:
+                  set_to_none: bool = False, data: torch.Tensor | None = None) -> dict:
     """Drive the optimizer the way train() does; record the collectives issued at each point of each step.
 
     set_to_none clears gradients with model.zero_grad(set_to_none=True) instead of the optimizer's zero_grad.
     """
-    model, data = make_model(cfg, variant), make_data(cfg)
+    model, data = make_model(cfg, variant), make_data(cfg) if data is None else data
     opt = T.ShardedMuonAdam(model, cfg, rank, world_size, compile_ns=False)
     if variant == "fp32":
         opt.steps = orthogonalizing(polar)
-    micro_steps = GLOBAL_SEQS // world_size
+    micro_steps, batch_rows = GLOBAL_SEQS // world_size, opt.batch_rows()
     counter.take()
-    events = []
+    events, sent = [], None
     for step in range(STEPS):
         opt.set_step(T.StepSchedule(LR_MULT[step], MOMENTUM[step], 1, 0, (step + 1) % cfg.adam_every == 0,
                                     cfg.train_seq_len, 2048, (1,), (1.0,), True))
         opt.wait_for_params()
+        opt.begin_step(None if batch_rows is None else batch_rows(data[step, rank::world_size].numpy()))
+        events.append(("begin", counter.take()))
+        if opt.row_bucket is not None and opt.adam_step:
+            sent = sum(opt.row_bucket.send_counts)
         for m in range(micro_steps):
             opt.final_micro_step = m == micro_steps - 1
             loss(model, data[step, m * world_size + rank]).backward()
@@ -193,8 +210,8 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
     restored = fresh.step_count == STEPS and all(
         torch.equal(a, b) for a, b in zip(opt.state_tensors(), fresh.state_tensors()))
     return dict(params=params, events=events, buckets=len(opt.buckets), state_bytes=opt.state_bytes(),
-                muon_buckets=sum(b.kind == "muon" for b in opt.buckets),
-                state_dict=sd, restored=restored, grads_in_buckets=grads_in_buckets)
+                muon_buckets=sum(b.kind == "muon" for b in opt.buckets), rows_exchanged=opt.row_bucket is not None,
+                state_dict=sd, restored=restored, grads_in_buckets=grads_in_buckets, sent=sent)
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -207,6 +224,16 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
             variants = ["fp32", "recipe"] if world_size == 2 else ["fp32"]
             results = {(v, *case): train_sharded(small_config(v, comm_overlap=case[0], bucket_mb=case[1]), v, rank,
                                                  world_size, counter) for v in variants for case in CASES}
+            # The bigram rows' exchange against the dense reduce-scatter (exchanges_rows turned off), bf16 as trained.
+            cfg, datas = small_config(), {"random": make_data(small_config())}
+            if world_size == 2:
+                datas["own rows"] = own_rows_data(cfg)
+            exchanges_rows = T.exchanges_rows
+            for rows_exchanged in (True, False):
+                T.exchanges_rows = lambda rows, w, on=rows_exchanged: on and exchanges_rows(rows, w)
+                for name, data in datas.items():
+                    results["rows", rows_exchanged, name] = train_sharded(cfg, "recipe", rank, world_size, counter,
+                                                                          data=data)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -289,20 +316,64 @@ def test_sharded_params_match_single_process_reference(world_size, case, sharded
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_one_reduce_scatter_and_one_all_gather_per_updated_bucket_per_step(world_size, sharded):
     # Adam steps every other step (step 1 of 0, 1, 2): on the others its buckets neither reduce nor gather. The
-    # embedding is tied to the head throughout: its bucket (zero gradients, a zero update) never communicates.
+    # embedding is tied to the head throughout: its bucket (zero gradients, a zero update) never communicates. The
+    # bigram table's bucket sends its rows' counts and ids before the forward (two all-to-alls) and its gradient rows
+    # in place of a reduce-scatter (one), and all-gathers like the others; dense, it reduce-scatters like them.
     for rank_results in sharded[world_size]:
-        for (variant, overlap, _), result in rank_results.items():
-            per_step = GLOBAL_SEQS // world_size + 1
+        for key, result in rank_results.items():
+            overlap = "after_backward" if key[0] == "rows" else key[1]
+            rows = result["rows_exchanged"]
+            assert rows == (key[:2] != ("rows", False))
+            per_step = GLOBAL_SEQS // world_size + 2
             assert len(result["events"]) == STEPS * per_step
             for k, (point, calls) in enumerate(result["events"]):
-                n = result["buckets"] - 1 if k // per_step == 1 else result["muon_buckets"]
-                if point == "backward":  # hooks stay idle while gradients still accumulate
+                adam = k // per_step == 1
+                n = result["buckets"] - 1 if adam else result["muon_buckets"]
+                reduce = {"reduce_scatter": n - 1, "all_to_all": 1} if adam and rows else {"reduce_scatter": n}
+                if point == "begin":
+                    assert calls == ({"all_to_all": 2} if adam and rows else {})
+                elif point == "backward":  # hooks stay idle while gradients still accumulate
                     assert calls == {}
                 elif point == "final backward":  # hooks launch every updated bucket before backward returns
-                    assert calls == ({"reduce_scatter": n} if overlap == "hooks" else {})
+                    assert calls == (reduce if overlap == "hooks" else {})
                 else:
-                    both = {"reduce_scatter": n, "all_gather": n}
+                    both = {**reduce, "all_gather": n}
                     assert calls == ({"all_gather": n} if overlap == "hooks" else both)
+
+
+def bigram_state(results: list[dict], key: tuple) -> dict[str, torch.Tensor]:
+    """The bigram table after the steps, and its Adam state put together from every rank's shard."""
+    parts = sorted((r[key]["state_dict"]["params"][T.BIGRAM_TABLE] for r in results), key=lambda e: e["units"])
+    return {"table": results[0][key]["params"][T.BIGRAM_TABLE],
+            **{k: torch.cat([e[k].flatten() for e in parts]) for k in ("m", "v")}}
+
+
+@pytest.mark.slow  # the spawned worlds
+@pytest.mark.parametrize("data", ["random", "own rows"])
+def test_bigram_rows_exchange_equals_the_dense_reduce_scatter_bit_for_bit_at_two_ranks(data, sharded):
+    # One addition per element either way. "own rows": rank 1 touched no row of rank 0's shard (it sends nothing,
+    # rank 0 receives nothing) and one row many times.
+    sparse, dense = (bigram_state(sharded[2], ("rows", on, data)) for on in (True, False))
+    for k in sparse:
+        assert torch.equal(sparse[k], dense[k]), k
+    assert sparse["table"].any() and sparse["v"].any()
+    assert [r["rows", True, data]["sent"] > 0 for r in sharded[2]] == [True, data == "random"]
+
+
+@pytest.mark.slow  # the spawned worlds
+def test_bigram_rows_exchange_at_four_ranks_is_the_dense_sum_to_bf16_rounding(sharded):
+    # Three bf16 additions per element, in another order than gloo's: each may round otherwise, by half an ulp of a
+    # partial sum. Measured: m differs in 203 of 16,448 elements, by at most 0.43% of its largest value, v (the
+    # gradient squared) by 0.87%; the table in none. With 1032 rows it differed in 1 element, by 0.48: one whose four
+    # gradients cancel exactly in gloo's order and leave -1.9e-6 in the other (m -4.8e-7), so Adam's first step,
+    # lr x m / sqrt(v) ~ lr x sign, is made on one side only. So: m and v to bf16 rounding, the table wherever the
+    # gradient does not cancel.
+    sparse, dense = (bigram_state(sharded[4], ("rows", on, "random")) for on in (True, False))
+    for k, bound in (("m", 2**-7), ("v", 2**-6)):
+        assert (sparse[k] - dense[k]).abs().max() <= bound * dense[k].abs().max(), k
+    off = (sparse["table"] != dense["table"]).flatten()
+    assert off.float().mean() < 1e-3
+    assert (dense["m"][off].abs() <= 2**-8 * dense["m"].abs().max()).all()
 
 
 @pytest.mark.slow  # the spawned worlds
@@ -391,7 +462,7 @@ def test_a_step_reduces_in_89s_table_order_and_updates_in_its_work_order(monkeyp
     # One Adam step of rank 0 of 2, the collectives recorded in place of gloo's: every reduce-scatter after backward
     # in #89's table's order, then each bucket's update and all-gather in #89's work order (small parameters first,
     # the Muon banks last). While tied, the embedding's bucket takes no part.
-    cfg = small_config(bucket_mb=1000.0)
+    cfg = small_config(bucket_mb=1000.0, bigram_rows=1031)  # not whole rows per rank: the table reduce-scatters too
     model = make_model(cfg, "recipe")
     opt = T.ShardedMuonAdam(model, cfg, 0, 2, compile_ns=False)
     names = {id(b.grad): b.names for b in opt.buckets} | {id(b.data): b.names for b in opt.buckets}
@@ -416,3 +487,27 @@ def test_a_step_reduces_in_89s_table_order_and_updates_in_its_work_order(monkeyp
     first = [min(T.WORK_ORDER.index(n) for n in names) for names in gathered]
     muon = sum(b.kind == "muon" for b in opt.buckets)
     assert first == sorted(first) and all(b.kind == "muon" for b in opt.work_order[-muon:])
+
+
+def test_the_bigram_hash_is_the_same_on_numpy_and_torch():
+    # #89's example (spec 3.3): position 0 takes the last row, position 1 hashes that row's index in x_0's place.
+    x = np.array([50256, 1000, 50256, 198], dtype=np.int32)
+    assert T.bigram_index(x, 754_560).tolist() == T.bigram_index(torch.from_numpy(x), 754_560).tolist() == [
+        754_559, 573_883, 187_911, 514_417]
+    tokens = np.random.default_rng(0).integers(0, 65536, (3, 200)).astype(np.int32)  # the widest uint16 tokens
+    for rows in (1031, 754_560):
+        host = T.bigram_index(tokens, rows)
+        assert host.dtype == np.int64 and (host[:, 0] == rows - 1).all()
+        assert np.array_equal(host, np.stack([T.bigram_index(torch.from_numpy(t), rows).numpy() for t in tokens]))
+
+
+def test_the_bigram_rows_exchange_needs_whole_rows_per_rank():
+    # 1031 rows: a shard of 515.5 rows at W = 2 would split a row between two owners; the dense reduce-scatter does.
+    for rows, world_size, exchanged in ((1032, 2, True), (1032, 4, True), (1031, 2, False), (1032, 1, False)):
+        cfg = small_config(bigram_rows=rows)
+        opt = T.ShardedMuonAdam(make_model(cfg, "recipe"), cfg, 0, world_size, compile_ns=False)
+        table = next(b for b in opt.buckets if b.names == [T.BIGRAM_TABLE])
+        assert isinstance(table, T.RowBucket) == exchanged and (opt.batch_rows() is None) != exchanged
+        if exchanged:  # this rank's own rows of its local gradient are its shard's
+            assert table.grad_shard.shape == ((rows // world_size) * cfg.bigram_dim,)
+            assert table.grad_shard.data_ptr() == table.grad.data_ptr()
