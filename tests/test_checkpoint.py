@@ -69,7 +69,7 @@ def test_a_resume_with_other_stage_lengths_continues_the_stream_where_the_checkp
     # The checkpoint saves the stream's exact position: new stage lengths apply to the data still to come, no
     # token is trained twice (re-deriving the position from the new lengths lands ~5k tokens back).
     staged = dict(train_seq_len=512, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", lr_stages="1,1,1",
-                  doc_len_stages="2048,2048,2048", mtp_stages="1,1,1", num_steps=6, val_every=0)
+                  doc_len_stages="2048,2048,2048", mtp_stages="1,1,1", num_steps=6, val_every=0, **SMALL)
     T.run(tiny_args(tmp_path, run_id="first", save_every=2, **staged))
     meta = T.read_checkpoint_meta(ckpt(tmp_path, "first", 2))
 

@@ -9,7 +9,7 @@ import torch
 
 import fa3_standin
 import train_gpt as T
-from conftest import tiny_args
+from conftest import SMALL, tiny_args
 
 
 
@@ -150,8 +150,8 @@ def test_the_fa3_path_in_bf16_follows_the_flex_path_to_bf16_rounding(tmp_path):
 
 def test_a_run_on_the_fa3_path_names_it_and_sizes_its_buffers_from_the_data(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "load_fa3", lambda: (fa3_standin.flash_attn_varlen_func, ""))
-    fa3 = T.run(tiny_args(tmp_path, run_id="fa3", attention="fa3", num_steps=4, val_every=2))
-    flex = T.run(tiny_args(tmp_path, run_id="flex", attention="flex", num_steps=4, val_every=2))
+    fa3 = T.run(tiny_args(tmp_path, run_id="fa3", attention="fa3", num_steps=4, val_every=2, **SMALL))
+    flex = T.run(tiny_args(tmp_path, run_id="flex", attention="flex", num_steps=4, val_every=2, **SMALL))
     log = (tmp_path / "logs" / "fa3.txt").read_text()
     assert "\nattention: fa3 (kernels-community/flash-attn3 version 1, varlen); cu_seqlens slots" in log
     assert "\nattention: flex (on the CPU" in (tmp_path / "logs" / "flex.txt").read_text()

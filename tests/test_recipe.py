@@ -330,11 +330,11 @@ def test_adam_every_other_step_applies_the_summed_gradients_of_two_steps():
 def scaled_recipe_args(tmp_path, **overrides) -> list[str]:
     """The tiny preset (the recipe at tiny shapes, its stages, extension, untie and Adam every other step in place
     of tests' ONE_STAGE), shortened to 12 scheduled steps (stages from steps 4 and 8, untied after 9) and the 2-step
-    extension with its longer windows: every boundary in 14 steps, of 4 sequences (half the tiny preset's) to be
-    quick."""
+    extension with its longer windows: every boundary in 14 steps, of 2 sequences of a narrower model (conftest's
+    SMALL) to be quick."""
     tiny = T.parse_config(["--preset=tiny"])
     staged = {name: getattr(tiny, name) for name in ONE_STAGE}
-    return tiny_args(tmp_path, **{**staged, "num_steps": 14, "val_every": 4, "global_batch_seqs": 4, **overrides})
+    return tiny_args(tmp_path, **{**staged, **SMALL, "num_steps": 14, "val_every": 4, **overrides})
 
 
 @pytest.mark.slow  # five runs of the scaled-down recipe
@@ -360,7 +360,7 @@ def test_fp8_mlps_delayed_scales_resume_bit_for_bit(tmp_path):
     """The GPU path's FP8 head and MLP on the CPU: the MLP's delayed scales (its weight scale from the step before, its
     input scale from the last forward) are model state a checkpoint carries, so a resume inside the delayed phase
     continues the run exactly."""
-    fp8 = dict(fp8_head="true", fp8_mlp="true", fp8_down_exact_steps=1, num_steps=4, val_every=2)
+    fp8 = dict(fp8_head="true", fp8_mlp="true", fp8_down_exact_steps=1, num_steps=4, val_every=2, **SMALL)
     full = T.run(tiny_args(tmp_path, run_id="fp8", save_every=2, **fp8))
     assert "fp8 head True, fp8 mlp True" in (tmp_path / "logs" / "fp8.txt").read_text()
     assert (full.model.fp8_act_scales != 1).all()
