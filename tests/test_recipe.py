@@ -346,7 +346,8 @@ def test_scaled_down_recipe_crosses_every_stage_and_resumes_bit_for_bit_inside_e
     log = (tmp_path / "logs" / "full.txt").read_text()
     assert [line.split(":")[1] for line in log.splitlines() if line.startswith("stage:")] == [
         " steps 0-3", " steps 4-7", " steps 8-11", " steps 12-13"]
-    for step in (2, 6, 10, 12):  # inside stages 0, 1 and 2 (after the untie), and the extension's start
+    for step in (6, 10, 12):  # inside stages 1 and 2 (after the untie), and the extension's start (stage 0's resume:
+        #                        tests/test_checkpoint.py)
         resumed = T.run(scaled_recipe_args(tmp_path, run_id=f"from{step}",
                                        resume=tmp_path / "logs" / "full" / f"ckpt_{step}"))
         assert resumed.val_losses == [v for v in full.val_losses if v[0] >= step], step
