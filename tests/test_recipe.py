@@ -337,7 +337,7 @@ def scaled_recipe_args(tmp_path, **overrides) -> list[str]:
     return tiny_args(tmp_path, **{**staged, **SMALL, "num_steps": 14, "val_every": 4, **overrides})
 
 
-@pytest.mark.slow  # five runs of the scaled-down recipe
+@pytest.mark.slow  # four runs of the scaled-down recipe
 def test_scaled_down_recipe_crosses_every_stage_and_resumes_bit_for_bit_inside_each(tmp_path):
     cfg = T.parse_config(scaled_recipe_args(tmp_path))
     assert T.stage_starts(cfg) == [0, 4, 8, 12, 14]
