@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-RECORD = Path("records/2026-11-26_tiny_cpu_89/tiny_cpu_w1.txt")
+RECORD = Path("records/2026-11-27_tiny_cpu_89/tiny_cpu_w1.txt")
 README = (REPO / "README.md").read_text()
 
 
@@ -29,7 +29,7 @@ def test_the_readme_installs_what_ci_installs_and_quotes_the_records_final_loss(
     final = json.loads((REPO / RECORD.with_suffix(".json")).read_text())["final_val_loss"]
     assert readme_final_line() == f"step:40/40 val_loss:{final:.4f}"
     rows = (REPO / "records" / "README.md").read_text().splitlines()
-    row = next(line for line in rows if "(2026-11-26_tiny_cpu_89/)" in line)
+    row = next(line for line in rows if "(2026-11-27_tiny_cpu_89/)" in line)
     assert f"| {final:.4f} |" in row  # records/README.md quotes the same run
 
 
