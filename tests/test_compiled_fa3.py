@@ -1,0 +1,40 @@
+"""The compiled FA3 path on the CPU (FA3's documented semantics by tests/fa3_standin.py inside the compiled graph): a
+graph per training plan, each built in the warmup. A file of its own beside tests/test_compiled.py, for a second test
+worker."""
+
+import re
+
+import torch
+
+import train_gpt as T
+from conftest import tiny_args
+from test_compiled import REHEARSAL, _fresh_dynamo_after, model_graphs, pytestmark  # noqa: F401  (fixture, mark)
+
+
+def test_compiled_fa3_path_compiles_each_training_plan_in_the_warmup_only(tmp_path, monkeypatch):
+    # FA3's arguments are Python numbers: a graph per plan, as in #89. Two stages of different lengths and short
+    # windows under one long window (so one YaRN scale), the last validation at the first stage's windows: two
+    # training graphs, both compiled in the warmup, and one validation graph. The stand-in (FA3's documented
+    # semantics on the CPU) runs inside the compiled graph, as FA3's kernel does on a GPU.
+    import fa3_standin
+    monkeypatch.setattr(T, "load_fa3", lambda: (fa3_standin.flash_attn_varlen_func, ""))
+    graphs_after_warmup = []
+    warmup = T.warmup
+
+    def counted_warmup(*args, **kwargs):
+        warmup(*args, **kwargs)
+        graphs_after_warmup.append(model_graphs())
+
+    monkeypatch.setattr(T, "warmup", counted_warmup)
+    torch._dynamo.reset()
+    args = dict(REHEARSAL, attention="fa3", fp8_mlp="false", seq_len_stages="256,512", window_stages="1/2,0/2",
+                lr_stages="1,1.5", doc_len_stages="192,2048", mtp_stages="1/0.5,1", final_val_windows="1/2",
+                num_steps=4, val_every=0)
+    result = T.run(tiny_args(tmp_path, run_id="fa3", **args))
+    log = (tmp_path / "logs" / "fa3.txt").read_text()
+    planned = int(re.search(r"^compile: graphs per function: model (\d+),", log, re.M).group(1))
+    assert graphs_after_warmup == [2] and model_graphs() == planned == 3
+    # cu_seqlens: the data's need at 256 tokens (where #89's rule, tokens // 300 rounded up to 128, gives 0), #89's
+    # rule at 512 and validating
+    assert re.search(r"^attention: fa3 .*256/192: 16 \(\d\), 512/2048: 128 \(\d\); validating 1024: 128", log, re.M)
+    assert [s for s, _ in result.val_losses] == [0, 4] and result.val_losses[1][1] < result.val_losses[0][1]
