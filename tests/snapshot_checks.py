@@ -14,7 +14,7 @@ from test_first_contact import DRIFT, cpu_kind, logged_losses
 ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 
 
-def rerun_tiny_record(snapshot: Path, record: Path, tmp_path: Path, run_id: str, steps: int = 8) -> bool:
+def rerun_tiny_record(snapshot: Path, record: Path, tmp_path: Path, run_id: str, steps: int = 6) -> bool:
     """Runs the snapshot's tiny preset, stops it with Ctrl-C once step `steps` is logged (it stops at a step boundary
     soon after: the same run as the record's so far, at a fifth of the CPU time), and checks every loss it logged
     against the tiny record (record: its log, any suffix): bit for bit on the record's kind of CPU (True), within the
