@@ -14,7 +14,7 @@ from test_compiled import REHEARSAL, _fresh_dynamo_after, model_graphs, pytestma
 
 
 @pytest.mark.skipif(os.environ.get("SPEEDRUN_SLOW_COMPILES") != "1",
-                    reason="opt-in (SPEEDRUN_SLOW_COMPILES=1): five minutes of cold compiles, over CI's budget; the FA3 "
+                    reason="opt-in (SPEEDRUN_SLOW_COMPILES=1): five minutes of cold compiles; the FA3 "
                            "graph counts are traced in test_gpu_path.py and the path runs eager in test_fa3_path.py")
 def test_compiled_fa3_path_compiles_each_training_plan_in_the_warmup_only(tmp_path, monkeypatch):
     # FA3's arguments are Python numbers: a graph per plan, as in #89. Two stages of different lengths and short
