@@ -1,0 +1,798 @@
+"""The custom ops of train_gpt.py's model and optimizer: the FP8 head's matmuls, record #89's FP8 MLP and its weight
+quantizer, and the Triton kernels (#89's: the MLP's persistent ReLU^2 GEMM in FP8 and bf16, its down-weight quantizer,
+the softcapped cross-entropy, the tiled transpose and the symmetric GEMMs of its Polar Express).
+
+Each is a torch.library op under torch.ops.speedrun with a fake kernel (what torch.compile traces) and an
+autograd rule; the torch path each one replaces stays in train_gpt.py's model as the reference. Importing this
+module registers the ops and nothing else: triton is imported when a kernel is first launched, and the FP8
+bodies are compiled on first call. records/sm90_kernels.py compiles the Triton kernels for the H100 offline.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
+# bf16; backward casts the output gradient to float8_e5m2. The scales are train_gpt.py's Config fields (#51/#55's:
+# x / (100/448), W / (1.6/448), the gradient / (0.75/448) before the loss scale folds in).
+# Each op's body is compiled (the casts fuse with the scaling and the transposes _scaled_mm needs); the
+# backward recasts the saved x and W rather than keeping fp8 copies (same memory, and every op input is a
+# dtype torch.library.opcheck can compare). A value past a format's range saturates to its largest, as the
+# record's compiled casts do on the GPU (Triton's); torch < 2.12 casts e4m3 overflow to NaN, e5m2's to inf.
+FP8_MAX_E4M3 = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def _to_fp8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    # The quotient in fp32, so it rounds once, into fp8 (a bf16 one would round to bf16 first).
+    limit = torch.finfo(dtype).max
+    return t.float().div(scale).clamp(-limit, limit).to(dtype)
+
+
+def _scales(values: list[float] | tuple[float, ...], like: Tensor) -> list[Tensor]:
+    # Tensors, not floats, into the compiled bodies: a float there is a constant of the graph, a new graph for each
+    # value. Made once per run's scales and device, not per micro-step.
+    return list(_scale_tensors(tuple(values), like.device))
+
+
+@functools.cache
+def _scale_tensors(values: tuple[float, ...], device: torch.device) -> tuple[Tensor, ...]:
+    # Fill kernels, not host-to-device copies: a copy of a Python scalar would synchronize the host.
+    return tuple(torch.full((), v, dtype=torch.float32, device=device) for v in values)
+
+
+def compiled_on_first_call(fn: Callable) -> Callable:
+    """fn under torch.compile (fullgraph, dynamic shapes), built when first called: torch.compile imports dynamo,
+    over a second of every process's start-up that a run without the FP8 head (a CPU run, --help) never needs.
+    Dynamic shapes and tensor arguments only, so a run's staged lengths and a process's many tests share a graph
+    per device and autograd context, far below dynamo's recompile limit (a hard failure). Every bf16 value is
+    rounded where eager rounds it (emulate_precision_casts): fused, Inductor would carry it on in fp32 (the FP8
+    MLP's post8 from an unrounded post)."""
+    build = functools.cache(lambda: torch.compile(fn, dynamic=True, fullgraph=True,
+                                                  options={"emulate_precision_casts": True}))
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return build()(*args)
+    return call
+
+
+@compiled_on_first_call
+def _fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
+    x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
+    return torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=x_s, scale_b=w_s)
+
+
+def _transposed(t: Tensor) -> Tensor:
+    """t^T (2-D) as a row-major copy: #89's tiled kernel on CUDA (inductor's copy of a transposed view reads it
+    strided), torch's copy elsewhere."""
+    return torch.ops.speedrun.transpose_copy(t) if t.is_cuda else t.T.contiguous()
+
+
+def _fp8_grads_of_codes(g_f8: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
+                        ) -> tuple[Tensor, Tensor]:
+    # _scaled_mm takes its first operand row-major and its second column-major: hence the transposed copies.
+    # Both GEMMs accumulate exactly (fast accumulation off), as #51's and #89's backward do.
+    x_f8 = _to_fp8(x, x_s, torch.float8_e4m3fn)
+    w_f8 = _to_fp8(w, w_s, torch.float8_e4m3fn)
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=grad_s, scale_b=w_s)
+    # (x^T g)^T rather than g^T x: the long dimension (tokens) is the reduction, and grad_w comes out column-major.
+    grad_w = torch._scaled_mm(_transposed(x_f8), _transposed(g_f8).T, out_dtype=torch.float32,
+                              scale_a=x_s, scale_b=grad_s).T
+    return grad_x, grad_w
+
+
+@compiled_on_first_call
+def _fp8_matmul_grads(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor
+                      ) -> tuple[Tensor, Tensor]:
+    return _fp8_grads_of_codes(_to_fp8(g, grad_s, torch.float8_e5m2), x, w, x_s, w_s, grad_s)
+
+
+_fp8_head_grads = compiled_on_first_call(_fp8_grads_of_codes)  # softcap_ce's kernel writes the e5m2 codes itself
+
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
+    """x @ w.T in bf16, with both operands scaled into float8_e4m3 (grad_s is the backward's gradient scale)."""
+    return _fp8_matmul(x, w, *_scales((x_s, w_s), x))
+
+
+@fp8_mm.register_fake
+def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> Tensor:
+    return x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """Gradients of fp8_mm: g / grad_s in float8_e5m2; grad_x in bf16, grad_w in fp32 (column-major)."""
+    return _fp8_matmul_grads(g, x, w, *_scales((x_s, w_s, grad_s), g))
+
+
+@fp8_mm_backward.register_fake
+def _(g: Tensor, x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    # The strides the real op returns: compiled callers check them (grad_w is a transposed row-major result).
+    return x.new_empty(x.shape, dtype=torch.bfloat16), w.new_empty(w.shape[::-1], dtype=torch.float32).T
+
+
+def _fp8_mm_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.scales = inputs[2:]
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _fp8_mm_grad(ctx, grad_out: Tensor) -> tuple:
+    x, w = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x, w, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
+
+
+# The MLP's ReLU^2 GEMM (#89's linear_relu_square, after #59 and #87): one persistent Triton GEMM, A (M, K) times
+# B (N, K)^T, whose epilogue makes the MLP's activations, in three modes. FP8 forward (training): e4m3 x8 and W8_fc,
+# the fp32 accumulator times the dequant scale, pre = bf16, post = bf16(relu(pre)^2), post8 = e4m3(min(post /
+# s_act, 448)) for the down-projection, and each program's max(post) for the next step's s_act. bf16 forward
+# (validation, or training without FP8): pre and post. Backward: dpre = bf16(2 bf16(g W_proj^T) relu(pre)), aux =
+# pre. #89's tiles (128 x 256, K blocks of 128 in FP8, 64 in bf16) through TMA descriptors; a grid of one program
+# per SM, each looping over tiles (persistent), its epilogue in two halves of N (half the registers live). Built on
+# first use (triton imported then); with TRITON_INTERPRET=1 it runs on CPU tensors, which is how the tests check it.
+MLP_BLOCK_M, MLP_BLOCK_N = 128, 256
+# (BLOCK_K, num_stages) of each mode, #89's: K blocks of 128 bytes; fewer stages where the epilogue's stores (pre,
+# post, post8) or the backward's read of pre need shared memory too (records/sm90_kernels.py: each within sm90's).
+MLP_GEMM_MODES = {"fp8 forward": (128, 3), "bf16 forward": (64, 4), "backward": (64, 3)}
+MLP_PROGRAMS_OFF_GPU = 4  # the persistent grid off a GPU (the interpreter): small, so that programs loop over tiles
+
+
+def _persistent_width(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else \
+        MLP_PROGRAMS_OFF_GPU
+
+
+def mlp_programs(rows: int, hidden: int, device: torch.device, width: int | None = None) -> int:
+    """Programs the ReLU^2 GEMM launches for (rows, hidden) outputs: one per SM (width), or one per tile where
+    fewer. The FP8 forward's partial maxima are one per program: the fake kernels size them by this too."""
+    return torch.sym_min(width or _persistent_width(device), -(-rows // MLP_BLOCK_M) * -(-hidden // MLP_BLOCK_N))
+
+
+@functools.cache
+def linear_relu_square_launcher() -> Callable:
+    global tl, relu2_epilogue  # module globals, as Triton (its interpreter too) resolves a kernel's names there
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # One half tile: the activations from its fp32 accumulator acc. Every product is formed in fp32 from bf16
+    # values (exact: 8 x 8 significant bits) and rounded once to bf16, which is what bf16 arithmetic computes.
+    @triton.jit
+    def relu2_epilogue(acc, m0, n0, c_desc, aux_desc, post8_desc, inv_act_scale, amax, FORWARD: tl.constexpr,
+                       FP8: tl.constexpr):
+        c = acc.to(c_desc.dtype)
+        if FORWARD:
+            c_desc.store([m0, n0], c)
+            r = tl.maximum(c.to(tl.float32), 0.0)
+            post = (r * r).to(aux_desc.dtype)
+            aux_desc.store([m0, n0], post)
+            if FP8:  # post >= 0: only the upper clamp (and the cast saturates too)
+                post32 = post.to(tl.float32)
+                post8_desc.store([m0, n0], tl.minimum(post32 * inv_act_scale, 448.0).to(post8_desc.dtype))
+                amax = tl.maximum(amax, tl.max(tl.max(post32, axis=1), axis=0))
+        else:
+            pre = aux_desc.load([m0, n0]).to(tl.float32)
+            c_desc.store([m0, n0], (2 * c.to(tl.float32) * tl.maximum(pre, 0.0)).to(c_desc.dtype))
+        return amax
+
+    # The scales are one fp32 each, s_act a layer's element of a buffer: no alignment specialization (one compile
+    # for every layer, not one per alignment of its offset).
+    @triton.jit(do_not_specialize_on_alignment=["dequant_ptr", "act_scale_ptr"])
+    def kernel(a_desc, b_desc, c_desc, aux_desc, post8_desc, amax_ptr, dequant_ptr, act_scale_ptr, M, N, K,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SMS: tl.constexpr,
+               FORWARD: tl.constexpr, FP8: tl.constexpr):
+        # Program p runs tiles p, p + NUM_SMS, ... in row-major order (its neighbours share A's rows in L2). The
+        # descriptors zero-fill reads past M, N, K and drop writes there: the tails need no masks. 1 / s_act by
+        # IEEE division (Triton's / is approximate on the GPU), as the torch path computes it.
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        amax = 0.0
+        inv_act_scale = 1.0
+        dequant = 1.0
+        if FP8:
+            inv_act_scale = tl.math.div_rn(1.0, tl.load(act_scale_ptr))
+            dequant = tl.load(dequant_ptr)
+        for tile in tl.range(pid, tl.cdiv(M, BLOCK_M) * tiles_n, NUM_SMS, flatten=True):
+            m0 = tile // tiles_n * BLOCK_M
+            n0 = tile % tiles_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
+            if FP8:
+                acc = acc * dequant  # one fp32 multiply, then one rounding to bf16
+            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            amax = relu2_epilogue(lo, m0, n0, c_desc, aux_desc, post8_desc, inv_act_scale, amax, FORWARD, FP8)
+            amax = relu2_epilogue(hi, m0, n0 + BLOCK_N // 2, c_desc, aux_desc, post8_desc, inv_act_scale, amax,
+                                  FORWARD, FP8)
+        if FP8:
+            tl.store(amax_ptr + pid, amax)
+
+    def launch(a: Tensor, b: Tensor, aux: Tensor | None = None, scales: tuple[Tensor, Tensor] | None = None,
+               num_sms: int | None = None) -> tuple[Tensor, ...]:
+        """a (M, K) @ b (N, K)^T, row-major. FP8 forward: scales = (dequant, act_scale), fp32 0-d, a and b e4m3;
+        returns (pre, post, post8, partial maxima (programs,)). bf16 forward (no aux, no scales): (pre, post).
+        Backward: aux = pre, a = g, b = W_proj; returns (dpre,). num_sms: the persistent grid's width (default:
+        the GPU's SMs). Rows of 16 bytes (TMA): K a multiple of 16 in FP8, of 8 in bf16; N of 16."""
+        a, b = a.contiguous(), b.contiguous()
+        (M, K), N = a.shape, b.size(0)
+        fp8, forward = scales is not None, aux is None
+        if (K * a.element_size()) % 16 or N % 16:
+            raise ValueError(f"the ReLU^2 GEMM reads rows of 16 bytes: K={K} ({a.dtype}) and N={N} do not fit")
+        bk, stages = MLP_GEMM_MODES["fp8 forward" if fp8 else "bf16 forward" if forward else "backward"]
+        width = num_sms or _persistent_width(a.device)  # the loop's stride: a constant per GPU, one compile
+        programs = mlp_programs(M, N, a.device, width)
+        out_dtype = torch.bfloat16 if fp8 else a.dtype
+        c = a.new_empty(M, N, dtype=out_dtype)
+        aux = a.new_empty(M, N, dtype=out_dtype) if forward else aux.contiguous()
+        post8 = a.new_empty(M, N, dtype=torch.float8_e4m3fn) if fp8 else None
+        amax = a.new_empty(programs, dtype=torch.float32) if fp8 else None  # every slot written: one per program
+        half = [MLP_BLOCK_M, MLP_BLOCK_N // 2]
+        descs = [TensorDescriptor.from_tensor(t, block) if t is not None else None for t, block in (
+            (a, [MLP_BLOCK_M, bk]), (b, [MLP_BLOCK_N, bk]), (c, half), (aux, half), (post8, half))]
+        kernel[(programs,)](*descs, amax, *(scales or (None, None)), M, N, K, BLOCK_M=MLP_BLOCK_M,
+                            BLOCK_N=MLP_BLOCK_N, BLOCK_K=bk, NUM_SMS=width, FORWARD=forward, FP8=fp8,
+                            num_warps=8, num_stages=stages)
+        return (c, aux, post8, amax) if fp8 else (c, aux) if forward else (c,)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+# #89's tiled transpose (transpose_copy), for the FP8 head's backward on CUDA (_transposed): dst = src^T, an exact
+# copy of any dtype. Each program moves one tile: read along src's rows, written along dst's rows, Triton staging the
+# tile's transpose through shared memory, so both sides are coalesced. Offsets in int64: the head's e5m2 gradient
+# (49,152 x 50,304 a rank) has more elements than int32 counts.
+TRANSPOSE_CONFIG = (64, 128, 8, 2)  # (BLOCK_M, BLOCK_N, num_warps, num_stages): #89's
+
+
+@functools.cache
+def transpose_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(src_ptr, dst_ptr, M, N, ssm, ssn, sdn, sdm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        tile = tl.load(src_ptr + rm[:, None] * ssm + rn[None, :] * ssn, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(dst_ptr + rn[:, None] * sdn + rm[None, :] * sdm, tl.trans(tile),
+                 mask=(rn[:, None] < N) & (rm[None, :] < M))
+
+    def launch(src: Tensor, dst: Tensor) -> None:
+        (M, N), (bm, bn, warps, stages) = src.shape, TRANSPOSE_CONFIG
+        kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](src, dst, M, N, *src.stride(), *dst.stride(), BLOCK_M=bm,
+                                                         BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+@torch.library.custom_op("speedrun::transpose_copy", mutates_args=())
+def transpose_copy(x: Tensor) -> Tensor:
+    """x^T for a 2-D x of any dtype, as a new row-major tensor, by the tiled Triton kernel."""
+    out = x.new_empty(x.size(1), x.size(0))
+    transpose_launcher()(x, out)
+    return out
+
+
+@transpose_copy.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(x.size(1), x.size(0))
+
+
+# Polar Express's symmetric GEMMs (#89's XXT, XTX and ba_plus_cAA), the Muon step's kernels on CUDA (train_gpt.py's
+# polar_express). One kernel: C = alpha G G^T (+ beta A), G the rows of A (xxt) or its columns read in place (xtx: a
+# tall block's A^T A without a transposed copy), fp32 accumulation, alpha acc + beta fp32(A) in fp32, one rounding
+# to bf16. C is symmetric: only the tiles on and below the diagonal are computed, each stored twice (itself and its
+# mirror), the diagonal's once: about half a GEMM's work. Rows past the edge are read wrapped (valid memory, never
+# stored), the reduction's tail masked. Batched over matrices by the grid's third axis.
+GRAM_CONFIG = (128, 64, 8, 4)  # (BLOCK: square output tiles, BLOCK_K, num_warps, num_stages): #89's H100 tuning
+
+
+@functools.cache
+def gram_launcher() -> Callable:
+    global tl  # a module global, as Triton (its interpreter too) resolves the kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(a_ptr, c_ptr, N, K: tl.constexpr, sab, san, sak, scb, scn, scm, alpha, beta, BLOCK: tl.constexpr,
+               BLOCK_K: tl.constexpr, ADD: tl.constexpr):
+        # C[i, j] = alpha sum_k G[i, k] G[j, k] (+ beta A[i, j]), G[n, k] at a_ptr + n san + k sak. K, the reduction's
+        # length, a constant: a block's width or height (256, 768, 3072), and the interpreter's loops need one.
+        ti, tj, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if tj > ti:
+            return
+        a = a_ptr + batch.to(tl.int64) * sab
+        ri = ti * BLOCK + tl.arange(0, BLOCK)
+        rj = tj * BLOCK + tl.arange(0, BLOCK)
+        gi, gj = a + (ri % N)[:, None] * san, a + (rj % N)[:, None] * san
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(gi + ks[None, :] * sak, mask=ks[None, :] < K, other=0.0)
+            y = tl.load(gj + ks[None, :] * sak, mask=ks[None, :] < K, other=0.0)
+            acc = tl.dot(x, tl.trans(y), acc)
+        inside = (ri[:, None] < N) & (rj[None, :] < N)
+        if ADD:
+            acc = acc * alpha + beta * tl.load(a + ri[:, None] * san + rj[None, :] * sak, mask=inside,
+                                               other=0.0).to(tl.float32)
+        c = acc.to(c_ptr.dtype.element_ty)
+        out = c_ptr + batch.to(tl.int64) * scb
+        tl.store(out + ri[:, None] * scn + rj[None, :] * scm, c, mask=inside)
+        if ti != tj:  # the mirror tile
+            tl.store(out + rj[:, None] * scn + ri[None, :] * scm, tl.trans(c),
+                     mask=(rj[:, None] < N) & (ri[None, :] < N))
+
+    def launch(a: Tensor, out: Tensor, columns: bool = False, alpha: float = 1.0, beta: float | None = None) -> None:
+        """out = alpha G G^T (+ beta a) for a (n, k) or (b, n, k): G = a's rows, or with columns=True its columns
+        (out = alpha a^T a); beta: the epilogue's term, for a square symmetric a (ba_plus_cAA)."""
+        a3, out3 = (a[None], out[None]) if a.dim() == 2 else (a, out)
+        rows, cols = a3.shape[1:]
+        sab, sr, sc = a3.stride()
+        N, K, san, sak = (cols, rows, sc, sr) if columns else (rows, cols, sr, sc)
+        block, block_k, warps, stages = GRAM_CONFIG
+        tiles = triton.cdiv(N, block)
+        kernel[(tiles, tiles, a3.size(0))](a3, out3, N, K, sab, san, sak, *out3.stride(), alpha,
+                                           0.0 if beta is None else beta, BLOCK=block, BLOCK_K=block_k,
+                                           ADD=beta is not None, num_warps=warps, num_stages=stages)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+def _gram(a: Tensor, columns: bool, alpha: float = 1.0, beta: float | None = None) -> Tensor:
+    n = a.size(-1) if columns else a.size(-2)
+    out = a.new_empty(*a.shape[:-2], n, n)
+    gram_launcher()(a, out, columns, alpha, beta)
+    return out
+
+
+@torch.library.custom_op("speedrun::xxt", mutates_args=())
+def xxt(x: Tensor) -> Tensor:
+    """x x^T for x (n, k) or (b, n, k) bf16 (a wide or square block): fp32 accumulation, rounded once to bf16."""
+    return _gram(x, columns=False)
+
+
+@torch.library.custom_op("speedrun::xtx", mutates_args=())
+def xtx(x: Tensor) -> Tensor:
+    """x^T x for x (n, k) or (b, n, k) bf16 (a tall block), read in place: fp32 accumulation, one rounding."""
+    return _gram(x, columns=True)
+
+
+@torch.library.custom_op("speedrun::ba_plus_caa", mutates_args=())
+def ba_plus_caa(a: Tensor, b: float, c: float) -> Tensor:
+    """b a + c a^2 for a symmetric a (n, n) or (b, n, n) bf16: c (a a^T) + b a in fp32, one rounding to bf16."""
+    return _gram(a, columns=False, alpha=c, beta=b)
+
+
+@xxt.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], x.size(-2))
+
+
+@xtx.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-2], x.size(-1), x.size(-1))
+
+
+@ba_plus_caa.register_fake
+def _(a: Tensor, b: float, c: float) -> Tensor:
+    return torch.empty_like(a)
+
+
+# Fused head + softcapped (multi-token) cross-entropy (#60, #67, #75) with #89's numerics, for --fused_head: the
+# logits are made HEAD_CHUNK_ROWS rows at a time and one Triton kernel turns each chunk into its rows' losses and
+# their gradient. The loss ends the graph, so its gradient is computed in the forward and backward only scales it:
+# neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does (validation, loss only,
+# too). #89's rounding: in training s = sigmoid((z + shift) / temp) is rounded to bf16 and u = cap s formed from
+# it; each row's gradient weighs the softmax by all K weights (S_w) even where t + k is past the end, while the loss
+# and the target term leave those k out (#89's tail quirk: the last K - 1 rows). Validation rounds u = cap s to the
+# logits' dtype (#89's compiled softcap: bf16). With FP8 scales the kernel writes the gradient as e5m2 codes of
+# dloss/dz / grad_s (nearest, saturating at +-57344: #89's cvt.rn.satfinite), which the head's FP8 backward GEMMs
+# take as they are.
+HEAD_CHUNK_ROWS = 8192  # 8192 x 50304 bf16 logits: 0.8 GB in place of 4.9 GB per micro-step (26 GB validating)
+
+
+@functools.cache
+def softcap_ce_launcher() -> Callable:
+    global tl, round_bf16, capped, round_e5m2  # module globals, as Triton (its interpreter too) resolves a kernel's names there
+    import triton
+    import triton.language as tl
+
+    # Roundings by the bits, kept in fp32, so that the store's cast is exact: the GPU's casts round to nearest even,
+    # the interpreter's truncate (bf16) or round ties up and truncate subnormals (fp8). Finite x only.
+    @triton.jit
+    def round_bf16(x):
+        b = x.to(tl.uint32, bitcast=True)
+        b += 0x7FFF + ((b >> 16) & 1)
+        return ((b >> 16) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def capped(s, cap, GRAD: tl.constexpr, dtype: tl.constexpr):
+        # u = cap s: training rounds the sigmoid s to bf16 first (#89's kernel), validation u to the logits' dtype
+        if GRAD:
+            return cap * round_bf16(s)
+        u = cap * s
+        if dtype == tl.bfloat16:
+            u = round_bf16(u)
+        elif dtype == tl.float16:
+            u = u.to(tl.float16).to(tl.float32)
+        return u
+
+    @triton.jit
+    def round_e5m2(x):
+        # 2 mantissa bits from 2^-14 up, saturating at 57344; below, multiples of 2^-16 (the fp32 ulp at 128)
+        a = tl.minimum(tl.abs(x), 57344.0)
+        b = a.to(tl.uint32, bitcast=True)
+        b += 0xFFFFF + ((b >> 21) & 1)
+        r = tl.where(a < 0.00006103515625, (a + 128.0) - 128.0, ((b >> 21) << 21).to(tl.float32, bitcast=True))
+        return tl.where(x < 0, -r, r)
+
+    @triton.jit
+    def kernel(z_ptr, z_stride, g_ptr, g_stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
+               grad_s, V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
+        # One program per row t = row0 + r, u its softcap (above): the loss sum_k w_k (lse - u[y_(t+k)]) over the k
+        # with t + k < T; GRAD: g = (S_w softmax(u) - sum_k w_k onehot(y_(t+k))) (cap / temp) s (1 - s) / grad_s in
+        # g_ptr's dtype, the sums' order #89's. u <= cap, so lse = cap + log sum exp(u - cap) needs no running max.
+        # sigmoid and cdiv written out: tl's are jit functions, which the interpreter re-patches at every call.
+        r = tl.program_id(0)
+        row = z_ptr + r.to(tl.int64) * z_stride
+        inv_temp = 1 / temp
+        bias = shift * inv_temp
+        sums = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
+            cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
+            s = 1 / (1 + tl.exp(-(tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_temp + bias)))
+            u = capped(s, cap, GRAD, z_ptr.dtype.element_ty)
+            sums += tl.where(cols < V, tl.exp(u - cap), 0.0)
+        lse = cap + tl.log(tl.sum(sums, axis=0))
+        ks = tl.arange(0, K)
+        valid = row0 + r + ks < T
+        ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
+        ws = tl.load(weights_ptr + ks)
+        s_y = 1 / (1 + tl.exp(-(tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) * inv_temp + bias)))
+        u_y = capped(s_y, cap, GRAD, z_ptr.dtype.element_ty)
+        tl.store(loss_ptr + r, tl.sum(tl.where(valid, ws * (lse - u_y), 0.0), axis=0))
+        if GRAD:
+            coef = tl.sum(ws, axis=0)  # S_w
+            scale = cap * inv_temp * (1 / grad_s)
+            out = g_ptr + r.to(tl.int64) * g_stride
+            for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
+                cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
+                a = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_temp + bias
+                s = round_bf16(1 / (1 + tl.exp(-a)))
+                picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
+                g = scale * (coef * tl.exp(cap * s - lse) - picked) * s * (1 - s)
+                if g_ptr.dtype.element_ty == tl.float8e5:
+                    g = round_e5m2(g)
+                elif g_ptr.dtype.element_ty == tl.bfloat16:
+                    g = round_bf16(g)
+                tl.store(out + cols, g.to(g_ptr.dtype.element_ty), mask=cols < V)
+
+    def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
+               temp: float, grad: Tensor | None = None, grad_s: float = 1.0, block_v: int = 1024) -> None:
+        """grad: where the gradient goes (z itself for the bf16 head; e5m2 codes for the FP8 one), None for the
+        loss alone (validation's rounding). weights: fp32, padded with zeros to a power of two (tl.arange's rule;
+        softcap_ce pads them once)."""
+        out = z if grad is None else grad
+        kernel[(z.size(0),)](z, z.stride(0), out, out.stride(0), targets, weights, losses, row0, targets.numel(), cap,
+                             shift, temp, grad_s, V=z.size(1), K=weights.numel(), BLOCK_V=block_v,
+                             GRAD=grad is not None)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+@torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
+def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
+               scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u #89's softcap of x w^T
+    (above), the terms past the end left out; dloss/dx in x's dtype, dloss/dw in fp32 (#89's). scales: fp8_scales()
+    of loss scale 1 (grad_s sets the e5m2 codes' range; the loss scale reaches the gradients through autograd): the
+    head's GEMMs in FP8 as #89 runs them; [] runs them in x's dtype. with_grad=False (no autograd: validation)
+    gives the loss alone, with validation's rounding, the gradients empty."""
+    if not with_grad:
+        grad_x, grad_w = x.new_empty(0), w.new_empty(0, dtype=torch.float32)
+    else:
+        grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
+    losses = torch.empty(x.size(0), dtype=torch.float32, device=x.device)  # per row, summed once at the end
+    weights = F.pad(weights.float(), (0, max(2, 1 << (weights.numel() - 1).bit_length()) - weights.numel()))
+    w_x = None if scales else w.type_as(x)  # the FP8 GEMMs cast w themselves
+    grad_s = scales[2] if scales else 1.0
+    scale_tensors = _scales(scales, x)
+    for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
+        xc = x[row0: row0 + HEAD_CHUNK_ROWS]
+        z = _fp8_matmul(xc, w, *scale_tensors[:2]) if scales else xc @ w_x.T
+        grad = None if not with_grad else torch.empty_like(z, dtype=torch.float8_e5m2) if scales else z
+        softcap_ce_launcher()(z, targets, weights, losses[row0:], row0, cap, shift, temp, grad, grad_s)
+        if grad is None:
+            continue
+        gx, gw = _fp8_head_grads(grad, xc, w, *scale_tensors) if scales else (z @ w_x, z.T @ xc)
+        grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
+        grad_w += gw
+    return losses.sum(), grad_x, grad_w
+
+
+@softcap_ce.register_fake
+def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
+      scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    grads = ((torch.empty_like(x), torch.empty_like(w, dtype=torch.float32)) if with_grad
+             else (x.new_empty(0), w.new_empty(0, dtype=torch.float32)))
+    return x.new_empty((), dtype=torch.float32), *grads
+
+
+def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
+    # grad_w stays fp32 through the loss scale; autograd rounds it once, to w's dtype
+    grad_x, grad_w = ctx.saved_tensors
+    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None, None
+
+
+softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
+
+
+# FP8 MLP (#84's up-projection, #89's down-projection), training only: relu(x W_fc^T)^2 W_proj with both GEMMs in
+# float8_e4m3 (spec 4.8.2-4.8.3) and the backward in bf16 from the bf16 weights, x, pre and post ("straight-through",
+# 4.8.4), as #89's FusedLinearReLUSquareFunction. The weights' codes and scales come from quantize_mlp_weights_ once
+# per optimizer step; x's scale is its current amax, post's a delayed one (the caller's, from the partial maxima
+# this op returned in the previous training forward). kernel=True (--relu2_kernel): the up-projection, ReLU^2 and
+# post8 in linear_relu_square's FP8 mode and dpre in its backward mode, as #89; else the torch path, compiled on
+# first call like the FP8 head's (the reference, and the CPU's). The down-projection is torch._scaled_mm either way.
+def _mlp_input_codes(x: Tensor, up_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """x's e4m3 codes at its current scale, and the up-projection's dequant scale."""
+    amax = x.abs().amax().clamp(min=1e-12).float()  # clamped in x's dtype, as #89's eager-written graph
+    x8 = (x.float() * (FP8_MAX_E4M3 / amax)).to(torch.float8_e4m3fn)
+    return x8, up_scale * amax / FP8_MAX_E4M3  # #89's buffer: s_up, times amax, over 448, fp32
+
+
+def _down_projection(post8: Tensor, w8_proj_t: Tensor, act_scale: Tensor, down_scale: Tensor) -> Tensor:
+    return torch._scaled_mm(post8, w8_proj_t.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=act_scale,
+                            scale_b=down_scale)
+
+
+_mlp_fp8_input = compiled_on_first_call(_mlp_input_codes)  # the kernel path's x8 (the GEMM kernel reads codes)
+
+
+@compiled_on_first_call
+def _mlp_fp8_forward(x: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor, down_scale: Tensor,
+                     act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    x8, dequant = _mlp_input_codes(x, up_scale)
+    # pre = bf16(dequant x the fast-accumulated dot) (Triton's fp8 default on sm90): one fp32 multiply, one rounding.
+    # cuBLAS scales the fp32 accumulator so; torch's CPU _scaled_mm scales the operands first, so there the
+    # accumulator comes out in fp32 and is scaled here.
+    one = torch.ones_like(dequant)
+    if x.is_cuda:
+        pre = torch._scaled_mm(x8, w8_fc.T, out_dtype=torch.bfloat16, use_fast_accum=True, scale_a=dequant,
+                               scale_b=one)
+    else:
+        pre = (torch._scaled_mm(x8, w8_fc.T, out_dtype=torch.float32, scale_a=one, scale_b=one) * dequant).bfloat16()
+    post = torch.relu(pre).square()
+    post8 = (post.float() * (1 / act_scale)).clamp(max=FP8_MAX_E4M3).to(torch.float8_e4m3fn)  # post >= 0
+    return _down_projection(post8, w8_proj_t, act_scale, down_scale), post.amax().float().view(1), pre, post
+
+
+@compiled_on_first_call
+def _mlp_grads(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    d_pre = 2 * (g @ w_proj.T) * torch.relu(pre)  # bf16: 2h is exact, the product rounds once (#89's epilogue)
+    return d_pre @ w_fc, d_pre.T @ x, post.T @ g
+
+
+@torch.library.custom_op("speedrun::mlp_fp8_forward", mutates_args=())
+def mlp_fp8_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
+                    down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mlp_fp8's (out, post's partial maxima) and the bf16 pre and post (M, hidden) its backward keeps, as #89."""
+    if not kernel:
+        return _mlp_fp8_forward(x, w8_fc, up_scale, w8_proj_t, down_scale, act_scale)
+    x8, dequant = _mlp_fp8_input(x, up_scale)
+    pre, post, post8, maxima = linear_relu_square_launcher()(x8, w8_fc, scales=(dequant, act_scale))
+    return _down_projection(post8, w8_proj_t, act_scale, down_scale), maxima, pre, post
+
+
+@mlp_fp8_forward.register_fake
+def _(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
+      down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    hidden = x.new_empty(x.size(0), w_fc.size(0), dtype=torch.bfloat16)
+    maxima = mlp_programs(x.size(0), w_fc.size(0), x.device) if kernel else 1
+    return (x.new_empty(x.size(0), w_proj.size(1), dtype=torch.bfloat16), x.new_empty(maxima, dtype=torch.float32),
+            hidden, torch.empty_like(hidden))
+
+
+def _mlp_fp8_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.kernel = inputs[-1]
+    ctx.save_for_backward(*inputs[:3], *output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _mlp_fp8_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
+    return *torch.ops.speedrun.mlp_backward(grad_out, *ctx.saved_tensors, ctx.kernel), *[None] * 6
+
+
+mlp_fp8_forward.register_autograd(_mlp_fp8_grad, setup_context=_mlp_fp8_setup)
+
+
+# The bf16 MLP through the ReLU^2 GEMM (--relu2_kernel outside FP8 training: validation, a run without FP8): its
+# bf16 forward mode makes pre and post, torch multiplies post by W_proj; the backward is the FP8 MLP's (#89's
+# FusedLinearReLUSquareFunction without FP8). All bf16 (x and both weights).
+@torch.library.custom_op("speedrun::mlp_relu2_forward", mutates_args=())
+def mlp_relu2_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """mlp_relu2's output and the pre and post (M, hidden) its backward keeps."""
+    pre, post = linear_relu_square_launcher()(x, w_fc)
+    return post @ w_proj, pre, post
+
+
+@mlp_relu2_forward.register_fake
+def _(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    hidden = x.new_empty(x.size(0), w_fc.size(0))
+    return x.new_empty(x.size(0), w_proj.size(1)), hidden, torch.empty_like(hidden)
+
+
+def _mlp_relu2_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _mlp_relu2_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
+    return torch.ops.speedrun.mlp_backward(grad_out, *ctx.saved_tensors, True)
+
+
+mlp_relu2_forward.register_autograd(_mlp_relu2_grad, setup_context=_mlp_relu2_setup)
+
+
+@torch.library.custom_op("speedrun::mlp_backward", mutates_args=())
+def mlp_backward(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor, kernel: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of mlp_fp8 and mlp_relu2 (grad_x, grad_w_fc, grad_w_proj), bf16: dpre = bf16(2 bf16(g W_proj^T)
+    relu(pre)) (kernel: the ReLU^2 GEMM's backward mode), dpre W_fc, dpre^T x, post^T g. An op of its own, as
+    fp8_mm_backward: a compiled caller traces it opaque."""
+    if not kernel:
+        return _mlp_grads(g, x, w_fc, w_proj, pre, post)
+    (d_pre,) = linear_relu_square_launcher()(g, w_proj, aux=pre)
+    return d_pre @ w_fc, d_pre.T @ x, post.T @ g
+
+
+@mlp_backward.register_fake
+def _(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor, kernel: bool
+      ) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
+
+
+# The public ops, composite: each is its forward op, whose extra outputs (pre, post) autograd keeps for the backward.
+torch.library.define("speedrun::mlp_fp8", "(Tensor x, Tensor w_fc, Tensor w_proj, Tensor w8_fc, Tensor up_scale, "
+                     "Tensor w8_proj_t, Tensor down_scale, Tensor act_scale, bool kernel) -> (Tensor, Tensor)")
+torch.library.define("speedrun::mlp_relu2", "(Tensor x, Tensor w_fc, Tensor w_proj) -> Tensor")
+
+
+@torch.library.impl("speedrun::mlp_fp8", "CompositeImplicitAutograd")
+def mlp_fp8(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
+            down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor]:
+    """(out, maxima): relu(x W_fc^T)^2 W_proj in FP8 for x (M, d) bf16, w_fc and w_proj (hidden, d) bf16 (the
+    gradients' operands), w8_fc (hidden, d) and w8_proj_t (d, hidden) their e4m3 codes with their 0-d fp32 scales
+    up_scale and down_scale (quantize_mlp_weights_'s up_scales[l], used_scales[l]), act_scale post's delayed
+    scale; maxima: fp32 partial maxima of post (the kernel's, one per program; the torch path's one), whose max is
+    the next step's act_scale's amax. kernel: linear_relu_square (above). Gradients reach x, w_fc and w_proj."""
+    return tuple(torch.ops.speedrun.mlp_fp8_forward(x, w_fc, w_proj, w8_fc, up_scale, w8_proj_t, down_scale,
+                                                    act_scale, kernel)[:2])
+
+
+@torch.library.impl("speedrun::mlp_relu2", "CompositeImplicitAutograd")
+def mlp_relu2(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    """relu(x W_fc^T)^2 W_proj for x (M, d), w_fc and w_proj (hidden, d), all bf16, by the ReLU^2 GEMM."""
+    return torch.ops.speedrun.mlp_relu2_forward(x, w_fc, w_proj)[0]
+
+
+# The down-projection's weight quantizer on the GPU (#89's quantize_transpose_mlp_down_weights and the scales'
+# reduction): one program per layer and 64 x 64 tile of W_proj writes the tile's e4m3 codes transposed (W_proj^T
+# row-major: _scaled_mm's column-major W_proj) and the tile's max |W|; a second kernel reduces each layer's tile
+# maxima to its next scale. Division by IEEE rounding and the saturating cast: the torch path's codes, bit for bit.
+@functools.cache
+def amax_scales_launcher() -> Callable:
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(maxima_ptr, scales_ptr, stride, COUNT: tl.constexpr, HEADROOM: tl.constexpr, BLOCK: tl.constexpr):
+        # scale[l] = max(max_j maxima[l, j], 1e-12) x fp32(headroom / 448), as torch's fp32 tensor x Python float
+        offsets = tl.arange(0, BLOCK)
+        values = tl.load(maxima_ptr + tl.program_id(0) * stride + offsets, mask=offsets < COUNT, other=0.0)
+        tl.store(scales_ptr + tl.program_id(0), tl.maximum(tl.max(values, axis=0), 1e-12) * (HEADROOM / 448.0))
+
+    def launch(maxima: Tensor, scales: Tensor, headroom: float) -> None:
+        """scales (L,) fp32 := max(max of each row of maxima (L, P) >= 0, 1e-12) x headroom / 448."""
+        layers, count = maxima.shape
+        kernel[(layers,)](maxima, scales, maxima.stride(0), COUNT=count, HEADROOM=headroom,
+                          BLOCK=triton.next_power_of_2(count), num_warps=4, num_stages=1)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+QUANT_BLOCK = 64  # #89's tiles: 48 x 12 = 576 per 3072 x 768 layer
+
+
+@functools.cache
+def quantize_mlp_down_launcher() -> Callable:
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(w_ptr, out_ptr, next_ptr, used_ptr, maxima_ptr, layer_stride, row_stride, HIDDEN: tl.constexpr,
+               DIM: tl.constexpr, BLOCK: tl.constexpr):
+        layer, tile = tl.program_id(0), tl.program_id(1)
+        tiles_d = (DIM + BLOCK - 1) // BLOCK
+        h = tile // tiles_d * BLOCK + tl.arange(0, BLOCK)
+        d = tile % tiles_d * BLOCK + tl.arange(0, BLOCK)
+        inside = (h[:, None] < HIDDEN) & (d[None, :] < DIM)
+        w = tl.load(w_ptr + layer * layer_stride + h[:, None] * row_stride + d[None, :], mask=inside,
+                    other=0.0).to(tl.float32)
+        scale = tl.load(next_ptr + layer)
+        q = tl.math.div_rn(w, tl.broadcast_to(scale, (BLOCK, BLOCK)))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        tl.store(out_ptr + layer * HIDDEN * DIM + d[:, None] * HIDDEN + h[None, :],
+                 tl.trans(q).to(out_ptr.dtype.element_ty), mask=tl.trans(inside))
+        tl.store(maxima_ptr + layer * tl.num_programs(1) + tile, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+        if tile == 0:
+            tl.store(used_ptr + layer, scale)
+
+    reduce = amax_scales_launcher()
+
+    def launch(w_proj: Tensor, w8_proj_t: Tensor, used_scales: Tensor, next_scales: Tensor, headroom: float) -> None:
+        """w_proj (L, hidden, d) bf16, rows contiguous; w8_proj_t (L, d, hidden) e4m3, contiguous: codes of
+        clamp(W / next, +-448); used := next; next := max(max |W|, 1e-12) headroom / 448 (fp32, per layer)."""
+        layers, hidden, dim = w_proj.shape
+        assert w_proj.stride(2) == 1 and w8_proj_t.is_contiguous() and w8_proj_t.shape == (layers, dim, hidden)
+        tiles = triton.cdiv(hidden, QUANT_BLOCK) * triton.cdiv(dim, QUANT_BLOCK)
+        maxima = w_proj.new_empty(layers, tiles, dtype=torch.float32)  # every slot written: one per program
+        kernel[(layers, tiles)](w_proj, w8_proj_t, next_scales, used_scales, maxima, w_proj.stride(0),
+                                w_proj.stride(1), HIDDEN=hidden, DIM=dim, BLOCK=QUANT_BLOCK, num_warps=4,
+                                num_stages=1)
+        reduce(maxima, next_scales, headroom)
+
+    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    return launch
+
+
+def quantize_mlp_weights_(bank: Tensor, w8_fc: Tensor, up_scales: Tensor, w8_proj_t: Tensor, used_scales: Tensor,
+                          next_scales: Tensor, bootstrap: bool, headroom: float = 1.12, kernel: bool | None = None
+                          ) -> None:
+    """#89's quantize_mlp_fp8 (spec 4.8.1), after every optimizer step, in place and without a host sync. bank (L,
+    2, hidden, d) bf16: [W_fc, W_proj] per layer. Up, current scaling: up_scales = bf16(bf16(amax) / 448) (bf16
+    ops), w8_fc = e4m3(bf16(W_fc / s)). Down, delayed: bootstrap sets next_scales as the up scale; w8_proj_t (L, d,
+    hidden) = e4m3(clamp(W_proj / next, +-448)) transposed (fp32 quotient); used_scales := next_scales; next_scales
+    := max(amax, 1e-12) headroom / 448 in fp32, for the next call (a weight grown past it saturates). kernel: the
+    down-projection's part by quantize_mlp_down_launcher's kernels (default: on CUDA), the up one eager as #89's."""
+    with torch.no_grad():
+        w_fc, w_proj = bank[:, 0], bank[:, 1]
+        up = w_fc.flatten(1).abs().amax(1).clamp(min=1e-12) / FP8_MAX_E4M3
+        up_scales.copy_(up)
+        w8_fc.copy_((w_fc / up[:, None, None]).to(torch.float8_e4m3fn))
+        kernel = bank.is_cuda if kernel is None else kernel
+        amax = w_proj.flatten(1).abs().amax(1) if bootstrap or not kernel else None
+        if bootstrap:
+            next_scales.copy_(amax.clamp(min=1e-12) / FP8_MAX_E4M3)
+        if kernel:
+            quantize_mlp_down_launcher()(w_proj, w8_proj_t, used_scales, next_scales, headroom)
+            return
+        w8_proj_t.copy_(_to_fp8(w_proj, next_scales[:, None, None], torch.float8_e4m3fn).transpose(1, 2))
+        used_scales.copy_(next_scales)
+        next_scales.copy_(amax.float().clamp(min=1e-12) * (headroom / FP8_MAX_E4M3))

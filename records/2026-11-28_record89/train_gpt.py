@@ -1,0 +1,3877 @@
+"""Speedrun GPT trainer: record #89 of the NanoGPT speedrun in one file, the recipe first, then the plumbing.
+
+The FP8 head's ops and the Triton kernels live beside it in gpt_kernels.py (without it: the torch path).
+Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or
+`python train_gpt.py --preset=tiny` on a CPU. Importing it has no side effects; earlier recipes live in records/.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import datetime
+import difflib
+import functools
+import glob
+import errno
+import fcntl
+import hashlib
+import importlib.util
+import inspect
+import io
+import itertools
+import json
+import math
+import os
+import platform
+import queue
+import random
+import resource
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+# Imported before any process group exists: its functions take group.WORLD as a default argument, so torch._dynamo's
+# lazy import of it after init_process_group would hold the group past destroy_process_group, and gloo's worker
+# threads, still running, would then race the interpreter's exit (a SIGABRT at exit, one run in a few on CPU).
+import torch.distributed.nn  # noqa: F401
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:  # the FP8 head's ops and the Triton kernels (custom ops under torch.ops.speedrun), beside this file
+    import gpt_kernels
+except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for_device turns them off)
+    if e.name != "gpt_kernels":
+        raise
+    gpt_kernels = None
+
+class UsageError(Exception):
+    """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
+
+class RankLost(Exception):
+    """Another rank's process is gone (killed, crashed): this rank's collective lost its connection. One line on
+    every rank that is left (rank 0 may be the one gone), exit code 1."""
+
+# -----------------------------------------------------------------------------
+# Hyperparameters
+# Record #89 (2026-07-17_FP8DownProjection) on 8xH100, FlexAttention in place of FA3. One dataclass holds every number a
+# user tunes and every systems switch, each overridable as --field=value; a recipe change is an edit here and
+# in the model. Earlier recipes run from their snapshots under records/ (#28: records/2026-11-25_record28/, #70:
+# records/2026-11-26_record70/).
+
+@dataclass
+class Config:
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # training shards (glob; relative: also under this folder)
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # validation shards (glob)
+    train_epochs: int = 1  # passes over the training files, in order
+    train_seq_len: int = 48 * 1024  # the longest training sequence (--seq_len_stages' longest); buffers fit it
+    global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
+    val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence (contiguous, not document-aligned)
+    val_tokens: int = 10_485_760  # validation tokens: the first ones of the val shards
+    # model
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
+    num_layers: int = 11  # transformer blocks
+    model_dim: int = 768  # residual width; num_heads x head_dim
+    num_heads: int = 6  # attention heads
+    head_dim: int = 128  # width of a head
+    mlp_ratio: int = 4  # MLP hidden width / model_dim
+    attn_pattern: str = "SSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
+    paired_layers: str = "0,2,5,9"  # short-window layers whose heads j, j + H/2 attend as pairs (#58); "": none
+    value_embeds: str = "-01-----234"  # per layer: the value-embedding table (0-9) its values add, - none (#63)
+    skip: str = "3:6"  # A:B: layer A's output joins attention-less layer B under a gate (#45/#55)
+    attn_input_layer: int = 7  # later layers attend over this layer's normed output (#77); the MUDD mixes read it
+    bigram_rows: int = 15 * 50304  # rows of the bigram hash embedding added at every layer (#62)
+    bigram_dim: int = 192  # its width: it adds to the residual's first bigram_dim channels (#83)
+    bigram_sign_rows: int = 8192  # rows of the +-1 table its rows are multiplied by, per token pair (#83)
+    mudd_dim: int = 64  # hidden width of the two MUDD coefficient MLPs (#81/#85)
+    attn_scale: float = 0.1  # attention logit scale (in place of 1/sqrt(head_dim))
+    gate_channels: int = 12  # leading channels of the attention input that drive the head and VE gates
+    logit_cap: float = 23.0  # logits are logit_cap * sigmoid((z + logit_shift) / logit_temp) (#54)
+    logit_temp: float = 7.5  # see logit_cap
+    logit_shift: float = 5.0  # see logit_cap
+    block_size: int = 128  # attention block granularity (FlexAttention tile; a multiple of 128 on CUDA)
+    # optimizer
+    muon_lr: float = 0.023  # Muon (block matrices), Polar Express orthogonalization (#38)
+    muon_momentum_start: float = 0.85  # Muon momentum at step 0
+    muon_momentum_end: float = 0.95  # ... after muon_momentum_warmup_steps
+    normuon_beta2: float = 0.9  # NorMuon (#41): decay of the per-row (wide: per-column) second moment of the update
+    mlp_down_lr_mul: float = 2.0  # Muon lr multiplier of W_proj over W_fc's (both x2 for their 4:1 shape) (#48)
+    muon_wd: float = 1.2  # cautious weight decay (#43): wd*lr*(lr*lr_mul) where update and weight agree in sign
+    embed_lr: float = 0.6  # Adam: value embeddings and the bigram table
+    head_lr: float = 0.008  # Adam: LM head, and the embedding (tied to it, then its own)
+    scalar_lr: float = 0.04  # Adam: the scalar vector (attention lambdas, smear, skip) and the residual lambdas
+    lambda_lr: float = 0.008  # Adam: the post, x0 and bigram lambdas and the XSA strengths, with lambda_betas
+    mudd_lr: float = 0.002  # Adam: the MUDD MLPs (#81), with the scalars' betas
+    gate_lr: float = 0.008  # Adam: the attention and VE gates, with the scalars' betas
+    skip_gate_lr: float = 4e-4  # Adam: the skip's input gate (#55: 0.008 x 0.05), with the scalars' betas
+    smear_gate_lr: float = 8e-5  # Adam: the smear's gate (#52: 0.008 x 0.01), with the scalars' betas
+    adam_beta1: float = 0.75  # Adam's first-moment decay (value embeddings, bigram table)
+    adam_beta2: float = 0.95  # Adam's second-moment decay
+    head_beta1: float = 0.5  # ... beta1 of the LM head and the embedding
+    scalar_beta1: float = 0.9  # ... of the scalar vector, the gates, MUDD and the per-layer lambdas (#52)
+    scalar_beta2: float = 0.99  # ... and their beta2
+    adam_eps: float = 1e-10  # Adam's epsilon (added to the raw sqrt(v))
+    adam_wd: float = 0.005  # cautious weight decay for Adam (#50): (lr)^2*adam_wd*wd_mul where step and weight agree
+    embed_wd_mul: float = 150.0  # adam_wd multiplier of the token embedding (#55; the scalars never decay)
+    value_embed_wd_mul: float = 5.0  # ... of the value embeddings and the bigram table
+    head_wd_mul: float = 150.0  # ... of the LM head
+    adam_every: int = 2  # Adam steps every N steps, on the gradients summed since its last step (#39)
+    grad_scale: float = 1.0  # gradients are this x the mean over the step's sequences (#89: 1 / its grad_accum_steps)
+    # schedule
+    num_steps: int = 1390  # optimizer steps: the scheduled ones, then the extension
+    extension_steps: int = 10  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46)
+    cooldown_frac: float = 0.6  # of the scheduled steps: lr falls linearly from the stage's to final_lr_frac
+    final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
+    muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
+    muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
+    window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows per stage, then the extension's: a
+    #                                           token sees W blocks back in its document (0: itself only)
+    seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
+    lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
+    doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
+    mtp_stages: str = "1/0.5/0.25,1/0.5,1"  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0
+    final_val_windows: str = "6/20"  # "S/L": the last validation's windows in blocks (#35, #62)
+    untie_stage: int = 2  # the embedding, a lookup into the head until then, unties after this stage's first Adam step
+    # systems
+    device: str = "auto"  # auto | cuda | cpu
+    compile: bool | None = None  # torch.compile the model and the orthogonalization; auto: on for CUDA, off for CPU
+    fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
+    fp8_mlp: bool | None = None  # FP8 MLP matmuls in training (#84, #89); auto: on for CUDA (DISABLE_FP8=1: off)
+    relu2_kernel: bool | None = None  # MLP up-projection + ReLU^2 in one Triton kernel (#59); auto: on for CUDA
+    fused_head: bool | None = None  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
+    attention: str = "auto"  # fa3: #89's FA3 varlen kernel (Hopper, the kernels package) | flex | auto: fa3 where it loads
+    fp8_x_scale: float = 100 / 448  # the FP8 head's input scale (value = fp8 x scale) (#51)
+    fp8_w_scale: float = 1.6 / 448  # ... of its weight (#55)
+    fp8_grad_scale: float = 0.75 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51)
+    fp8_down_w_headroom: float = 1.12  # the MLP down-projection's weight scale: last step's amax x this / 448 (#89)
+    fp8_down_act_headroom: float = 1.8  # ... its input's scale: the last training forward's amax x this / 448
+    fp8_down_exact_steps: int = 16  # the weight scale is the current amax (no headroom) after the first N steps
+    prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, main thread
+    bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
+    comm_overlap: str = "after_backward"  # #89's: every reduce-scatter after backward, in its table's order | hooks:
+    #                                       each bucket as backward finishes it (gradient-ready order)
+    peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
+    cpu_bf16_gemm: str = "auto"  # CPU runs' bf16 matmuls: native (oneDNN) | fp32 (fp32 GEMM, bf16 result) | auto
+    # run
+    preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
+    seed: int = -1  # -1 draws a random seed (printed first, with the run id)
+    run_id: str = ""  # a plain name (no '/', '\', whitespace or control characters, not '..'); default: a fresh one
+    overwrite: bool = False  # reuse a --run_id whose log exists: replace it and the summary (not while that run is
+    #                          still running; never its checkpoints)
+    log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints); not empty
+    #                        (. for the current folder)
+    val_every: int = 250  # validate every N steps; 0: only at the start and the end
+    warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
+    log_every: int = 1  # train metrics every N steps (and the last); N never changes training
+    profile: str = ""  # START:END traces training steps START..END-1 to <log_dir>/<run_id>/trace_rank<R>.json.gz
+    bench: bool = False  # a short benchmark instead of the run; report in <log_dir>/<run_id>_bench.json
+    bench_steps: int = 20  # --bench: timed steps, then as many traced steps
+    save_every: int = 0  # checkpoint every N steps to <log_dir>/<run_id>/ckpt_<step>/; 0 = off
+    save_final: bool = False  # checkpoint after the last step
+    resume: str = ""  # a ckpt_<step> directory: continue that run exactly (same shapes and data; own --run_id)
+
+PRESETS: dict[str, dict[str, object]] = {
+    # The recipe scaled down to a CPU on the bundled sample, through every stage, the untie and the extension in
+    # about a minute on 2 cores. On the CPU the vocabulary-sized logits dominate the cost, so few large steps learn
+    # the most per second. block_size 128 is FlexAttention's smallest H100 tile: the preset runs on CPU and GPU.
+    "tiny": dict(
+        seed=1337, train_files="data/sample/sample_train_*.bin", val_files="data/sample/sample_val_*.bin",
+        train_seq_len=512, val_seq_len=1024, val_tokens=16384,
+        num_layers=5, model_dim=128, num_heads=2, head_dim=64, attn_pattern="SL-SL", paired_layers="0",
+        value_embeds="0--12", skip="1:2", attn_input_layer=3, bigram_rows=2 * 50304, bigram_dim=32, mudd_dim=16,
+        block_size=128,
+        num_steps=40, extension_steps=2, muon_momentum_warmup_steps=10, muon_momentum_cooldown_steps=5,
+        window_stages="0/1,1/2,1/3,2/4", seq_len_stages="256,384,512", doc_len_stages="224,512,512",
+        final_val_windows="2/6",
+        val_every=20, warmup_steps=2,
+    ),
+}
+
+# -----------------------------------------------------------------------------
+# Model
+# Record #89's GPT: token, value and bigram embeddings, one gated skip, per-sublayer residual lambdas and x0 and
+# bigram injections, QK-norm, half-truncated RoPE with YaRN, head gates, paired-head, key-offset and XSA attention,
+# later layers attending over one saved layer's output, MUDD mixes, ReLU^2 MLP (FP8 in training), soft-capped
+# multi-token loss. One mask rule (FA3's token windows within documents), two kernels: FlexAttention block masks on
+# CUDA, a dense SDPA mask on CPU (FlexAttention has no CPU backward). The windows come in as a tensor.
+
+BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
+YARN_SCALE_GROWTH = 0.2  # the attention scale's growth per e-fold of the window (#31; YaRN's own is 0.1)
+
+RMS_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm adds for bf16 and fp32 inputs (a float64 copy: the same)
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),), eps=RMS_EPS)
+
+def init_matrix_(w: Tensor, bound: float) -> None:
+    """U(-bound, bound) rounded to bf16, as #89 draws its banks in fp32 and stores them in bf16 with zero mantissas."""
+    with torch.no_grad():
+        w.copy_(w.uniform_(-bound, bound).bfloat16())
+
+def bigram_index(input_seq: Tensor | np.ndarray, rows: int) -> Tensor | np.ndarray:
+    """Each position's row of the bigram table: ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1) in int32 (#62), the
+    last row at position 0. #89 writes that row's index into x_0 before hashing: position 1 hashes it, not x_0, and
+    its product wraps around int32 (emulated in int64: inductor's integers must not overflow). Along the last axis;
+    the same arithmetic on a tensor (the model's) or a numpy array (the rows a host batch touches, ShardedMuonAdam)."""
+    xp = torch if isinstance(input_seq, Tensor) else np
+    x = input_seq.long() if xp is torch else input_seq.astype(np.int64)
+    x = xp.concatenate([x[..., :1] * 0 + (rows - 1), x[..., 1:]], -1)
+    cur, prev = ((mul * t + 2**31) % 2**32 - 2**31 for mul, t in zip(BIGRAM_MUL, (x[..., 1:], x[..., :-1])))
+    return xp.concatenate([x[..., :1], (cur ^ prev) % (rows - 1)], -1)
+
+def sign_index(input_seq: Tensor, rows: int) -> Tensor:
+    """Each position's row of the bigram sign table (#83): (x_(t-1) xor x_t) mod rows; row 0 at position 0."""
+    return torch.cat([input_seq.new_zeros(1), (input_seq[:-1] ^ input_seq[1:]) % rows])
+
+def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
+    """Causal, and no key before first_key[q]: the later of q's document start and its window's reach (FA3's)."""
+    return (q_idx >= kv_idx) & (kv_idx >= first_key[q_idx])
+
+def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
+    Visible: at most `window` blocks back, document ranges overlapping; full (no per-token mask): fewer than
+    `window` back, both in one document. `window` is a 0-dim tensor: a new size never recompiles."""
+    nb = docs.numel() // block_size
+    blocks = docs.view(nb, block_size)
+    first, last = blocks[:, 0], blocks[:, -1]
+    q = torch.arange(nb, device=docs.device)[:, None]
+    k = torch.arange(nb, device=docs.device)[None, :]
+    visible = (q >= k) & (first[:, None] <= last[None, :]) & (q - k <= window)
+    full = (q > k) & (last[:, None] == first[None, :]) & (q - k < window)
+    partial = visible & ~full
+
+    def nearest_first(mask: Tensor) -> tuple[Tensor, Tensor]:
+        order = torch.argsort(torch.where(mask, k, -1), dim=-1, descending=True, stable=True)
+        return mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    return *nearest_first(partial), *nearest_first(full)
+
+def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool
+                    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """may_attend's first key and block_window_selection over the tokens, or (paired) the 2T interleaved positions
+    (position i is token i // 2's). Both bounds only grow, so one running max gives the first key: one buffer, which
+    the CPU's compiled flex kernel accepts (an elementwise max of two it refuses)."""
+    bos, docs = input_seq == BOS_ID, (input_seq == BOS_ID).cumsum(0)
+    if paired:
+        bos, docs = torch.stack([bos, torch.zeros_like(bos)], 1).flatten(), docs.repeat_interleave(2)
+    pos = torch.arange(bos.numel(), device=bos.device)
+    first_key = torch.cummax(torch.maximum(torch.where(bos, pos, 0), pos - window * block_size), 0).values
+    return first_key, block_window_selection(docs, block_size, window)
+
+def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
+    first_key, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return may_attend(q_idx, kv_idx, first_key)
+
+    return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
+                                    full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
+
+def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
+    """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
+    first_key, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
+    nb = partial_n.numel()
+    rank = torch.arange(nb, device=first_key.device)[None, :]
+    chosen = torch.zeros(nb, nb, dtype=torch.bool, device=first_key.device)
+    chosen.scatter_(1, partial_idx.long(), rank < partial_n[:, None])
+    chosen |= torch.zeros_like(chosen).scatter_(1, full_idx.long(), rank < full_n[:, None])
+    pos = torch.arange(nb * block_size, device=first_key.device)
+    blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
+
+# FA3 (#89's kernel, on Hopper) takes the same rule as one varlen call per layer: the packed sequence's documents as
+# cu_seqlens, causal, a window of (w, 0) tokens, YaRN's scale as its softmax scale. Those are Python numbers, so each
+# distinct set is a graph of its own, as in #89: a VarlenPlan per training stage and per validation, every training
+# one compiled in the warmup. cu_seqlens has a fixed length per plan; the run's data sizes it at start-up.
+VARLEN_SLOTS = {16384: 64, 32768: 96, 49152: 128}  # #89's cu_seqlens lengths per micro-step length (#78: FineWeb's)
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    long_window: int  # tokens
+    short_window: int
+    max_seqlen: int  # the longest document FA3 can meet: the cut in training, the whole sequence validating
+    slots: int  # cu_seqlens' length: more than the most documents a sequence of this shape holds in the run's data
+    scale: float  # the softmax scale: attn_scale times YaRN's growth so far
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # q, k, v (1, positions, heads, D) -> attention's output, alike
+
+def varlen_slots(seq_len: int, most_documents: int) -> int:
+    """cu_seqlens' length for sequences of seq_len tokens holding at most most_documents documents: #89's (its table,
+    else seq_len // 300 rounded up to 128) where they fit, else the next multiple of 16 that does. #89 crashes there."""
+    record = VARLEN_SLOTS.get(seq_len, -(-(seq_len // 300) // 128) * 128)
+    return max(record, -(-(most_documents + 1) // 16) * 16)
+
+def cu_seqlens(input_seq: Tensor, slots: int) -> Tensor:
+    """FA3's cu_seqlens of one packed sequence in #89's layout: 0, each later document's start (a BOS), then the length,
+    repeated to `slots` entries (zero-length sequences, which FA3 skips). Static shape: no host sync, no recompile."""
+    T = input_seq.numel()
+    starts = (input_seq == BOS_ID) | (torch.arange(T, device=input_seq.device) == 0)
+    return torch.nonzero_static(starts, size=slots, fill_value=T).flatten().int()
+
+def yarn_scale(long_windows: tuple[int, ...], base: float) -> float:
+    """base times YaRN's attention-scale growth, 1 + 0.2 ln(W' / W) at each change W -> W' of the long window (#31), in
+    #89's order of multiplication."""
+    for old, new in zip(long_windows, long_windows[1:]):
+        base *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
+    return base
+
+class Rotary(nn.Module):
+    """Half-truncated RoPE in #89's layout: dim pairs (2i, 2i + 1) of a head's first half turn at frequencies
+    1 .. 1/1024, its second half never. bf16 tables from fp32 angles, as #89's; YaRN rewrites them in place."""
+
+    def __init__(self, head_dim: int, max_len: int):
+        super().__init__()
+        turning = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4)
+        self.base = torch.cat([turning.repeat_interleave(2), torch.zeros(head_dim // 2)])  # per dim, fp32
+        self.register_buffer("cos", torch.empty(max_len, head_dim, dtype=torch.bfloat16), persistent=False)
+        self.register_buffer("sin", torch.empty_like(self.cos), persistent=False)  # odd dims negated
+        self.register_buffer("stationary", self.base == 0, persistent=False)  # the dims never turned
+        self.set_frequencies(self.base)
+
+    @torch.no_grad()
+    def set_frequencies(self, freqs: Tensor) -> None:
+        # Built where the tables live, with #89's fp32 ops: a GPU run's tables are #89's, bit for bit.
+        positions = torch.arange(self.cos.size(0), dtype=torch.float32, device=self.cos.device)
+        theta = torch.outer(positions, freqs.to(self.cos.device, torch.float32))
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+        self.sin[:, 1::2] *= -1
+
+    def forward(self, x: Tensor, paired: bool = False) -> Tensor:  # (1, T, H, D)
+        """Token t at position t; paired (a table of 2T positions): head h of token t at 2t + h % 2, as #89 does."""
+        T = x.size(-3)
+        if paired:  # heads as (H/2, 2): the parity broadcasts over rows 2t and 2t + 1 of the table, no copy
+            cos, sin = (t[: 2 * T].view(1, T, 1, 2, -1) for t in (self.cos, self.sin))
+            x = x.unflatten(-2, (-1, 2))
+        else:
+            cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+        y = (x.float() * cos + swapped.float() * sin).type_as(x)  # one rounding, as #89's compiled kernel
+        return y.flatten(-3, -2) if paired else y
+
+MUDD_SCALE = 0.1  # the MUDD MLPs' outputs times this are the coefficients; their biases are stored divided by it
+MUDD_COEFS = (14, 5)  # block 0 (at the last layer's input) and block 1 (after the last layer): their coefficients
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer does, read off the config once (#89: layers 0-10 of "SSSLSS-SSSL")."""
+    attn: int | None  # its index among the attention layers (its rows of the banks); None: the skip lands here
+    window: str  # "long" or "short": which of the step's two windows it attends within
+    paired: bool  # heads j and j + H/2 attend as one over 2T positions (#58)
+    xsa: bool  # an unpaired attention layer: subtracts a learned share of its output along v (#82)
+    ve_table: int | None  # the value-embedding table its values add (#63)
+    ve_gate: int | None  # its VE gate's row of ve_gate_bank (the last layer's row goes unused: MUDD gates it)
+
+def layer_plans(cfg: Config) -> list[LayerPlan]:
+    paired, tables = paired_layers(cfg), [None if c == "-" else int(c) for c in cfg.value_embeds]
+    plans: list[LayerPlan] = []
+    for i, kind in enumerate(cfg.attn_pattern):
+        attn = sum(k != "-" for k in cfg.attn_pattern[:i]) if kind != "-" else None
+        gate = sum(t is not None for t in tables[:i]) if tables[i] is not None else None
+        plans.append(LayerPlan(attn, {"L": "long", "S": "short"}.get(kind, ""), i in paired,
+                               attn is not None and i not in paired, tables[i], gate))
+    return plans
+
+def mudd_bias_init() -> Tensor:
+    """The MUDD biases (stored / MUDD_SCALE): at init the last layer's mixes are the other layers' defaults (VE gate 2,
+    residual sqrt(1.1), output 1, bigram 0.05) and the final mix is #40's backout, -0.5 x the attention input layer."""
+    b = torch.zeros(2, max(MUDD_COEFS))
+    for k, value in {6: 2.0, 7: 2.0, 8: 1.1**0.5, 9: 1.0, 11: 0.05, 12: 1.1**0.5, 13: 1.0}.items():
+        b[0, k] = value / MUDD_SCALE
+    b[1, 1] = -0.5 / MUDD_SCALE
+    return b.bfloat16()
+
+def with_bigram(x: Tensor, bigram: Tensor) -> Tensor:
+    """x with bigram added to its first bigram_dim channels (#83)."""
+    return torch.cat([x[..., : bigram.size(-1)] + bigram, x[..., bigram.size(-1):]], dim=-1)
+
+def softcap(logits: Tensor, cfg: Config) -> Tensor:
+    """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
+    return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
+
+class SoftcappedMTPLoss(torch.autograd.Function):
+    """#89's loss in torch, as its fused kernel computes it (gpt_kernels' softcap_ce on the GPU): per position t,
+    sum_k w_k CE(z_t, y_(t+k)) over the k inside the sequence (#53), z = cap bf16(sigmoid((l + shift) / temp)). The
+    gradient is the kernel's: its softmax term weighs every w_k, also past the sequence's end, so the last K - 1
+    positions' gradient is not their loss's (#89's quirk, ported as it ran)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float
+                ) -> Tensor:
+        # In place where it can: five (T, vocab) fp32 passes, not a dozen (the CPU's tiny run spends most of a step
+        # here).
+        s = torch.sigmoid((logits.float() + shift).div_(temp)).bfloat16().float()
+        z = s * cap
+        lse = z.logsumexp(dim=-1)
+        T, rows = targets.numel(), torch.arange(targets.numel(), device=targets.device)
+        losses = torch.zeros_like(lse)
+        for k in range(weights.numel()):
+            losses[: T - k] += weights[k] * (lse[: T - k] - z[rows[: T - k], targets[k:]])
+        grad = z.sub_(lse[:, None]).exp_().mul_(weights.sum())  # z's buffer: the softmax, times every weight
+        for k in range(weights.numel()):
+            grad.index_put_((rows[: T - k], targets[k:]), -weights[k].expand(T - k), accumulate=True)
+        ctx.save_for_backward(grad.mul_(s.sub_(s.square())).mul_(cap / temp))
+        ctx.dtype = logits.dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor) -> tuple:
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None
+
+def train_loss_scale(cfg: Config) -> float:
+    """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then
+    grad_scale x the mean over the step's sequences at every world size."""
+    return cfg.grad_scale / cfg.global_batch_seqs
+
+def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
+    """The FP8 head's (x, W, gradient) scales; loss_scale folded into the gradient's keeps its e5m2 values the
+    record's (unscaled per-rank loss)."""
+    return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
+
+class GPT(nn.Module):
+    """Record #89's model. Attention: fa3 (FA3's flash_attn_varlen_func, or a stand-in with its signature), else
+    use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone
+    (an uncompiled model on CUDA: unfused flex would materialize the score matrix). Parameter names are #89's
+    optimizer labels; the Muon banks (qk, vo, mlp) are bf16, their fp32 masters completed by the optimizer's state."""
+
+    def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False,
+                 fa3: Callable | None = None):
+        super().__init__()
+        self.cfg, self.use_flex, self.fp8_head, self.fa3 = cfg, use_flex, fp8_head, fa3
+        L, d, H, D = cfg.num_layers, cfg.model_dim, cfg.num_heads, cfg.head_dim
+        self.plans = layer_plans(cfg)
+        self.skip_from, self.skip_to = skip_layers(cfg)
+        n_attn = sum(p.attn is not None for p in self.plans)
+        n_tables, n_ve = len(set(cfg.value_embeds) - {"-"}), sum(p.ve_table is not None for p in self.plans)
+        max_len = max(cfg.train_seq_len, cfg.val_seq_len)
+        self.flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
+        bound = math.sqrt(3) * 0.5 / math.sqrt(d)  # U(-bound, bound): the std of 0.5 / sqrt(d)
+        # The head is also the embedding until the untie (#51), so it starts away from zero.
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=torch.bfloat16)
+        nn.init.normal_(self.lm_head.weight, std=0.005)
+        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.embed.weight.copy_(self.lm_head.weight)
+        self.value_embeds = nn.Parameter(0.01 * torch.randn(n_tables, cfg.vocab_size, d, dtype=torch.bfloat16))
+        # The bigram hash table (#62), narrower than the residual, times a fixed +-1 row per token pair (#83).
+        self.bigram_embed = nn.Embedding(cfg.bigram_rows, cfg.bigram_dim, dtype=torch.bfloat16)
+        nn.init.zeros_(self.bigram_embed.weight)
+        self.register_buffer("bigram_sign_table",
+                             torch.randn(cfg.bigram_sign_rows, cfg.bigram_dim).sign().bfloat16())
+        # Input gates of the smear (#34) and the skip (2 sigmoid(w x0[:gate_channels]), #55): zero, open.
+        self.smear_gate = nn.Linear(cfg.gate_channels, 1, bias=False, dtype=torch.bfloat16)
+        self.skip_gate = nn.Linear(cfg.gate_channels, 1, bias=False, dtype=torch.bfloat16)
+        nn.init.zeros_(self.smear_gate.weight)
+        nn.init.zeros_(self.skip_gate.weight)
+        # Per attention layer: head output gates; per VE layer: the VE gates, 2 sigmoid(W [u, ve]) (#55, #70).
+        self.attn_gate_bank = nn.Parameter(torch.zeros(n_attn, H, cfg.gate_channels, dtype=torch.bfloat16))
+        self.ve_gate_bank = nn.Parameter(torch.zeros(n_ve, H, cfg.gate_channels, dtype=torch.bfloat16))
+        # Muon's matrices (#80): Q and K in head pairs, per attention layer H/2 of Q then H/2 of K, (2D, d) each; V and
+        # W_o per layer, (HD, d) each; W_fc and W_proj per layer, (4d, d) each (W_proj read as h W_proj).
+        # Drawn in fp32, stored bf16 as #89's: the optimizer keeps their low 16 bits (muon_state's mantissa).
+        qk, vo, mlp = torch.empty(n_attn * H, 2 * D, d), torch.empty(2 * n_attn, H * D, d), torch.zeros(
+            L, 2, cfg.mlp_ratio * d, d)
+        for bank in (qk, vo, mlp[:, 0]):
+            init_matrix_(bank, bound)
+        self.qk_bank, self.vo_bank, self.mlp_bank = (nn.Parameter(bank.bfloat16()) for bank in (qk, vo, mlp))
+        # Per layer: (lambda_qkv, lambda_o) folded into the attention weights (#47/#48); then the smear's lambda and
+        # the skip's s of sigmoid(s) (init -1.5, #32).
+        self.scalars = nn.Parameter(torch.cat([torch.tensor((0.5, 1.0)).repeat(L), torch.tensor((0.0, -1.5))]))
+        # Per layer and sublayer (attention, MLP): the residual's scale (sqrt(1.1): 1.1 a layer) and the output's.
+        self.resid_lambdas = nn.Parameter(torch.full((L, 2), 1.1**0.5))
+        self.post_lambdas = nn.Parameter(torch.ones(L, 2))
+        self.x0_lambdas = nn.Parameter(torch.zeros(L))  # x0 added after each attention (#45)
+        self.bigram_lambdas = nn.Parameter(torch.full((L,), 0.05))  # the bigram vector, likewise
+        self.xsa_alphas = nn.Parameter(torch.zeros(L, H))  # XSA's share tanh(alpha) per head, 0: off (#82)
+        # MUDD (#81, #85): coefficients per token from the residual by a small MLP, (gelu(x W1^T) W2^T + b) x 0.1.
+        w1 = torch.empty(2, cfg.mudd_dim, d)
+        for block in w1:
+            nn.init.kaiming_uniform_(block, a=math.sqrt(5))
+        self.mudd_w1 = nn.Parameter(w1.bfloat16())
+        self.mudd_w2 = nn.Parameter(torch.zeros(2, max(MUDD_COEFS), cfg.mudd_dim, dtype=torch.bfloat16))
+        self.mudd_b2 = nn.Parameter(mudd_bias_init())
+        # One RoPE table per length (paired layers: 2T positions), shared by the layers.
+        self.rotary = Rotary(D, max_len)
+        self.rotary_paired = Rotary(D, 2 * max_len) if any(p.paired for p in self.plans) else None
+        # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
+        self.register_buffer("q_gain", torch.ones(()), persistent=False)
+        self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
+        # 1 while the embedding is a lookup into the head (until the schedule unties it): a buffer the loop writes
+        # in place (tie_embedding), so untying never recompiles.
+        self.register_buffer("embed_tied", torch.ones(()), persistent=False)
+        self.embed_tied_now = True  # what tie_embedding last wrote into embed_tied
+        # FP8 MLP state (#84, #89), in the checkpoint: e4m3 copies of W_fc (current scale) and of W_proj^T (delayed
+        # weight scale), made after each optimizer step (quantize_mlp_), and each layer's delayed input scale of the
+        # down-projection, set by each training forward for the next.
+        hidden = cfg.mlp_ratio * d
+        self.register_buffer("fp8_w_fc", torch.zeros(L, hidden, d, dtype=torch.float8_e4m3fn))
+        self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, hidden, dtype=torch.float8_e4m3fn))
+        for name in ("fp8_up_scales", "fp8_down_scales", "fp8_down_next_scales", "fp8_act_scales"):
+            self.register_buffer(name, torch.ones(L))
+
+    @torch.no_grad()
+    def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
+        """YaRN (#31) at each change W -> W' of the long window (blocks): frequency w with r = B W w / 2pi turns in
+        the old window becomes w (s + g (1 - s)), s = W / W', g = clamp((r - 1) / 31, 0, 1); the attention scale
+        grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
+        if long_windows[1:] == self.yarn_windows[1:]:
+            return
+        freqs = self.rotary.base.to(self.rotary.cos.device)  # fp32 throughout, #89's order of operations
+        for old, new in zip(long_windows, long_windows[1:]):
+            old_len, new_len = self.cfg.block_size * old, self.cfg.block_size * new
+            g = ((old_len * freqs / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
+            freqs = freqs * (old_len / new_len + g * (1 - old_len / new_len))
+        for rotary in (self.rotary, self.rotary_paired):
+            if rotary is not None:
+                rotary.set_frequencies(freqs)
+        self.q_gain.fill_(yarn_scale(long_windows, 1.0))  # FA3 takes its own from the plan (VarlenPlan.scale)
+        self.yarn_windows = long_windows
+
+    @torch.no_grad()
+    def tie_embedding(self, tied: bool) -> None:
+        if self.embed_tied_now != tied:
+            self.embed_tied.fill_(float(tied))
+            self.embed_tied_now = tied
+
+    @torch.no_grad()
+    def quantize_mlp_(self, exact_down: bool) -> None:
+        """The FP8 MLP weights from the bf16 ones, after every optimizer step (#84, #89). exact_down: the down-
+        projection's weight scale is the current amax / 448, as for the first steps, not last step's x headroom."""
+        gpt_kernels.quantize_mlp_weights_(self.mlp_bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
+                                          self.fp8_down_scales, self.fp8_down_next_scales, exact_down,
+                                          self.cfg.fp8_down_w_headroom)
+
+    def mudd(self, x: Tensor, block: int) -> list[Tensor]:
+        """MUDD block's coefficients for each token of x, (1, T, 1) each."""
+        h = F.gelu(F.linear(x, self.mudd_w1[block]))
+        n = MUDD_COEFS[block]
+        return ((F.linear(h, self.mudd_w2[block, :n]) + self.mudd_b2[block, :n]) * MUDD_SCALE).split(1, dim=-1)
+
+    def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> dict[str, Attend]:
+        """Per window kind (long, short, paired: the short window over 2T positions), attention over q, k, v of shape
+        (1, positions, heads, D), same shape out: FA3's varlen call (windows: a VarlenPlan of tokens), else the
+        masks of may_attend (windows: (long, short) blocks, a tensor: a new size never recompiles) with YaRN's
+        gain on q, by FlexAttention (CUDA) or SDPA with a dense mask (CPU)."""
+        if self.fa3 is not None:
+            cu = cu_seqlens(input_seq, windows.slots)
+
+            def varlen(window: int, paired: bool) -> Attend:
+                n = 1 + paired  # paired: every position twice, so are the offsets and the longest document
+                return lambda q, k, v: self.fa3(q[0], k[0], v[0], n * cu, n * cu, n * windows.max_seqlen,
+                                                n * windows.max_seqlen, softmax_scale=windows.scale, causal=True,
+                                                window_size=(window, 0))[None]
+
+            return {"long": varlen(windows.long_window, False), "short": varlen(windows.short_window, False),
+                    "paired": varlen(windows.short_window, True)}
+
+        def masked(mask: BlockMask | Tensor) -> Attend:
+            def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                q, k, v = (t.transpose(1, 2) for t in (q * self.q_gain, k, v))
+                if isinstance(mask, BlockMask):
+                    return self.flex(q, k, v, block_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+            return attend
+
+        build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, self.cfg.block_size)
+        kinds = {"long": (windows[0], False), "short": (windows[1], False), "paired": (windows[1], True)}
+        if self.rotary_paired is None:  # (the short window, in blocks of block_size positions of 2T)
+            del kinds["paired"]
+        return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
+
+    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], qk: Tensor, vo: Tensor
+                  ) -> Tensor:
+        """Layer i's attention over u (normed, (1, T, d)), aux_v added to its values; qk, vo: the banks in bf16."""
+        plan, (T, H, D) = self.plans[i], (u.size(1), self.cfg.num_heads, self.cfg.head_dim)
+        a, lambdas = plan.attn, self.scalars[2 * i: 2 * i + 2]
+        w_qkv = torch.cat([qk[a * H:(a + 1) * H].flatten(0, 1), vo[2 * a]])  # rows: Q, K (head pairs), V
+        q, k, v = F.linear(u, lambdas[0] * w_qkv).view(1, T, 3 * H, D).chunk(3, dim=-2)
+        q, k = norm(q), norm(k)
+        if aux_v is not None:
+            v = v + aux_v.view_as(v)
+        rotary = self.rotary_paired if plan.paired else self.rotary
+        q, k = rotary(q, plan.paired), rotary(k, plan.paired)
+        qs, ks, vs = q, k, v
+        if plan.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
+            qs, ks, vs = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
+        if plan.window == "long":  # the un-rotated dims of each key from the previous position (#49; across documents)
+            ks = torch.where(rotary.stationary, torch.cat([ks[:, :1], ks[:, :-1]], dim=1), ks)
+        y = attend["paired" if plan.paired else plan.window](qs, ks, vs).reshape(1, T, H, D)
+        if plan.xsa:  # y minus tanh(alpha) of its component along the unit value (#82/#86)
+            unit_v = F.normalize(v, dim=-1, eps=1e-4)
+            share = torch.tanh(self.xsa_alphas[i]).bfloat16().type_as(y).view(1, 1, H, 1)  # bf16, as #89 reads it
+            y = y - share * (y * unit_v).sum(-1, keepdim=True) * unit_v
+        y = y * torch.sigmoid(F.linear(u[..., : self.cfg.gate_channels], self.attn_gate_bank[a])).unsqueeze(-1)
+        return F.linear(y.flatten(-2), lambdas[1] * vo[2 * a + 1])
+
+    def mlp(self, x: Tensor, i: int, w_fc: Tensor, w_proj: Tensor, amaxes: list[Tensor]) -> Tensor:
+        """relu(x W_fc^T)^2 W_proj; in training with fp8_mlp, #89's FP8 up- and down-projections (post's partial maxima
+        go to amaxes, for the next training step's scale); relu2_kernel: the ReLU^2 GEMM as a Triton kernel."""
+        if self.training and self.cfg.fp8_mlp:
+            out, amax = torch.ops.speedrun.mlp_fp8(x.flatten(0, 1), w_fc, w_proj, self.fp8_w_fc[i],
+                                                   self.fp8_up_scales[i], self.fp8_w_proj_t[i],
+                                                   self.fp8_down_scales[i], self.fp8_act_scales[i],
+                                                   bool(self.cfg.relu2_kernel))
+            amaxes.append(amax)
+            return out.view_as(x)
+        if self.cfg.relu2_kernel:
+            return torch.ops.speedrun.mlp_relu2(x.flatten(0, 1), w_fc, w_proj).view_as(x)
+        return F.relu(F.linear(x, w_fc)).square() @ w_proj
+
+    def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
+        """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor, or
+        with FA3 a VarlenPlan (attention_kernels)."""
+        cfg, L, H, D = self.cfg, self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim
+        T, last, half = input_seq.numel(), self.cfg.num_layers - 1, self.cfg.gate_channels // 2
+        attend = self.attention_kernels(input_seq, windows)
+        # Both lookups, weighted by the tie flag: the same graph tied and untied.
+        e = self.embed(input_seq)
+        e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight) + (1 - self.embed_tied) * e
+        # The smear (#34): e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents.
+        gate = self.scalars[2 * L] * torch.sigmoid(self.smear_gate(e[1:, : cfg.gate_channels]))
+        e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
+        # The lambdas in bf16, as #89 reads them (a float copy of the model reads them rounded the same way).
+        resid, post = self.resid_lambdas.bfloat16().unbind(1), self.post_lambdas.bfloat16().unbind(1)
+        x0_lambdas, bigram_lambdas = self.x0_lambdas.bfloat16(), self.bigram_lambdas.bfloat16()
+        signs = self.bigram_sign_table[sign_index(input_seq, cfg.bigram_sign_rows)]
+        bigram = (self.bigram_embed(bigram_index(input_seq, cfg.bigram_rows)) * signs)[None]
+        # Layer 0's bigram share goes into x in place in #89, and x0 is the same tensor: x0 carries it too (its quirk).
+        x = x0 = with_bigram(norm(e[None]), bigram * bigram_lambdas[0])
+        skip_gate = torch.sigmoid(self.scalars[2 * L + 1]) * 2 * torch.sigmoid(self.skip_gate(x0[..., : 2 * half]))
+        ves = self.value_embeds[:, input_seq]
+        qk, vo, mlp = self.qk_bank, self.vo_bank, self.mlp_bank
+        saved: dict[int, Tensor] = {}  # the skip's source and the attention input layer's output
+        amaxes: list[Tensor] = []
+        for i, plan in enumerate(self.plans):
+            mu = None
+            if plan.attn is None:
+                x = x + skip_gate * saved[self.skip_from]
+            else:
+                u = norm(saved.get(cfg.attn_input_layer, x))  # #77: past that layer, all attend over its output
+                ve = None if plan.ve_table is None else ves[plan.ve_table][None].view(1, T, H, D)
+                aux_v = None
+                if i == last:  # MUDD block 0 (#81, #85): V, residual, VE gate and this layer's lambdas, per token
+                    last_input, mu = x, self.mudd(x, 0)
+                    src = saved[cfg.attn_input_layer]
+                    aux_v = (mu[0] * x0 + mu[1] * src + mu[2] * x).view(1, T, H, D)
+                    x = (1 + mu[5]) * x + mu[3] * x0 + mu[4] * src
+                    if ve is not None:
+                        aux_v = aux_v + torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, -1)[..., None] * ve
+                elif ve is not None:
+                    gate_in = torch.cat([u[..., :half], ve.flatten(-2)[..., :half]], dim=-1)
+                    aux_v = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[plan.ve_gate]))[..., None] * ve
+                out = self.attention(u, i, aux_v, attend, qk, vo)
+                if mu is not None:
+                    x = with_bigram(mu[8] * x + mu[9] * out + mu[10] * x0, mu[11] * bigram)
+                else:
+                    x = resid[0][i] * x + post[0][i] * out + x0 * x0_lambdas[i]
+                    x = with_bigram(x, bigram * bigram_lambdas[i]) if i > 0 else x
+            out = self.mlp(norm(x), i, mlp[i, 0], mlp[i, 1], amaxes)
+            x = mu[12] * x + mu[13] * out if mu is not None else resid[1][i] * x + post[1][i] * out
+            if i in (self.skip_from, cfg.attn_input_layer):
+                saved[i] = x
+        if amaxes:  # each down-projection's input scale for the next training step (#89), from post's partial maxima
+            scales = torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448)
+            self.fp8_act_scales.copy_(scales)
+        # MUDD block 1 (#81): the last mix, in place of #70's backout
+        nu = self.mudd(x, 1)
+        x = (x + nu[0] * x0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
+             + nu[4] * saved[self.skip_from])
+        return norm(x).flatten(0, 1)
+
+    def head(self, x: Tensor) -> Tensor:
+        """The head's raw logits, (T, vocab). The FP8 head serves training only."""
+        if self.training and self.fp8_head:  # the gradient reaching the head carries train_loss_scale
+            return torch.ops.speedrun.fp8_mm(x, self.lm_head.weight, *fp8_scales(self.cfg, train_loss_scale(self.cfg)))
+        return F.linear(x, self.lm_head.weight)
+
+    def logits(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
+        """Soft-capped logits, (T, vocab), in fp32: what validation's cross-entropy reads (#89 rounds the softcap to
+        the head's dtype there)."""
+        raw = self.head(self.hidden(input_seq, windows))
+        return softcap(raw, self.cfg).to(raw.dtype).float()
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor | VarlenPlan, mtp: Tensor | None = None
+                ) -> Tensor:
+        """Summed multi-token loss in training (mtp: its weights), mean cross-entropy in eval; --fused_head: the head
+        and loss by gpt_kernels' softcap_ce, no logits tensor."""
+        cfg = self.cfg
+        weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
+        if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
+            loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
+                                                 weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
+                                                 fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],
+                                                 self.training)[0]
+            return loss if self.training else loss / target_seq.numel()
+        if self.training:
+            return SoftcappedMTPLoss.apply(self.head(self.hidden(input_seq, windows)), target_seq, weights,
+                                           cfg.logit_cap, cfg.logit_shift, cfg.logit_temp).sum()
+        return F.cross_entropy(self.logits(input_seq, windows), target_seq)
+
+# -----------------------------------------------------------------------------
+# Schedule
+# Everything that varies with the step, in one place, rounded as #89 rounds it: the training loop sets the
+# optimizer from it and hands the windows and multi-token weights to the model (rows of device tables, so a new
+# value never recompiles), and the FLOP model and the metrics read the same values.
+
+@dataclass(frozen=True)
+class StepSchedule:
+    lr_mult: float  # of every group's lr: the stage's, then a linear cooldown from it to final_lr_frac over the
+    #                 last cooldown_frac of the scheduled steps (num_steps - extension_steps), then final_lr_frac
+    #                 through the extension
+    muon_momentum: float  # start -> end over muon_momentum_warmup_steps; back over muon_momentum_cooldown_steps
+    long_window: int  # attention window of the long layers, in blocks
+    short_window: int  # of the short layers
+    adam_step: bool  # Adam updates at the end of this step (every adam_every-th step), on the summed gradients
+    seq_len: int  # tokens per training sequence (global_batch_seqs of them per step)
+    max_doc_len: int  # documents are cut to this many tokens in training
+    yarn_windows: tuple[int, ...]  # the long windows trained at so far, in order (GPT.apply_yarn)
+    mtp_weights: tuple[float, ...]  # loss weights of the next 1, 2, ... tokens (as many every step)
+    tied: bool  # the embedding still reads the head (untied after the last tied step's update)
+
+def stage_starts(cfg: Config) -> list[int]:
+    """The first step of each equal stage, of the extension, then num_steps: stage k of n starts at round(N (1/n +
+    ... + 1/n)), k float terms, Python's round (ties to even), N = num_steps - extension_steps, as #89 rounds."""
+    n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
+    return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
+
+def schedule(step: int, cfg: Config) -> StepSchedule:
+    """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
+    scheduled = cfg.num_steps - cfg.extension_steps
+    stages, starts = num_stages(cfg), stage_starts(cfg)
+    stage = min(bisect.bisect_right(starts, step) - 1, stages)  # of the equal stages; the extension's is `stages`
+    progress = 1.0 if stage >= stages else (step - starts[stage]) / (starts[stage + 1] - starts[stage])
+
+    def staged(name: str) -> Any:  # a staged field's value now; the extension keeps the last (or has its own pair)
+        values = parse_stages(name, getattr(cfg, name))
+        return values[min(stage, len(values) - 1)]
+
+    # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #89's does (cooldown_frac 0: none).
+    cooldown_start = int(scheduled * (1 - cfg.cooldown_frac))
+    t = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
+    peak = staged("lr_stages")
+    lr_mult = peak * (1 - t) + cfg.final_lr_frac * t if step >= cooldown_start else peak
+    momentum_range = cfg.muon_momentum_end - cfg.muon_momentum_start
+    momentum_fall = cfg.num_steps - cfg.muon_momentum_cooldown_steps
+    if step < cfg.muon_momentum_warmup_steps:
+        momentum = cfg.muon_momentum_start + step / cfg.muon_momentum_warmup_steps * momentum_range
+    elif cfg.muon_momentum_cooldown_steps and step > momentum_fall:
+        momentum = cfg.muon_momentum_end - (step - momentum_fall) / cfg.muon_momentum_cooldown_steps * momentum_range
+    else:
+        momentum = cfg.muon_momentum_end
+    # The last validation (step num_steps, no training step) has its own windows; YaRN follows the training ones.
+    final = parse_stages("final_val_windows", cfg.final_val_windows)[0]
+    short, long = final if step == cfg.num_steps else staged("window_stages")
+    trained = parse_stages("window_stages", cfg.window_stages)[: stage + 1]
+    yarn_windows = tuple(dict.fromkeys(long for _, long in trained))
+    # A stage's last multi-token weight of several falls to 0 across it; padded with zeros to the most.
+    weights = parse_stages("mtp_stages", cfg.mtp_stages)
+    mtp = list(weights[min(stage, len(weights) - 1)])
+    if len(mtp) > 1:
+        mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #89 interpolates, a + (b - a) t, bit for bit
+    mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
+    # The last tied step is the first Adam step at or after the untie stage's start.
+    split = starts[cfg.untie_stage]
+    tied = step <= split + (-(split + 1) % cfg.adam_every)
+    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, staged("seq_len_stages"),
+                        staged("doc_len_stages"), yarn_windows, mtp, tied)
+
+def schedule_table(cfg: Config) -> list[StepSchedule]:
+    """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
+    return [schedule(step, cfg) for step in range(cfg.num_steps + 1)]
+
+@dataclass(frozen=True)
+class DocumentCounts:
+    """The most documents one sequence holds in the run's data, per training shape (seq_len, max_doc_len) and in
+    validation, counted at start-up (load_data): FA3's cu_seqlens are sized from them, so no batch overflows them."""
+    train: dict[tuple[int, int], int]
+    val: int
+
+class StepKnobs:
+    """What the model takes from the schedule besides the batch, made once per run: the multi-token weights, a row of
+    a device table, and the attention windows: rows of a device table of (long, short) blocks (FlexAttention, SDPA: a
+    new value never recompiles), or with FA3 (documents given) a VarlenPlan of plain numbers."""
+
+    def __init__(self, cfg: Config, schedules: list[StepSchedule], device: torch.device,
+                 documents: DocumentCounts | None = None):
+        self.cfg, self.schedules, self.documents = cfg, schedules, documents
+        self.windows = torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32,
+                                    device=device)
+        self.mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
+
+    def plan(self, step: int, training: bool) -> VarlenPlan:
+        """FA3's numbers for training step `step` or the validation before it."""
+        s, cfg = self.schedules[step], self.cfg
+        seq_len = s.seq_len if training else cfg.val_seq_len
+        most = self.documents.train[s.seq_len, s.max_doc_len] if training else self.documents.val
+        return VarlenPlan(cfg.block_size * s.long_window, cfg.block_size * s.short_window,
+                          min(s.max_doc_len, seq_len) if training else seq_len, varlen_slots(seq_len, most),
+                          yarn_scale(s.yarn_windows, cfg.attn_scale))
+
+    def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor]:
+        return (self.windows[step] if self.documents is None else self.plan(step, True)), self.mtp[step]
+
+    def val(self, step: int) -> Tensor | VarlenPlan:
+        return self.windows[step] if self.documents is None else self.plan(step, False)
+
+def graph_key(cfg: Config, s: StepSchedule, training: bool) -> tuple:
+    """What the compiled model's graph for this step depends on (dynamic=False): the sequence's length in training; with
+    FA3 also its plan's numbers (document cut, windows, YaRN's scale: slots follow the shape)."""
+    shape = (s.seq_len, s.max_doc_len) if training else ()
+    return shape[:1] if cfg.attention != "fa3" else (*shape, s.long_window, s.short_window, s.yarn_windows)
+
+def validates_at(cfg: Config, step: int) -> bool:
+    """Whether the run validates before training step `step` (at run_length: its last validation)."""
+    return not cfg.bench and (step in (0, run_length(cfg)) or bool(cfg.val_every) and step % cfg.val_every == 0)
+
+# -----------------------------------------------------------------------------
+# Optimizer
+# Muon (momentum, Polar Express orthogonalization, NorMuon) for the block matrices, Adam for
+# embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as
+# backward finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
+# functions, and the shards are all-gathered back into the parameters, awaited only where next read.
+
+# Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
+# 2% safety factor on the normalization.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+SPLIT_ROWS = 1024  # #89: a block of more rows forms its product, then adds a X to it (two roundings; the MLP's)
+
+# The update functions round once per op, in fp32 (bf16 where stored), so that their compiled graphs (ShardedMuonAdam
+# with compile_ns) compute eager's bits: eager's CPU kernels fuse a multiply-add into one rounding in lerp, addcmul
+# and add(alpha=), inductor's C++ rounds twice; eager's fp32 sqrt is an ulp off in one value in six (fast vector math),
+# inductor's correctly rounded; inductor's reductions sum in another order. Hence explicit products (in place where
+# eager's memory wants it), sqrt32 and eager_sum. (The GPU's compiled graphs fuse multiply-adds as #89's did.)
+
+def sqrt32(x: Tensor) -> Tensor:
+    """Correctly rounded fp32 sqrt: torch's, compiled or on CUDA; eager on the CPU numpy's (IEEE's instruction, as
+    inductor's C++), as torch's vector kernel there is an ulp off in one fp32 value in five."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return x.sqrt()
+    return torch.as_tensor(np.sqrt(x.numpy()))
+
+@torch.library.custom_op("speedrun::eager_sum", mutates_args=())
+def eager_sum(x: Tensor, dims: list[int]) -> Tensor:
+    """x.sum(dims, keepdim=True) by torch's kernel, compiled code too (an op inductor does not fuse or reorder)."""
+    return x.sum(dim=dims, keepdim=True)
+
+@eager_sum.register_fake
+def _(x: Tensor, dims: list[int]) -> Tensor:
+    reduced = {d % x.dim() for d in dims}
+    return x.new_empty([1 if i in reduced else n for i, n in enumerate(x.shape)])
+
+def polar_express(G: Tensor, kernels: bool = False) -> Tensor:
+    """Approximately orthogonalize each matrix of G (batched) in bf16, as #89: X = bf16(G) / (1.02 |X|_F + 1e-6) (the
+    norm rounded to bf16, the quotient once), then per iteration, for a wide or square X, A = X X^T, B = b A + c A^2,
+    X <- a X + B X; for a tall X, A = X^T X and X <- a X + X B (the same in exact arithmetic, without transposes).
+    Each product rounds to bf16 once, as #89's kernels (kernels=True: gpt_kernels' xxt, xtx and ba_plus_caa; else
+    torch's GEMMs); a block of more than SPLIT_ROWS rows adds a X to its rounded product (two roundings)."""
+    X = G.bfloat16()
+    norm = sqrt32(eager_sum(X.float().square(), [-2, -1])).bfloat16()
+    X = (X.float() / (norm.float() * 1.02 + 1e-6)).bfloat16()
+    shape, (rows, cols) = X.shape, X.shape[-2:]
+    tall, split = rows > cols, rows > SPLIT_ROWS
+    X = X.reshape(-1, rows, cols)  # baddbmm takes one batch dimension
+    for a, b, c in POLAR_EXPRESS:
+        if kernels:
+            A = torch.ops.speedrun.xtx(X) if tall else torch.ops.speedrun.xxt(X)
+            B = torch.ops.speedrun.ba_plus_caa(A, b, c)
+        else:
+            A = X.mT @ X if tall else X @ X.mT
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        if split:
+            X = ((X @ B if tall else B @ X).float() + X.float() * a).bfloat16()
+        else:
+            X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+    return X.view(shape)
+
+def lerp(start: Tensor, end: Tensor, weight: Tensor) -> Tensor:
+    """torch.lerp's two formulas (exact at both ends: start + w (end - start) below w = 0.5, end - (end - start)(1 - w)
+    from it), one rounding per op so that compiled and eager agree; weight a 0-d fp32 tensor."""
+    diff = end - start
+    return torch.where(weight < 0.5, start + weight * diff, end - diff * (1 - weight))
+
+def nesterov_(grad: Tensor, buf: Tensor, momentum: Tensor) -> Tensor:
+    """Nesterov momentum in fp32, #89's two lerps: buf <- lerp(buf, grad, 1 - mu) in place; returns lerp(grad, buf,
+    mu). momentum: a 0-d fp32 tensor (1 - mu in fp32, as #89's)."""
+    buf.copy_(lerp(buf, grad, 1 - momentum))
+    return lerp(grad, buf, momentum)
+
+def momentum_polar_express(grad: Tensor, buf: Tensor, momentum: Tensor, kernels: bool = False) -> Tensor:
+    """nesterov_ then polar_express, #89's graph (compiled, the fp32 Nesterov update never reaches memory); momentum
+    a 0-d tensor, so that a new value recompiles nothing."""
+    return polar_express(nesterov_(grad, buf, momentum), kernels)
+
+def muon_state(p: Tensor) -> dict[str, Tensor]:
+    """Muon's state for the matrices p: fp32 momentum, NorMuon's second moment and, for a bf16 p, its mantissa."""
+    state = {"momentum": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+             "v": torch.zeros(normuon_state_shape(p.shape), device=p.device)}
+    if p.dtype == torch.bfloat16:
+        state["mantissa"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+    return state
+
+def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
+    rows, cols = shape[-2:]
+    return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
+
+def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
+    """NorMuon (#41) in #89's algebra: r = the mean square of each row (of a wide matrix: each column, as Q's and K's
+    head pairs, #80) of the bf16 update O, v <- v + (r - v)(1 - beta2) (fp32, in place), and each row scaled by
+    v^-1/2 times the factor restoring O's Frobenius norm, that scale rounded to bf16 and applied to O in bf16."""
+    dim = -1 if v.size(-1) == 1 else -2
+    n = O.size(dim)
+    mean_sq = eager_sum(O.float().square(), [dim]) / n
+    norm = sqrt32(eager_sum(mean_sq, [-2, -1]) * n)
+    v.add_((mean_sq - v) * (1 - beta2))
+    scale = v.clamp_min(1e-10).rsqrt()
+    new_norm = sqrt32(eager_sum(mean_sq * n * scale.square(), [-2, -1]))
+    return O * (scale * (norm / new_norm.clamp_min(1e-10))).type_as(O)
+
+def master_of(p: Tensor, mantissa: Tensor) -> Tensor:
+    """The fp32 value that a bf16 parameter (its upper 16 bits) and its int16 mantissa (the lower ones) make: #89's
+    master weight, never stored whole."""
+    return ((p.view(torch.int16).to(torch.int32) << 16) | (mantissa.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+def split_master_(p: Tensor, mantissa: Tensor, master: Tensor) -> None:
+    """Store an fp32 master back as the bf16 parameter (its upper bits: truncated, as #89) and the mantissa."""
+    bits = master.view(torch.int32)
+    p.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    mantissa.copy_(((bits << 16) >> 16).to(torch.int16))  # the low 16 bits, sign-extended: exact in int16
+
+def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor, mantissa: Tensor | None = None
+                     ) -> None:
+    """#89's step on the fp32 master (p, or the bf16 p and its mantissa): master - master decay step_lr where the
+    update has its sign or is zero (cautious weight decay), minus step_lr x the update; decay (wd x lr) a 0-d,
+    step_lr a 0-d or per-matrix fp32 tensor."""
+    master = p if mantissa is None else master_of(p, mantissa)
+    update = update.float()
+    new = master - master * (update * master >= 0) * decay * step_lr - update * step_lr
+    if mantissa is None:
+        p.copy_(new)
+    else:
+        split_master_(p, mantissa, new)
+
+def adam_step_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float, eps: float,
+               step_size: Tensor, decay: Tensor) -> None:
+    """Adam's step in #89's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v), the bias
+    correction in step_size; cautious weight decay (#50): the update grows by decay x p where it has p's sign. p (bf16
+    without a master, as #89's, or fp32) takes the update in one rounding. step_size, decay: 0-d fp32 tensors."""
+    grad = grad.float()
+    m.mul_(beta1).add_(grad * (1 - beta1))
+    v.mul_(beta2).add_(grad.mul(1 - beta2).mul_(grad))
+    update = m.div(sqrt32(v).add_(eps)).mul_(step_size)
+    p32 = p.float()
+    update.add_(p32.mul(decay).mul_(update * p32 > 0))
+    p.sub_(update)
+
+@dataclass(frozen=True)
+class UpdateSteps:
+    """The functions one optimizer step runs: eager, or compiled by update_steps (tests swap orthogonalize)."""
+    orthogonalize: Callable[[Tensor, Tensor, Tensor], Tensor] = momentum_polar_express  # (grad, buf, mu) -> bf16
+    normuon: Callable[[Tensor, Tensor, float], Tensor] = normuon_
+    cautious_update: Callable[[Tensor, Tensor, Tensor, Tensor], None] = cautious_update_
+    adam: Callable[..., None] = adam_step_
+
+EAGER_STEPS = UpdateSteps()
+
+def polar_express_kernels(device: torch.device) -> bool:
+    """Whether Polar Express runs gpt_kernels' Triton GEMMs: on CUDA, with gpt_kernels.py and triton there."""
+    return device.type == "cuda" and gpt_kernels is not None and importlib.util.find_spec("triton") is not None
+
+def update_steps(compiled: bool, kernels: bool) -> UpdateSteps:
+    """Each function compiled as #89 compiles it (fullgraph, static shapes; the scalars that change per step are
+    0-d tensors, so only a new shape compiles a graph) and rounding where eager rounds (emulate_precision_casts)."""
+    def wrap(fn: Callable) -> Callable:
+        return (torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+                if compiled else fn)
+    return UpdateSteps(functools.partial(wrap(momentum_polar_express), kernels=kernels), wrap(normuon_),
+                       wrap(cautious_update_), wrap(adam_step_))
+
+def scalar(x: float) -> Tensor:
+    """A per-step number as a 0-d fp32 CPU tensor: an input of the compiled graphs, read without a host sync."""
+    return torch.tensor(x, dtype=torch.float32)
+
+def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
+                 lr_mul: float | Tensor = 1.0, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
+    """Nesterov momentum and orthogonalization, NorMuon, then #89's cautious step on the fp32 master (p, or the bf16
+    p with state["mantissa"]: muon_state) with step_lr =
+    lr x lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)) and decay wd x lr, both fp32 as #89's."""
+    assert (p.dtype == torch.bfloat16) == ("mantissa" in state), "a bf16 bank updates with its mantissa (muon_state)"
+    O = steps.orthogonalize(grad.float(), state["momentum"], scalar(momentum))
+    update = steps.normuon(O, state["v"], normuon_beta2)
+    step_lr = torch.as_tensor(lr_mul * (lr * math.sqrt(max(1.0, p.size(-2) / p.size(-1))))).float()  # no host sync
+    steps.cautious_update(p, update, scalar(wd * lr), step_lr, state.get("mantissa"))
+
+def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
+    """Bias-corrected Adam (adam_step_) at Adam step `step`: step size lr sqrt(1 - beta2^step) / (1 - beta1^step) and
+    decay lr^2 wd computed in double, passed in fp32, as #89's."""
+    steps.adam(p, grad, m, v, beta1, beta2, eps, scalar(lr * ((1 - beta2**step) ** 0.5 / (1 - beta1**step))),
+               scalar(lr * lr * wd))
+
+@dataclass
+class ParamGroup:
+    kind: str  # "muon" or "adam"
+    lr: float
+    params: list[nn.Parameter]
+    names: list[str] = field(default_factory=list)
+    lr_muls: list[list[float]] = field(default_factory=list)  # per parameter, per matrix (Muon); Adam: one lr
+    wd: float = 0.0  # cautious weight decay
+    betas: tuple[float, float] = (0.0, 0.0)  # Adam's
+
+TIED_EMBEDDING = "embed.weight"  # reads the head's weight until the untie (#51): no gradient of its own till then
+BIGRAM_TABLE = "bigram_embed.weight"  # a bucket of its own: only the rows a rank touched are exchanged (RowBucket)
+# #89's orders: gradients reduce-scattered in its parameter table's order, updates (each followed by its all-gather)
+# small parameters first and the Muon banks last, so that the large reductions finish while the rest updates.
+SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate.weight", "skip_gate.weight",
+                 "attn_gate_bank", "ve_gate_bank", "lm_head.weight", BIGRAM_TABLE, "post_lambdas",
+                 "x0_lambdas", "bigram_lambdas", "resid_lambdas", "xsa_alphas", "value_embeds", TIED_EMBEDDING,
+                 "mudd_w1", "mudd_w2", "mudd_b2")
+WORK_ORDER = ("scalars", "smear_gate.weight", "skip_gate.weight", "attn_gate_bank", "ve_gate_bank", "mudd_b2",
+              "xsa_alphas", "post_lambdas", "x0_lambdas", "bigram_lambdas", "resid_lambdas", "mudd_w2", "value_embeds",
+              BIGRAM_TABLE, "mudd_w1", "lm_head.weight", TIED_EMBEDDING, "qk_bank", "vo_bank", "mlp_bank")
+
+def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
+    """#89's table: Muon for the three banks (W_proj at mlp_down_lr_mul), Adam for the rest by kind."""
+    named = dict(model.named_parameters())
+    betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.scalar_beta2)
+    head_betas, lambda_betas = (cfg.head_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.adam_beta2)
+    muon = ["qk_bank", "vo_bank", "mlp_bank"]
+    per_matrix = {"mlp_bank": [1.0, cfg.mlp_down_lr_mul] * cfg.num_layers}  # (W_fc, W_proj) per layer
+
+    def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
+        return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
+
+    groups = [group("muon", cfg.muon_lr, muon, wd=cfg.muon_wd,
+                    lr_muls=[per_matrix.get(n, [1.0] * (named[n].numel() // math.prod(named[n].shape[-2:])))
+                             for n in muon]),
+              group("adam", cfg.head_lr, [TIED_EMBEDDING], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas),
+              group("adam", cfg.embed_lr, ["value_embeds"], wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
+              group("adam", cfg.embed_lr, [BIGRAM_TABLE], wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
+              group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
+              group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
+              group("adam", cfg.scalar_lr, ["resid_lambdas"], betas=lambda_betas),
+              group("adam", cfg.lambda_lr, ["post_lambdas", "x0_lambdas", "bigram_lambdas", "xsa_alphas"],
+                    betas=lambda_betas),
+              group("adam", cfg.gate_lr, ["attn_gate_bank", "ve_gate_bank"], wd=cfg.adam_wd, betas=scalar_betas),
+              group("adam", cfg.skip_gate_lr, ["skip_gate.weight"], betas=scalar_betas),
+              group("adam", cfg.smear_gate_lr, ["smear_gate.weight"], betas=scalar_betas),
+              group("adam", cfg.mudd_lr, ["mudd_w1", "mudd_w2"], wd=cfg.adam_wd, betas=scalar_betas),
+              group("adam", cfg.mudd_lr, ["mudd_b2"], betas=scalar_betas)]
+    assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
+    return groups
+
+def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
+    """Async SUM reduce-scatter (the loss is already scaled; gloo has no AVG). torch 2.13 renamed the collectives."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
+
+def all_to_all(out: Tensor, inp: Tensor, out_counts: list[int], in_counts: list[int], async_op: bool = False
+               ) -> dist.Work | None:
+    """All-to-all of rows along dim 0: in_counts[r] of inp's to rank r, out_counts[r] of out's from it."""
+    return dist.all_to_all_single(out, inp, out_counts, in_counts, async_op=async_op)
+
+def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Work | None:
+    """All-gather into one tensor; inp may be this rank's slice of out (in place)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, async_op=async_op)
+
+def grad_ready_order(model: nn.Module) -> list[str]:
+    """Parameter names in about the order backward finishes them: reversed, `scalars` (read by every layer) last."""
+    names = [n for n, _ in model.named_parameters()][::-1]
+    return [n for n in names if n != "scalars"] + [n for n in names if n == "scalars"]
+
+def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
+                 world_size: int) -> list[tuple[ParamGroup, list[str]]]:
+    """Split each group into buckets of one dtype (and Muon matrix shape) of about bucket_mb, taking parameters in
+    `order` (#89's table's, or the gradient-ready order with hooks); a parameter is never split. A Muon bucket takes
+    a multiple of world_size matrices where it can (padding goes to a shape's last). Ordered by their last
+    parameter: the order every rank launches their reduce-scatters in."""
+    pos = {n: i for i, n in enumerate(order)}
+    entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
+    open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
+    closed: list[tuple[int, ParamGroup, list[str]]] = []
+    for i, g, name, p in entries:
+        unit = tuple(p.shape[-2:]) if g.kind == "muon" else ()
+        unit_bytes = math.prod(unit) * p.element_size()
+        units = p.numel() // math.prod(unit)
+        limit = max(1, int(bucket_mb * 2**20) // unit_bytes)
+        if g.kind == "muon":
+            limit = max(world_size, limit // world_size * world_size)
+        key = (id(g), p.dtype, unit)
+        _, names, held = open_buckets.pop(key, (g, [], 0))
+        if names and held + units > limit:
+            closed.append((pos[names[-1]], g, names))
+            names, held = [], 0
+        names, held = names + [name], held + units
+        if held >= limit:
+            closed.append((i, g, names))
+        else:
+            open_buckets[key] = (g, names, held)
+    closed += [(pos[names[-1]], g, names) for g, names, _ in open_buckets.values()]
+    return [(g, names) for _, g, names in sorted(closed, key=lambda c: c[0])]
+
+class Bucket:
+    """Parameters of one group, dtype and (Muon) matrix shape in one flat buffer of units (a matrix for Muon, an
+    element for Adam), padded to a multiple of the world size; rank r owns units [r*k, (r+1)*k) and their state.
+    Parameters and their .grad are views into the buffers: the collectives need no copies."""
+
+    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
+        self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
+        self.wd, self.betas = group.wd, group.betas
+        self.world_size = world_size
+        self.unit = list(params[0].shape[-2:]) if self.kind == "muon" else []
+        unit_numel = math.prod(self.unit)
+        self.counts = [p.numel() // unit_numel for p in params]
+        self.starts = [sum(self.counts[:j]) for j in range(len(params))]
+        self.shard_units = -(-sum(self.counts) // world_size)
+        self.data = torch.zeros(self.shard_units * world_size * unit_numel, dtype=params[0].dtype,
+                                device=params[0].device)
+        self.grad = torch.zeros_like(self.data)
+        self.grad_views: list[Tensor] = []
+        with torch.no_grad():
+            for p, start, count in zip(params, self.starts, self.counts):
+                lo, hi = start * unit_numel, (start + count) * unit_numel
+                self.data[lo:hi].copy_(p.flatten())
+                p.data = self.data[lo:hi].view_as(p)
+                self.grad_views.append(self.grad[lo:hi].view_as(p))
+                p.grad = self.grad_views[-1]
+        self.first_unit = rank * self.shard_units
+        n = self.shard_units * unit_numel
+        shape = (self.shard_units, *self.unit)
+        self.shard = self.data[rank * n:(rank + 1) * n].view(shape)
+        # At W = 1 the whole buffer is the shard; otherwise the reduce-scatter needs its own output.
+        self.grad_shard = self.grad.view(shape) if world_size == 1 else torch.empty(shape, dtype=self.grad.dtype,
+                                                                                     device=self.grad.device)
+        if self.kind == "muon":
+            self.state = muon_state(self.shard)
+            group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier (padding: 1)
+            muls = [m for n in names for m in group_mul[n]]
+            muls += [1.0] * (self.shard_units * world_size - len(muls))
+            self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units], dtype=torch.float64,
+                                       device=self.data.device).view(-1, 1, 1)
+        else:
+            self.state = {k: torch.zeros(shape, dtype=torch.float32, device=self.data.device) for k in ("m", "v")}
+        self.pending = len(params)  # gradients not yet final in this step's last micro-step
+        self.reduce_work: dist.Work | None = None
+        self.gather_work: dist.Work | None = None
+
+    def _bind_grads(self) -> None:
+        """Bring back gradients that left the buffer (e.g. model.zero_grad(set_to_none=True)), at the cost of a copy."""
+        for p, view in zip(self.params, self.grad_views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() == view.data_ptr():
+                continue
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def reduce_grads(self) -> None:
+        self._bind_grads()
+        if self.world_size > 1:
+            self.reduce_work = _reduce_scatter(self.grad_shard.view(-1), self.grad)
+
+    def wait_grads(self) -> None:
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
+
+    def gather_params(self) -> None:
+        if self.world_size > 1:
+            self.gather_work = all_gather_into(self.data, self.shard.view(-1), async_op=True)
+
+    def wait_params(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view
+
+    def layout(self) -> dict:
+        """What a checkpoint needs to check that its shard fits this bucket."""
+        return {"kind": self.kind, "dtype": str(self.data.dtype), "unit": self.unit, "names": self.names,
+                "counts": self.counts, "shard_units": self.shard_units}
+
+    def owned(self) -> Iterator[tuple[str, int, int, dict[str, Tensor]]]:
+        """Per parameter with units in this rank's shard: name, its first and end unit, and views of their state."""
+        end_unit = self.first_unit + self.shard_units
+        for name, start, count in zip(self.names, self.starts, self.counts):
+            lo, hi = max(start, self.first_unit), min(start + count, end_unit)
+            if lo < hi:
+                rows = slice(lo - self.first_unit, hi - self.first_unit)
+                yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
+
+class RowBucket(Bucket):
+    """The bigram table alone, its gradient exchanged sparse as #89 does (§5.6): an embedding's gradient is exactly
+    zero in the rows no token hashed to, so each rank sends each other rank only the rows of its shard that this
+    rank's batches touched since the last update (their ids on the host, from the tokens: no device sync), and the
+    owner adds them into its own rows of its local gradient: a SUM reduce-scatter in another summation order. The
+    updated shard is all-gathered dense. Needs rows % W == 0 (row-aligned shards); otherwise the table takes a
+    plain Bucket's dense reduce-scatter (exchanges_rows). The touched rows accumulate with the gradient and are
+    cleared with it: a checkpoint (taken between Adam steps only, validate_config) never holds any."""
+
+    def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
+        super().__init__(group, names, params, rank, world_size)
+        self.rank, (rows, self.dim) = rank, params[0].shape
+        self.shard_rows = rows // world_size
+        self.touched = np.zeros(rows, dtype=bool)  # this rank's rows since the last update
+        self.grad_shard = self.grad.view(world_size, -1)[rank]  # its own rows of its local gradient
+        # announce()'s: the row ids and counts this rank sends to and receives from each rank
+        self.send_ids = self.recv_ids = torch.zeros(0, dtype=torch.int32)
+        self.send_counts = self.recv_counts = [0] * world_size
+        self.recv_rows = torch.zeros(0, self.dim, dtype=self.grad.dtype)
+        self.ids_work: dist.Work | None = None
+
+    def touch(self, ids: np.ndarray) -> None:
+        self.touched[ids] = True
+
+    def announce(self) -> None:
+        """Before the forward of an update's step (every touch() done): tell each rank how many rows it will get
+        (a blocking all-to-all of host counts: gloo's) and which (async, overlapping the forward)."""
+        ids = np.flatnonzero(self.touched)  # sorted: grouped by owner
+        owner = ids // self.shard_rows
+        ids, owner = ids[owner != self.rank], owner[owner != self.rank]  # its own rows are in its gradient already
+        send = np.bincount(owner, minlength=self.world_size)
+        recv = torch.zeros(self.world_size, dtype=torch.int64)
+        all_to_all(recv, torch.from_numpy(send), [1] * self.world_size, [1] * self.world_size)
+        self.send_counts, self.recv_counts = send.tolist(), recv.tolist()
+        device = self.grad.device
+        self.send_ids = torch.from_numpy(ids.astype(np.int32)).to(device, non_blocking=True)
+        self.recv_ids = torch.empty(sum(self.recv_counts), dtype=torch.int32, device=device)
+        self.ids_work = all_to_all(self.recv_ids, self.send_ids, self.recv_counts, self.send_counts, async_op=True)
+
+    def reduce_grads(self) -> None:
+        if self.ids_work is None:
+            raise RuntimeError("the bigram table's update needs begin_step() before its step's forward")
+        self._bind_grads()
+        send = self.grad.view(-1, self.dim)[self.send_ids]
+        self.recv_rows = send.new_empty(sum(self.recv_counts), self.dim)
+        self.reduce_work = all_to_all(self.recv_rows, send, self.recv_counts, self.send_counts, async_op=True)
+
+    def wait_grads(self) -> None:
+        for work in (self.ids_work, self.reduce_work):
+            work.wait()
+        self.ids_work = self.reduce_work = None
+        self.grad.view(-1, self.dim).index_add_(0, self.recv_ids, self.recv_rows)  # all in this rank's shard
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.touched[:] = False
+
+def exchanges_rows(rows: int, world_size: int) -> bool:
+    """Whether the bigram table's gradient goes as touched rows (RowBucket): with several ranks, and only where each
+    rank's shard is whole rows; otherwise a row would have two owners, and the dense reduce-scatter does."""
+    return world_size > 1 and rows % world_size == 0
+
+class ShardedMuonAdam:
+    """Muon + Adam, ZeRO-1: per step, reduce-scatter each bucket's gradients (from backward hooks on the last
+    micro-step), update this rank's shard, all-gather it back. Between Adam steps the Adam gradients accumulate in
+    place on every rank. Call wait_for_params() before anything reads the parameters."""
+
+    def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.steps = update_steps(compile_ns, polar_express_kernels(next(model.parameters()).device))
+        self.lr_mult, self.momentum, self.adam_step, self.tied = 1.0, cfg.muon_momentum_start, True, False  # set_step()
+        self.step_count, self.adam_steps = 0, 0
+        named = dict(model.named_parameters())
+        hooks = world_size > 1 and cfg.comm_overlap == "hooks"
+        plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model) if hooks else list(SCATTER_ORDER),
+                            cfg.bucket_mb, world_size)
+        rows_exchanged = exchanges_rows(named[BIGRAM_TABLE].size(0), world_size)
+        self.buckets = [(RowBucket if rows_exchanged and names == [BIGRAM_TABLE] else Bucket)(
+            g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
+        self.work_order = sorted(self.buckets, key=lambda b: min(WORK_ORDER.index(n) for n in b.names))
+        assert [TIED_EMBEDDING] in [b.names for b in self.buckets], "the tied embedding rests in a bucket of its own"
+        self.row_bucket = next((b for b in self.buckets if isinstance(b, RowBucket)), None)
+        self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
+        self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
+        if hooks:
+            for b in self.buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(lambda _, b=b: self._grad_final(b))
+
+    def set_step(self, s: StepSchedule) -> None:
+        """Take the schedule's values for the step about to be trained (before its first backward)."""
+        self.lr_mult, self.momentum, self.adam_step, self.tied = s.lr_mult, s.muon_momentum, s.adam_step, s.tied
+
+    def batch_rows(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """What begin_step() needs of a host batch (micro-steps, seq_len + 1 tokens): the bigram rows its inputs hash
+        to (the loader computes it where the tokens are); None where no rows are exchanged."""
+        if self.row_bucket is None:
+            return None
+        rows = self.row_bucket.touched.size
+        return lambda batch: bigram_index(batch[:, :-1], rows)
+
+    def begin_step(self, rows: np.ndarray | None) -> None:
+        """After set_step(), before the step's first forward: batch_rows() of its batch (None where that is None);
+        on an Adam step the bigram rows' exchange begins, overlapping the forward."""
+        if self.row_bucket is not None:
+            self.row_bucket.touch(rows)
+            if self.adam_step:
+                self.row_bucket.announce()
+
+    def _updates(self, bucket: Bucket) -> bool:
+        # While tied the embedding's gradient is exactly zero and so is its Adam update (m = v = 0, no decay where
+        # u p = 0): its bucket is neither reduced, updated nor gathered, as #89 skips it. The untie copies locally.
+        if bucket.names == [TIED_EMBEDDING]:
+            return self.adam_step and not self.tied
+        return bucket.kind == "muon" or self.adam_step
+
+    def _grad_final(self, bucket: Bucket) -> None:
+        if not self.final_micro_step:
+            return  # still accumulating: nothing is final before the last micro-step
+        bucket.pending -= 1
+        # Launch in bucket order only: every rank must issue its collectives in the same order.
+        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
+            if self._updates(self.buckets[self.launched]):
+                self.buckets[self.launched].reduce_grads()
+            self.launched += 1
+
+    @torch.no_grad()
+    def step(self) -> None:
+        # after_backward launches everything here; so do hooks for buckets with a gradient that never arrived.
+        for b in self.buckets[self.launched:]:
+            if self._updates(b):
+                b.reduce_grads()
+        self.step_count += 1
+        self.adam_steps += self.adam_step
+        c = self.cfg
+        for b in self.work_order:
+            b.pending = len(b.params)
+            if not self._updates(b):
+                continue
+            b.wait_grads()
+            lr = b.lr * self.lr_mult
+            if b.kind == "muon":
+                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, c.normuon_beta2, b.lr_mul, b.wd,
+                             self.steps)
+            else:
+                adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
+                             c.adam_eps, b.wd, self.steps)
+            b.gather_params()
+        self.launched, self.final_micro_step = 0, False
+
+    def wait_for_params(self) -> None:
+        """Block until the last step's all-gathers have written every parameter."""
+        for b in self.buckets:
+            b.wait_params()
+
+    @torch.no_grad()
+    def zero_grad(self, everything: bool = False) -> None:
+        """Zero the gradient buffers of the buckets just updated (or all), in place."""
+        for b in self.buckets:
+            if everything or self._updates(b):
+                b.zero_grad()
+
+    @torch.no_grad()
+    def copy_param(self, src: str, dst: str) -> None:
+        """Make parameter dst a copy of src, optimizer state too (the untie, #53); each rank owns the same units."""
+        self.wait_for_params()
+        params = {n: p for b in self.buckets for n, p in zip(b.names, b.params)}
+        params[dst].copy_(params[src])
+        owned = {name: (lo, hi, state) for b in self.buckets for name, lo, hi, state in b.owned()}
+        if (src in owned) != (dst in owned) or src in owned and owned[src][:2] != owned[dst][:2]:
+            raise ValueError(f"{src} and {dst} are sharded differently: cannot copy the optimizer state")
+        if src in owned:
+            for k, t in owned[dst][2].items():
+                t.copy_(owned[src][2][k].view_as(t))
+
+    def state_tensors(self) -> list[Tensor]:
+        return [t for b in self.buckets for t in b.state.values()]
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
+        """This rank's shard with the bucket layout: params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor},
+        the state of the units lo..hi-1 it owns of that parameter, each passed through `copy` (the checkpointer's
+        copies into pinned host buffers)."""
+        params = {}
+        for i, b in enumerate(self.buckets):
+            for name, lo, hi, state in b.owned():
+                params[name] = {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
+        return {"world_size": self.world_size, "rank": self.rank, "step_count": self.step_count,
+                "adam_steps": self.adam_steps, "buckets": [b.layout() for b in self.buckets], "params": params}
+
+    @torch.no_grad()
+    def load_state_dict(self, shards: list[dict]) -> None:
+        """Load every saving rank's state_dict(), at any world size and bucket layout: each parameter's state is put
+        together from the pieces, then this rank takes its units. ValueError says what does not fit."""
+
+        saved = {n: (lay["kind"], lay["unit"], c) for lay in shards[0]["buckets"]
+                 for n, c in zip(lay["names"], lay["counts"])}
+        mine = {n: (b.kind, b.unit, c) for b in self.buckets for n, c in zip(b.names, b.counts)}
+        if saved != mine:
+            raise ValueError("the optimizer state has other parameters or units than this model")
+        pieces: dict[str, list[tuple[int, int, dict[str, Tensor]]]] = {n: [] for n in mine}
+        for shard in shards:
+            for name, entry in shard["params"].items():
+                state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
+                pieces[name].append((*entry["units"], state))
+        kinds = {n: set(state) for b in self.buckets for n, _, _, state in b.owned()}
+        if any(set(parts[0][2]) != kinds[n] for n, parts in pieces.items() if n in kinds and parts):
+            raise ValueError("the optimizer state holds other statistics (e.g. NorMuon's) than this optimizer's")
+        full: dict[str, dict[str, Tensor]] = {}
+        for name, parts in pieces.items():
+            parts.sort(key=lambda p: p[0])
+            edges = [0] + [e for lo, hi, _ in parts for e in (lo, hi)] + [mine[name][2]]
+            if edges[0::2] != edges[1::2]:  # each piece starts where the previous one ended, from 0 to the end
+                raise ValueError(f"the optimizer state does not cover {name} exactly once")
+            full[name] = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        for b in self.buckets:
+            for name, lo, hi, state in b.owned():
+                for k, t in state.items():
+                    t.copy_(full[name][k][lo:hi])
+        self.step_count, self.adam_steps = shards[0]["step_count"], shards[0]["adam_steps"]
+
+# -----------------------------------------------------------------------------
+# Data
+# Shards are a 256-int32 header (magic, version, token count) then uint16 GPT-2 tokens; every
+# document starts with BOS (50256). Each step takes global_batch_seqs sequences that start at a
+# BOS (its length and document cut staged by the schedule), in a fixed global order, so any world
+# size sees the same token stream.
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+BOS_ID = 50256
+DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
+HERE = Path(__file__).resolve().parent  # the repository: where data/ and records/ are
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
+    """Write beside path, fsync, rename over it: a reader sees the old file or the new one, a failure nothing."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Write tokens in the shard format, atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError("shard tokens must fit in uint16")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
+    with atomic_file(path) as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+def shard_token_count(path: Path) -> int:
+    """Validate a shard's header against its file size and return its token count."""
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    except OSError as e:
+        raise UsageError(f"cannot read shard {path}: {e.strerror}") from None
+    if len(header) < HEADER_INTS:
+        raise UsageError(f"shard {path} is truncated: {size} bytes, shorter than the {4 * HEADER_INTS}-byte header")
+    if header[0] != SHARD_MAGIC:
+        raise UsageError(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC}: not a token shard")
+    if header[1] != SHARD_VERSION:
+        raise UsageError(f"shard {path} has version {header[1]}, expected {SHARD_VERSION}")
+    count = int(header[2])
+    expected = 4 * HEADER_INTS + 2 * count
+    if size != expected:
+        raise UsageError(f"shard {path} header says {count} tokens ({expected} bytes) but the file has {size} bytes; "
+                         f"it is truncated or corrupt: delete it and download or tokenize it again")
+    return count
+
+def load_shard(path: Path, vocab_size: int) -> np.ndarray:
+    count = shard_token_count(path)
+    tokens = np.fromfile(path, dtype="<u2", offset=4 * HEADER_INTS, count=count)
+    if count and int(tokens.max()) >= vocab_size:
+        bad = int(np.argmax(tokens >= vocab_size))
+        raise UsageError(f"shard {path} holds token id {int(tokens[bad])} at position {bad}, "
+                         f"outside the vocabulary (< {vocab_size})")
+    return tokens
+
+def find_shards(pattern: str) -> list[Path]:
+    """The shards a glob names, in order; a relative one is also tried under this file's folder."""
+    files = sorted(Path(p) for p in glob.glob(pattern))
+    if not files and not Path(pattern).is_absolute():
+        files = sorted(Path(p) for p in glob.glob(str(HERE / pattern)))
+    if not files:
+        if pattern in (PRESETS["tiny"]["train_files"], PRESETS["tiny"]["val_files"]):
+            hint = "the bundled sample is missing from this checkout: restore it with `git checkout data/sample`"
+        else:
+            hint = more_data_hint(pattern, missing=True)
+        raise UsageError(f"no files match {pattern!r} (here or under {HERE}); {hint}")
+    return files
+
+def more_data_hint(pattern: str, missing: bool = False) -> str:
+    """Where more (or any) data for a glob comes from: FineWeb's downloader for its shards, else your own text."""
+    if "fineweb10B" in pattern:
+        return f"download {'' if missing else 'more '}FineWeb shards with `{DOWNLOAD_HINT}`"
+    if missing:
+        return "check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py"
+    return "make more shards from text with data/tokenize_text.py"
+
+class DataExhausted(UsageError):
+    """The training files ran out before the run's last step."""
+
+Pieces = list[tuple[int, int]]  # one sequence: (start, end) token ranges of the shard, concatenated
+
+POSITIONS_KEPT = 64  # recent steps whose stream position is kept: far more than a prefetch runs ahead
+
+class TrainTokenStream:
+    """BOS-aligned training sequences in one global order, shared by every world size. Step k takes
+    global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len), seq_len + 1 tokens each: from a BOS,
+    the documents in order, each cut to max_doc_len, the last to fit. A step comes from one shard."""
+
+    def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int,
+                 step_shape: Callable[[int], tuple[int, int]], epochs: int = 1, preload: bool = False):
+        self.files = files * epochs
+        self.seq_len, self.batch_seqs, self.vocab_size = seq_len, batch_seqs, vocab_size  # seq_len: the longest
+        self.step_shape = step_shape
+        self.next_file, self.steps_served = 0, 0
+        self.tokens = np.zeros(0, dtype=np.uint16)
+        self.bos = np.zeros(0, dtype=np.int64)
+        self.long_docs: dict[int, np.ndarray] = {}  # max_doc_len -> indices (into bos) of longer documents
+        self.pos = 0
+        # (next file, position in the loaded shard) after each recent step: where a checkpoint's data resumes.
+        # Written by the producer thread, read by the loop for a step it has consumed (a few steps behind).
+        self.positions: dict[int, tuple[int, int]] = {0: (0, 0)}
+        # Reading and scanning a 100M-token shard takes a large fraction of a second: do it ahead, off the loop.
+        self.preloader = ThreadPoolExecutor(1, thread_name_prefix="shard-preload") if preload else None
+        self.upcoming: Future | None = None
+
+    def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        tokens = load_shard(self.files[index], self.vocab_size)
+        return tokens, np.flatnonzero(tokens == BOS_ID)
+
+    def _load_next_shard(self) -> None:
+        if self.next_file >= len(self.files):
+            held = sum(shard_token_count(p) for p in self.files)
+            raise DataExhausted(f"training data exhausted at step {self.steps_served}: {len(self.files)} shard(s) "
+                                f"(with epochs) hold {held:,} tokens, less than the run consumes; add shards, "
+                                f"raise --train_epochs or lower --num_steps")
+        if self.upcoming is not None:
+            self.tokens, self.bos = self.upcoming.result()
+        else:
+            self.tokens, self.bos = self._read(self.next_file)
+        self.next_file += 1
+        self.pos, self.long_docs = 0, {}
+        has_next = self.next_file < len(self.files)
+        self.upcoming = self.preloader.submit(self._read, self.next_file) if self.preloader and has_next else None
+
+    def close(self) -> None:
+        if self.preloader is not None:
+            self.preloader.shutdown(wait=True, cancel_futures=True)
+
+    def _pack(self, i: int, need: int, max_doc_len: int) -> Pieces | None:
+        """`need` tokens from document bos[i] on, cut to max_doc_len, as contiguous pieces; None past the last BOS."""
+        if max_doc_len not in self.long_docs:
+            lengths = np.diff(self.bos, append=len(self.tokens))
+            self.long_docs[max_doc_len] = np.flatnonzero(lengths > max_doc_len)
+        long_docs, pieces = self.long_docs[max_doc_len], []
+        while need:
+            if i >= len(self.bos):
+                return None
+            k = int(np.searchsorted(long_docs, i))
+            cut = int(long_docs[k]) if k < len(long_docs) else len(self.bos)  # the next document to cut
+            start = int(self.bos[i])
+            whole = (int(self.bos[cut]) if cut < len(self.bos) else len(self.tokens)) - start
+            take = min(whole + (max_doc_len if cut < len(self.bos) else 0), need)
+            pieces.append((start, start + take))
+            need, i = need - take, cut + 1
+        return pieces
+
+    def _take(self, seq_len: int, max_doc_len: int) -> list[Pieces] | None:
+        """The step's sequences from self.pos, or None when the shard cannot supply them. #89's rule: a sequence
+        starts at the document after the previous one's last, even when only its BOS was taken."""
+        i = int(np.searchsorted(self.bos, self.pos))
+        step: list[Pieces] = []
+        while len(step) < self.batch_seqs:
+            pieces = self._pack(i, seq_len + 1, max_doc_len)
+            if pieces is None:
+                return None
+            i = int(np.searchsorted(self.bos, pieces[-1][1] - 1, side="right"))
+            step.append(pieces)
+        self.pos = int(self.bos[i]) if i < len(self.bos) else len(self.tokens)
+        return step
+
+    def next_step(self) -> list[Pieces]:
+        """This step's global_batch_seqs sequences, in global order, as pieces of self.tokens."""
+        shape = self.step_shape(self.steps_served)
+        while (step := self._take(*shape)) is None:
+            self._load_next_shard()
+        self.steps_served += 1
+        self.positions[self.steps_served] = (self.next_file, self.pos)
+        self.positions.pop(self.steps_served - POSITIONS_KEPT, None)
+        return step
+
+    def skip(self, steps: int) -> None:
+        """Pass over the sequences of `steps` steps: no token is copied."""
+        for _ in range(steps):
+            self.next_step()
+
+    def seek(self, steps: int, position: tuple[int, int]) -> None:
+        """Continue after `steps` steps from position(steps) of the run that consumed them, whatever its shapes."""
+        next_file, pos = position
+        self.steps_served, self.next_file = steps, max(next_file - 1, 0)
+        if next_file:
+            self._load_next_shard()
+        self.pos = pos
+        self.positions = {steps: (next_file, pos)}
+
+    def position(self, steps: int) -> tuple[int, int]:
+        return self.positions[steps]
+
+    def most_documents(self, step: list[Pieces]) -> int:
+        """The most documents (BOS tokens) one of a step's sequences holds among its inputs: all its tokens but the
+        last, which is a target only."""
+        def documents(pieces: Pieces) -> int:
+            starts, ends = [s for s, _ in pieces], [e for _, e in pieces[:-1]] + [pieces[-1][1] - 1]
+            return int(np.searchsorted(self.bos, ends).sum() - np.searchsorted(self.bos, starts).sum())
+        return max(map(documents, step))
+
+class TrainBatches:
+    """This rank's rows of each training step: micro-step m of rank r holds global sequence m * W + r."""
+
+    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None):
+        self.stream, self.rank, self.world_size = stream, rank, world_size
+        self.shape = (stream.batch_seqs // world_size, stream.seq_len + 1)  # the longest step's
+        self.steps_left = steps  # None: until the data runs out; a run asks for exactly what it trains on
+
+    def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
+        """Write the next step's rows into the front of a flat buffer; their shape (rows, seq_len + 1), or None."""
+        if self.steps_left is not None:
+            if self.steps_left == 0:
+                return None
+            self.steps_left -= 1
+        step = self.stream.next_step()[self.rank::self.world_size]
+        length = sum(end - start for start, end in step[0])  # seq_len + 1 of this step's shape
+        out = buffer[: len(step) * length].reshape(len(step), length)
+        for m, pieces in enumerate(step):
+            at = 0
+            for start, end in pieces:
+                out[m, at: at + end - start] = self.stream.tokens[start:end]
+                at += end - start
+        return out.shape
+
+    def close(self) -> None:
+        self.stream.close()
+
+class ValTokens:
+    """The first val_tokens tokens (+1 target) of the val shards, cut into contiguous chunks, not BOS-aligned."""
+
+    def __init__(self, files: list[Path], val_tokens: int, vocab_size: int):
+        need, parts, have = val_tokens + 1, [], 0
+        for path in files:
+            parts.append(load_shard(path, vocab_size)[: need - have])
+            have += len(parts[-1])
+            if have >= need:
+                break
+        if have < need:
+            raise UsageError(f"validation needs {need} tokens but the val files hold {have}; lower --val_tokens")
+        self.tokens = np.concatenate(parts)
+
+    def most_documents(self, seq_len: int) -> int:
+        """The most documents one validation sequence of seq_len inputs holds: its BOS tokens, and the part before
+        its first (the chunks are not document-aligned)."""
+        chunks = self.tokens[: (len(self.tokens) - 1) // seq_len * seq_len].reshape(-1, seq_len)
+        return int(((chunks == BOS_ID).sum(1) + (chunks[:, 0] != BOS_ID)).max())
+
+class ValBatches:
+    """This rank's validation chunks (rank, rank + W, ...), one (1, seq_len + 1) row per batch."""
+
+    def __init__(self, val: ValTokens, seq_len: int, rank: int, world_size: int):
+        self.val, self.seq_len = val, seq_len
+        self.chunks = iter(range(rank, (len(val.tokens) - 1) // seq_len, world_size))
+        self.shape = (1, seq_len + 1)
+
+    def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
+        c = next(self.chunks, None)
+        if c is None:
+            return None
+        buffer[:] = self.val.tokens[c * self.seq_len: (c + 1) * self.seq_len + 1]
+        return self.shape
+
+    def close(self) -> None:
+        pass
+
+def count_documents(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
+                    ) -> tuple[int, dict[tuple[int, int], int]]:
+    """Serve `steps` steps of the given shapes from the stream's start, as a loader would: how many the files supply,
+    and the most documents one sequence of each shape holds in them."""
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, step_shape,
+                              cfg.train_epochs)
+    most: dict[tuple[int, int], int] = {}
+    for k in range(steps):
+        try:
+            step = stream.next_step()
+        except DataExhausted:
+            break
+        most[step_shape(k)] = max(most.get(step_shape(k), 0), stream.most_documents(step))
+    return stream.steps_served, most
+
+def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
+                     ) -> dict[tuple[int, int], int]:
+    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream itself;
+    return the most documents one sequence of each shape holds in them."""
+    supplied, most = count_documents(cfg, files, steps, step_shape)
+    if supplied < steps:
+        raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
+                         f"document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
+                         f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
+    return most
+
+def bind_thread_to_device(device: torch.device) -> None:
+    """First call of a thread making CUDA calls: a new thread's current device is GPU 0, which would get contexts."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+class PrefetchLoader:
+    """Batches from a source (TrainBatches or ValBatches), prepared ahead, copied to the device off the compute stream.
+    A thread fills a ring of `depth` pinned host buffers; batch N+1 is copied on a copy stream when batch N is
+    handed out, the compute stream waits on its event (record_stream ties it there), and a buffer is refilled only
+    once its copy is done. depth=0: the same work in the main thread. Errors in the thread surface in the caller.
+    digest: what the host needs of a batch (ShardedMuonAdam.batch_rows), computed where the tokens are, by the thread
+    from the host buffer; self.digest is that of the batch last handed out."""
+
+    def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device,
+                 digest: Callable[[np.ndarray], object] | None = None):
+        self.source, self.depth, self.device, self.make_digest = source, depth, device, digest
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        # Flat, sized for the longest batch (a shorter one is a view in front). The thread writes them through numpy
+        # only: stopping the profiler while another thread dispatches a torch op can crash.
+        self.buffers = [torch.empty(math.prod(source.shape), dtype=torch.int32, pin_memory=cuda)
+                        for _ in range(max(depth, 1))]
+        self.arrays = [b.numpy() for b in self.buffers]
+        self.filled: list[tuple[int, int] | None] = [None] * len(self.buffers)  # the batch shape in each buffer
+        self.digests: list[object] = [None] * len(self.buffers)
+        self.digest: object = None
+        self.copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
+        self.pending: tuple[Tensor, torch.cuda.Event | None, object] | None = None
+        self.error: Exception | None = None
+        self.done = False
+        if depth:
+            self.free: queue.Queue[int] = queue.Queue()
+            self.ready: queue.Queue[int | BaseException | None] = queue.Queue()
+            for i in range(depth):
+                self.free.put(i)
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._produce, name="prefetch", daemon=True)
+            self.thread.start()
+
+    def _fill(self, i: int) -> bool:
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()  # the previous copy out of this buffer has finished
+        self.filled[i] = self.source.fill(self.arrays[i])
+        if self.filled[i] is not None and self.make_digest is not None:
+            self.digests[i] = self.make_digest(self.arrays[i][: math.prod(self.filled[i])].reshape(self.filled[i]))
+        return self.filled[i] is not None
+
+    def _produce(self) -> None:
+        try:
+            bind_thread_to_device(self.device)
+            while not self.stop.is_set():
+                try:
+                    i = self.free.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if not self._fill(i):
+                    self.ready.put(None)
+                    return
+                self.ready.put(i)
+        except BaseException as e:  # handed to the main thread, which re-raises it
+            self.ready.put(e)
+
+    def _next_host(self) -> int | None:
+        if not self.depth:
+            return 0 if self._fill(0) else None
+        while True:
+            try:
+                item = self.ready.get(timeout=1.0)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("prefetch thread stopped without a batch or an error") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _start_copy(self) -> tuple[Tensor, torch.cuda.Event | None, object] | None:
+        """Issue the copy of the next host batch; never on the compute stream."""
+        i = self._next_host()
+        if i is None:
+            self.done = True
+            return None
+        rows, cols = self.filled[i]  # type: ignore[misc]
+        host = self.buffers[i][: rows * cols].view(rows, cols)
+        if self.copy_stream is None:
+            batch, event = host.clone(), None
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                batch = host.to(self.device, non_blocking=True)
+                event = self.copied[i]
+                event.record(self.copy_stream)
+        digest = self.digests[i]
+        if self.depth:
+            self.free.put(i)
+        return batch, event, digest
+
+    def __iter__(self) -> "PrefetchLoader":
+        return self
+
+    def __next__(self) -> Tensor:
+        """The next (rows, seq_len + 1) int32 device batch, safe to read on the current stream."""
+        if self.error is not None:
+            raise self.error
+        current = self.pending if self.pending is not None or self.done else self._start_copy()
+        if current is None:
+            raise StopIteration
+        batch, event, self.digest = current
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            batch.record_stream(compute)
+        # Batch N+1's copy is in flight while batch N computes; an error preparing it is raised when it is asked for.
+
+        self.pending = None
+        if self.depth:
+            try:
+                self.pending = self._start_copy()
+            except Exception as e:
+                self.error = e
+        return batch
+
+    def close(self) -> None:
+        if self.depth and self.thread.is_alive():
+            self.stop.set()
+            self.thread.join()
+        self.source.close()
+
+    def __enter__(self) -> "PrefetchLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+# -----------------------------------------------------------------------------
+# Command line
+# --field=value parsing, --help from the Config's own comments, and validate_config, which refuses in one line any
+# value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
+
+COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
+ATTENTIONS = ("auto", "fa3", "flex")  # --attention
+BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
+
+AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
+
+def _parse_value(name: str, kind: type | str, text: str) -> object:
+    if kind in (bool, "bool | None"):
+        low = text.lower()
+        if kind != bool and low == AUTO:
+            return None
+        if low in ("1", "true", "yes", "on", ""):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise UsageError(f"--{name} expects true or false{'' if kind is bool else ' or auto'}, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
+
+BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", AUTO)  # what may follow a bare bool flag
+
+def field_kinds() -> dict[str, type | str]:
+    types = {"int": int, "float": float, "bool": bool, "str": str, "bool | None": "bool | None"}
+    return {f.name: types[f.type] for f in dataclasses.fields(Config)}
+
+def read_options(argv: list[str]) -> dict[str, str]:
+    """The command line as {field: text}, read as argparse reads options: --field=value or --field value; a bool
+    field alone (--save_final) is true, or takes a true/false word after it. Refuses unknown fields, a missing
+    value and a field given twice (which of two values was meant is the user's to say)."""
+    kinds, options, args = field_kinds(), {}, list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise UsageError(f"unexpected argument {arg!r}: options look like --field=value (see --help)")
+        name, eq, text = arg[2:].partition("=")
+        if name not in kinds:  # the closest spelling, else the fields ending in it (--lr: the lrs) or sharing a word
+            near = (difflib.get_close_matches(name, kinds, n=1) or [k for k in kinds if k.endswith(f"_{name}")][:6]
+                    or [k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6])
+            hint = f"; did you mean --{' or --'.join(near)}?" if near else ""
+            raise UsageError(f"unknown option --{name}{hint} (see --help)")
+        flag = kinds[name] in (bool, "bool | None")
+        if not eq and args and not args[0].startswith("--") and (not flag or args[0].lower() in BOOL_WORDS):
+            text = args.pop(0)
+        elif not eq and not flag:
+            raise UsageError(f"--{name} needs a value: --{name}=VALUE")
+        elif not eq:
+            text = "true"
+        if name in options:
+            raise UsageError(f"--{name} is given twice ({options[name]!r} and {text!r}): give it once")
+        options[name] = text
+    return options
+
+def parse_config(argv: list[str]) -> Config:
+    """Defaults, then the presets' fields, then explicit --field=value overrides."""
+    kinds = field_kinds()
+    overrides = {name: _parse_value(name, kinds[name], text) for name, text in read_options(argv).items()}
+    fields: dict[str, object] = {}
+    for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
+        if preset not in PRESETS:
+            raise UsageError(f"unknown preset {preset!r}; choose from: {', '.join(PRESETS)} (several: --preset=A,B)")
+        fields.update(PRESETS[preset])
+    return Config(**{**fields, **overrides})
+
+def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
+    """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
+    a field is its documentation (--help prints it); a comment line indented past its '#' continues it."""
+    groups: list[tuple[str, list[tuple[str, str]]]] = []
+    for line in inspect.getsource(Config).splitlines()[2:]:
+        code, _, comment = line.strip().partition("  # ")
+        if code.startswith("#  "):
+            name, text = groups[-1][1][-1]
+            groups[-1][1][-1] = (name, f"{text} {code[1:].strip()}")
+        elif code.startswith("# "):
+            groups.append((code[2:], []))
+        elif ":" in code:
+            groups[-1][1].append((code.split(":")[0], comment))
+    return groups
+
+def config_help() -> str:
+    lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
+             "--nproc_per_node=N train_gpt.py ..., or ./run.sh ...)",
+             "Every field of the Config dataclass, with its default and the range a number must be in (each given at "
+             "most once; a bool field alone is true):"]
+    defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
+    for group, fields in field_groups():
+        lines.append(f"\n{group}:")
+        for name, comment in fields:
+            flag = f"  --{name}={defaults[name]}"
+            body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
+                                 break_on_hyphens=False)
+            if name in FIELD_RULES or name in STAGE_FORMATS:  # the range whole, on the last line or one of its own
+                rule = f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else f"each: {STAGE_FORMATS[name][3]}"
+                body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};",
+                                                                                            f"{'':<44}{rule}"]
+            lines.append((f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:])
+    lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
+    for name, fields in PRESETS.items():
+        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
+                                   initial_indent=f"  {name}: ", subsequent_indent="    "))
+    return "\n".join(lines)
+
+def profile_steps(spec: str, num_steps: int) -> range:
+    """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
+    start, sep, end = spec.partition(":")
+    try:
+        a, b = int(start), int(end)
+    except ValueError:
+        raise UsageError(f"--profile expects START:END (0-based training steps, e.g. --profile=10:15), "
+                         f"got {spec!r}") from None
+    if not sep or not 0 <= a < b:
+        raise UsageError(f"--profile={spec}: needs 0 <= START < END (it traces steps START..END-1)")
+    if b > num_steps:
+        raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
+    return range(a, b)
+
+# The staged fields: "A,B,..." holds an entry per stage (--window_stages: then the extension's), an entry "X/Y/..."
+# numbers. name -> (numbers per entry, their type, what each may be, what an entry is, an example). The lr multiplier
+# scales every group's lr (the records use 1 to 1.73); at most 100 keeps it far from an fp32 update's overflow.
+STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] = {
+    "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks", "1/3,3/7,5/11,6/13"),
+    "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
+    "lr_stages": (range(1, 2), float, lambda m: 0 < m <= 100, "a multiplier in (0, 100]", "1,1.52,1.73"),
+    "doc_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "2048,2048,2048"),
+    "mtp_stages": (range(1, 65), float, lambda w: 0 <= w <= 100, "1-64 weights W/W/... in [0, 100]",
+                   "1/0.5/0.25,1/0.5,1"),
+    "final_val_windows": (range(2, 3), int, lambda w: w >= 0, "one SHORT/LONG pair of blocks", "6/20"),
+}
+STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
+
+@functools.lru_cache(maxsize=64)  # schedule() reads every staged field at every step: each spec is parsed once
+def parse_stages(name: str, spec: str) -> tuple:
+    """A staged field's entries: a number each, or a tuple (the windows' (short, long), mtp's weights)."""
+    counts, kind, allowed, what, example = STAGE_FORMATS[name]
+    try:
+        entries = [tuple(kind(x) for x in entry.split("/")) for entry in spec.split(",")]
+    except ValueError:
+        entries = []
+    staged = name in STAGED  # the others take one entry
+    if not entries or not (staged or len(entries) == 1) or any(
+            len(e) not in counts or not all(math.isfinite(x) and allowed(x) for x in e) for e in entries):
+        per_stage = " per stage, comma-separated" if staged else ""
+        raise UsageError(f"--{name} expects {what}{per_stage} (e.g. {example}), got {spec!r}")
+    if "window" in name and any(short > long for short, long in entries):
+        wrong = ", ".join(f"{a}/{b}" for a, b in entries if a > b)
+        raise UsageError(f"--{name}={spec}: the short window exceeds the long one in {wrong} (SHORT/LONG, in blocks)")
+    if name == "mtp_stages" and any(e[0] == 0 for e in entries):
+        raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
+                         f"without it the stage trains on nothing")
+    return tuple(e[0] for e in entries) if counts == range(1, 2) else tuple(entries)
+
+def num_stages(cfg: Config) -> int:
+    """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
+    the extension's pair when there is one). UsageError when they disagree."""
+    counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED}
+    counts["--window_stages"] -= 1 if cfg.extension_steps else 0
+    if len(set(counts.values())) > 1:
+        raise UsageError(f"the staged fields must list the same number of stages, got "
+                         f"{', '.join(f'{k}: {v}' for k, v in counts.items())} (--window_stages also lists the "
+                         f"extension's windows when --extension_steps > 0)")
+    return max(counts.values())
+
+def paired_layers(cfg: Config) -> set[int]:
+    """--paired_layers=I,J,... as a set of layers; UsageError unless each is a short-window layer (and heads pair)."""
+    try:
+        layers = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
+    except ValueError:
+        layers = {-1}
+    if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] != "S" for i in layers) or layers and cfg.num_heads % 2:
+        raise UsageError(f"--paired_layers={cfg.paired_layers!r} must list short-window (S) layers of --attn_pattern="
+                         f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
+    return layers
+
+def skip_layers(cfg: Config) -> tuple[int, int]:
+    """--skip=A:B as (A, B): block A's output joins block B's input. UsageError when malformed."""
+    try:
+        a, b = (int(x) for x in cfg.skip.split(":"))
+    except ValueError:
+        a = b = -1
+    if not 0 <= a < b < cfg.num_layers:
+        raise UsageError(f"--skip expects A:B with 0 <= A < B < num_layers={cfg.num_layers} (block A's "
+                         f"output into block B's input, e.g. 3:6), got {cfg.skip!r}")
+    return a, b
+
+def bench_length(cfg: Config) -> int:
+    """The steps a --bench run trains: settle, timed, one profiler warmup, traced."""
+    return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
+
+def run_length(cfg: Config) -> int:
+    """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
+    return bench_length(cfg) if cfg.bench else cfg.num_steps
+
+# The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning rate or a
+# beta of 1.5 stops the run at start-up with one line instead of training on it. Every float field has both bounds:
+# the upper ones lie far above any recipe's values (lrs <= 0.6, weight decay multipliers 150) and keep each update's
+# scalars (lr x stage multiplier <= 100 x decay) finite in fp32, so a typo such as --muon_lr=1e30 is refused here.
+FIELD_RULES: dict[str, str] = {
+    **dict.fromkeys(["train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
+                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size",
+                     "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage", "bigram_dim",
+                     "bigram_sign_rows", "mudd_dim", "attn_input_layer"], "> 0"),
+    # Start-up work grows with these before the corpus is read (the step table, the list of shards to pass over):
+    # bounded, so that a typo (--num_steps=10000000) is refused at once rather than after minutes of building.
+    **dict.fromkeys(["num_steps"], "in [1, 100000]"),
+    **dict.fromkeys(["train_epochs"], "in [1, 10000]"),
+    **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "save_every",
+                     "extension_steps", "muon_momentum_cooldown_steps", "fp8_down_exact_steps"], ">= 0"),
+    **dict.fromkeys(["seed"], "in [-1, 4294967295]"),  # 32 bits: torch's generator overflows past 64
+    **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "skip_gate_lr", "smear_gate_lr",
+                     "lambda_lr", "mudd_lr"],
+                    "in (0, 10]"),
+    **dict.fromkeys(["mlp_down_lr_mul", "attn_scale", "fp8_x_scale", "fp8_w_scale", "fp8_grad_scale",
+                     "grad_scale", "fp8_down_w_headroom", "fp8_down_act_headroom"], "in (0, 100]"),
+    **dict.fromkeys(["logit_cap", "logit_temp"], "in (0, 1000]"),
+    **dict.fromkeys(["logit_shift"], "in [-1000, 1000]"),
+    **dict.fromkeys(["muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul", "value_embed_wd_mul"], "in [0, 1000]"),
+    **dict.fromkeys(["adam_eps"], "in (0, 1]"),
+    **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
+    **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "scalar_beta1",
+                     "scalar_beta2", "head_beta1"], "in [0, 1)"),
+    **dict.fromkeys(["normuon_beta2"], "in (0, 1)"),
+    **dict.fromkeys(["bucket_mb"], "in (0, 100000]"),
+    **dict.fromkeys(["peak_tflops"], "in [0, 100000]"),
+}
+
+def rule_holds(rule: str, value: float) -> bool:
+    """Whether a finite value meets a FIELD_RULES entry: "> B", ">= B" or an interval such as "in (0, 10]"."""
+    if not math.isfinite(value):
+        return False
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(", "))
+        above = low < value if rule[3] == "(" else low <= value
+        return above and (value < high if rule[-1] == ")" else value <= high)
+    op, bound = rule.split()
+    return value > float(bound) if op == ">" else value >= float(bound)
+
+# A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere, and
+# whitespace or a control character (a newline) would split the names in a listing, a log line or a shell command.
+RUN_ID_MAX = 200  # with ".failed.jsonl" added, within the 255-byte file names of common file systems
+
+def plain_name(run_id: str) -> bool:
+    """Whether a --run_id names files in --log_dir and nothing else (the empty default: a fresh one)."""
+    return run_id not in (".", "..") and len(run_id) <= RUN_ID_MAX and \
+        not any(c in "/\\" or c.isspace() or not c.isprintable() for c in run_id)
+
+def validate_config(cfg: Config, world_size: int) -> int:
+    """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
+    for name, rule in FIELD_RULES.items():
+        value = getattr(cfg, name)
+        if not rule_holds(rule, value):
+            raise UsageError(f"--{name} must be {rule}, got {value}")
+    if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
+        raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
+                         f"({cfg.num_layers} layers)")
+    for name in STAGE_FORMATS:
+        parse_stages(name, getattr(cfg, name))
+    if cfg.profile:
+        profile_steps(cfg.profile, cfg.num_steps)
+    tables, stages = sorted(set(cfg.value_embeds) - {"-"}), num_stages(cfg)
+    long_seq = next((n for n in parse_stages("seq_len_stages", cfg.seq_len_stages)
+                     if n > cfg.train_seq_len or n % cfg.block_size), None)
+    refusals = [  # (a problem, its line), in order
+        (not plain_name(cfg.run_id), f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or "
+         f"'\\', no whitespace or control characters, not '.' or '..', at most {RUN_ID_MAX} characters"),
+        (not cfg.log_dir.strip(), "--log_dir is empty: give the folder for the run's logs (e.g. --log_dir=logs; "
+         "--log_dir=. for this one)"),
+        *((not getattr(cfg, n).strip(), f"--{n} is empty: give a glob of token shards, e.g. --{n}="
+           f"'{PRESETS['tiny'][n]}'") for n in ("train_files", "val_files")),
+        (cfg.global_batch_seqs % world_size, f"--global_batch_seqs={cfg.global_batch_seqs} is not divisible by the "
+         f"world size {world_size}; launch with --nproc_per_node dividing it (1, 2, 4 or 8 for the recipe)"),
+        (len(cfg.value_embeds) != cfg.num_layers or tables != [str(i) for i in range(len(tables))],
+         f"--value_embeds={cfg.value_embeds!r} needs one character per layer ({cfg.num_layers}): the table it adds "
+         f"(tables 0, 1, ... each used) or - for none, e.g. 012------012"),
+        (not cfg.attn_input_layer < cfg.num_layers - 1 or cfg.attn_input_layer == skip_layers(cfg)[0],
+         f"--attn_input_layer={cfg.attn_input_layer} must be a layer other than the skip's source, before the last "
+         f"({cfg.num_layers - 1}): the MUDD mixes read it"),
+        (cfg.attn_pattern[-1] == "-" or "0" not in cfg.value_embeds,
+         "the last layer needs attention (MUDD's first block mixes its values) and --value_embeds a table 0 (the "
+         "last mix reads it)"),
+        (cfg.attn_pattern[skip_layers(cfg)[1]] != "-",
+         f"--skip={cfg.skip}: the skip lands in place of an attention, on a '-' layer of --attn_pattern"),
+        (cfg.bigram_dim > cfg.model_dim, f"--bigram_dim={cfg.bigram_dim} exceeds --model_dim={cfg.model_dim}"),
+        (cfg.bigram_rows < 2, f"--bigram_rows={cfg.bigram_rows}: the table needs at least 2 rows (one is reserved for "
+         f"position 0)"),
+        (cfg.gate_channels % 2, f"the VE gates read half of --gate_channels={cfg.gate_channels} from x, half from the "
+         f"VE: make it even"),
+        (cfg.head_dim % 4, f"--head_dim={cfg.head_dim} must be a multiple of 4 (half-truncated RoPE)"),
+        (cfg.gate_channels > cfg.model_dim, f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}"),
+        (cfg.num_heads * cfg.head_dim != cfg.model_dim, f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} "
+         f"must equal --model_dim={cfg.model_dim} (value embeddings and skips add model_dim vectors to the values)"),
+        *((getattr(cfg, n) % cfg.block_size, f"--{n}={getattr(cfg, n)} must be a multiple of --block_size="
+           f"{cfg.block_size}") for n in ("train_seq_len", "val_seq_len")),
+        (cfg.val_tokens % cfg.val_seq_len,
+         f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}"),
+        (cfg.comm_overlap not in COMM_OVERLAP,
+         f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}"),
+        (cfg.attention not in ATTENTIONS, f"--attention must be {', '.join(ATTENTIONS)}, got {cfg.attention!r}"),
+        (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
+        (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
+         f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
+        (cfg.extension_steps >= cfg.num_steps, f"--extension_steps={cfg.extension_steps} must be below --num_steps="
+         f"{cfg.num_steps} (the extension is the end of the run)"),
+        (stages > cfg.num_steps - cfg.extension_steps, f"{stages} stages need at least as many scheduled steps, got "
+         f"--num_steps={cfg.num_steps} with --extension_steps={cfg.extension_steps}: a stage would get no step; raise "
+         f"--num_steps or list fewer stages"),
+        (cfg.untie_stage > stages, f"--untie_stage={cfg.untie_stage}: the stages are 1 to {stages} (the last: the "
+         f"extension)"),
+        # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
+        (cfg.save_every % cfg.adam_every,
+         f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}"),
+        (cfg.save_final and cfg.num_steps % cfg.adam_every,
+         f"--save_final needs --num_steps={cfg.num_steps} to be a multiple of --adam_every={cfg.adam_every}"),
+        (cfg.device not in ("auto", "cuda", "cpu"), f"--device must be auto, cuda or cpu, got {cfg.device!r}"),
+        (cfg.cpu_bf16_gemm not in CPU_BF16_GEMMS,
+         f"--cpu_bf16_gemm must be {', '.join(CPU_BF16_GEMMS)}, got {cfg.cpu_bf16_gemm!r}"),
+        (cfg.bench and cfg.profile, "--bench traces its own steps; leave out --profile"),
+        (cfg.bench and bench_length(cfg) > cfg.num_steps, f"--bench with --bench_steps={cfg.bench_steps} runs "
+         f"{bench_length(cfg)} steps but --num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps"),
+        (cfg.bench and (cfg.save_every or cfg.save_final or cfg.resume),
+         "--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume"),
+    ]
+    for problem, line in refusals:
+        if problem:
+            raise UsageError(line)
+    skip_layers(cfg)
+    paired_layers(cfg)
+    return cfg.global_batch_seqs // world_size
+
+@dataclass
+class Runtime:
+    """Where this process runs: its rank, the world size and its device (set up in main()), and the attention
+    path resolve_for_device took, in words for the log."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    attention: str = ""
+
+FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
+FA3_HUB_KERNEL = ("kernels-community/flash-attn3", 1)  # the hub kernel and version #89 loads FA3 from
+
+@functools.cache
+def load_fa3() -> tuple[Callable | None, str]:
+    """(FA3's flash_attn_varlen_func, "") from #89's hub kernel, or (None, why it cannot run here)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None, "FA3 runs on Hopper GPUs (sm90) only"
+    try:
+        from kernels import get_kernel
+    except ImportError:
+        return None, "FA3 comes from the `kernels` package, which is not installed (pip install kernels)"
+    name, version = FA3_HUB_KERNEL
+    try:
+        return get_kernel(name, version=version).flash_attn_interface.flash_attn_varlen_func, ""
+    except Exception as e:  # the hub (offline, no build for this torch) or the build itself: say which
+        return None, f"{name} version {version} did not load: {type(e).__name__}: {e}"
+
+def resolve_attention(cfg: Config, cuda: bool) -> str:
+    """--attention auto -> fa3 where FA3 loads (a Hopper GPU with the kernels package), else flex; an explicit fa3
+    that cannot load is refused. Returns the path in words, for the log."""
+    kernel, why = load_fa3() if cfg.attention == "fa3" or cuda and cfg.attention == AUTO else (None, "")
+    if cfg.attention == "fa3" and kernel is None:
+        raise UsageError(f"--attention=fa3: {why}; use --attention=flex (or auto: FA3 where it loads)")
+    cfg.attention = "fa3" if kernel is not None else "flex"
+    if kernel is not None:
+        return f"fa3 ({FA3_HUB_KERNEL[0]} version {FA3_HUB_KERNEL[1]}, varlen)"
+    if not cuda:
+        return "flex (on the CPU: SDPA with the same masks, dense; FlexAttention has no CPU backward)"
+    return "flex (FlexAttention block masks)" + (f"; FA3 not taken: {why}" if why else "")
+
+def resolve_for_device(cfg: Config, cuda: bool) -> str:
+    """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
+    apply DISABLE_FP8, so that from here on the config (and its copy in the log) says what the run does; then check
+    what depends on the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so
+    a CPU rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
+    torch path and an explicit true is refused. Returns the attention path in words."""
+    cfg.compile = cuda if cfg.compile is None else cfg.compile
+    if cuda and cfg.cpu_bf16_gemm == "fp32":
+        raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
+                         "drop it (or use --device=cpu)")
+    cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
+    kernels = gpt_kernels is not None
+    for name in ("fp8_head", "fp8_mlp"):
+        on = cuda and kernels if getattr(cfg, name) is None else getattr(cfg, name)
+        setattr(cfg, name, on and not os.environ.get("DISABLE_FP8"))
+        if getattr(cfg, name) and not kernels:
+            raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
+                             f"--{name}=false")
+    for name in ("relu2_kernel", "fused_head"):
+        if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
+            setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None)
+        if getattr(cfg, name) and (not kernels or importlib.util.find_spec("triton") is None or
+                                   not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            raise UsageError(f"--{name} runs a Triton kernel: it needs gpt_kernels.py beside train_gpt.py, triton "
+                             f"installed and a CUDA device (or TRITON_INTERPRET=1 on the CPU, slow); or use "
+                             f"--{name}=false")
+    dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
+    for name, what in (("fp8_head", "the FP8 head"), ("fp8_mlp", "the FP8 MLP")):
+        bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
+        if getattr(cfg, name) and bad:
+            raise UsageError(f"{what} needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm), "
+                             f"got {', '.join(bad)}; change it or use --{name}=false")
+    attention = resolve_attention(cfg, cuda)  # last: auto may load FA3 from the hub
+    if cuda and cfg.attention == "flex" and cfg.block_size % FLEX_BLOCK_MULTIPLE:
+        raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
+                         f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128 "
+                         f"(or FA3, --attention=fa3, on a Hopper GPU)")
+    return attention
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+# CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and
+# through a scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a
+# CPU run's bf16 GEMMs run as fp32 GEMMs of the same bf16 values, rounded once to bf16: a bf16 GEMM with fp32
+# accumulation, as on the GPU, up to summation order. --cpu_bf16_gemm chooses; one dispatch mode serves eager and
+# compiled code.
+CPU_BF16_GEMMS = ("auto", "native", "fp32")
+CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
+                  "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
+GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+def native_bf16_gemm() -> bool:
+    """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+class Fp32Gemms(TorchDispatchMode):
+    """Inside it, every bf16 mm/addmm/bmm/baddbmm on the CPU (and its out= form) runs in fp32 and rounds its
+    result to bf16. It ignores compile internals, so torch.compile still compiles under it (it falls back to eager
+    under other modes): compiled code calls its GEMMs as extern kernels, which come through here when they run."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func.overloadpacket not in GEMM_OPS or func._overloadname not in ("default", "out")
+                or not any(isinstance(a, Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
+                           for a in args)):
+            return func(*args, **kwargs)
+        wide = [a.float() if isinstance(a, Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+        out = kwargs.pop("out", None)
+        result = func.overloadpacket.default(*wide, **kwargs)
+        return result.bfloat16() if out is None else out.copy_(result)
+
+def bf16_gemm_path(choice: str, cuda: bool) -> str:
+    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
+    return "native" if cuda or choice == "native" or (choice == AUTO and native_bf16_gemm()) else "fp32"
+
+def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
+    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
+    return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
+
+def cpu_report() -> str:
+    """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
+            f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
+
+# -----------------------------------------------------------------------------
+# Metrics
+# Rank 0 writes logs/<run_id>.txt (source, environment, config, speedrun-grammar lines), a JSONL record per
+# logged step and validation, and the run summary. Train metrics stay on the device between logging steps:
+# one collective per logging step, no host sync. MFU's FLOP count reads the matmul weights off the model.
+
+SEPARATOR = "=" * 100
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+def print0(*args: object, **kwargs: object) -> None:
+    """Print on rank 0 only; every other rank stays silent. For user-facing output (flushed)."""
+    if _rank_and_world()[0] == 0:
+        print(*args, **{"flush": True, **kwargs})
+
+def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
+    lines = [f"Running Python {sys.version.split()[0]} on {platform.platform()}",
+             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}"]
+    try:
+        import triton
+        lines.append(f"Running Triton version {triton.__version__}")
+    except ImportError:
+        lines.append("Triton not installed")
+    if device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"GPUs: {', '.join(names)}")
+        lines.append(f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}")
+    else:
+        lines.append(f"CPU run: {cpu_report()}")
+        lines.append(f"bf16 GEMM path: {CPU_GEMM_PATHS[cpu_bf16_gemm]}")
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
+        lines.append(smi.stdout.rstrip())
+    return "\n".join(lines)
+
+def lock_log(f: IO, exclusive: bool = True) -> bool:
+    """Take a run's lock, an exclusive flock on its open text log: held until the file is closed or the process
+    ends (the kernel drops it after a kill -9). False when another process holds it: that run is still going.
+    A shared lock tests for it: the ranks' tests at start-up do not collide."""
+    try:
+        fcntl.flock(f.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a file system without locks (some network mounts): the run goes on, unguarded
+        pass
+    return True
+
+class RunLog:
+    """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
+    not finite is written as NaN or Infinity (Python's json reads it back). A failed write (a full disk) stops the
+    run with one line. The text log is locked while the run has it open (lock_log): a run started with the same
+    --run_id and --overwrite is refused instead of replacing a live run's logs."""
+
+    def __init__(self, path: Path | None, jsonl_path: Path | None = None):
+        self.paths = [p for p in (path, jsonl_path) if p is not None]
+        self.file, self.jsonl = self._open(path, lock=True), self._open(jsonl_path)
+        self.records = 0  # JSONL entries written: none until the first validation or step
+
+    def _open(self, path: Path | None, lock: bool = False) -> IO | None:
+        def opened() -> IO:
+            f = open(path, "a", buffering=1 << 16)  # appending: nothing is cut before the lock is held
+            if lock and not lock_log(f):
+                f.close()
+                raise UsageError(still_running(path))
+            f.truncate(0)
+            return f
+
+        return None if path is None else self._io(path, opened)
+
+    @staticmethod
+    def _io(name: object, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except OSError as e:
+            raise UsageError(f"cannot write the log {name}: {e.strerror}") from None
+
+    def __call__(self, line: str, console: bool = True, flush: bool = False) -> None:
+        """Write a line (and with flush, everything so far to disk) before printing it: a line seen is kept."""
+        if self.file is None:
+            return
+        self._io(self.file.name, lambda: self.file.write(line + "\n"))
+        if flush:
+            self.flush()
+        if console:
+            print0(line)
+
+    def record(self, entry: dict[str, object]) -> None:
+        """Append one JSON object as one line of the JSONL log."""
+        if self.jsonl is not None:
+            self._io(self.jsonl.name, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
+            self.records += 1
+
+    def flush(self) -> None:
+        """Push what was written to the files: a hard stop (kill -9, the OOM killer) loses none of it."""
+        for f in (self.file, self.jsonl):
+            if f is not None:
+                self._io(f.name, f.flush)
+
+    def close(self, last_line: str | None = None) -> None:
+        """Close the files, after a last line (why a run stopped early) when given."""
+        if last_line is not None:
+            with contextlib.suppress(UsageError):
+                self(last_line, console=False)
+        for f in (self.file, self.jsonl):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        self.file = self.jsonl = None
+
+    def set_aside(self) -> Path | None:
+        """After a run that stopped before recording anything: move its logs to <run_id>.failed.<ext> (replacing
+        an older failure's), so they are kept and its run id is free again; the text log's new path."""
+        kept = None
+        for path in self.paths:
+            target = path.with_name(f"{path.stem}.failed{path.suffix}")
+            with contextlib.suppress(OSError):
+                path.replace(target)
+                kept = kept or target
+        return kept
+
+# Peak dense bf16 tensor-core TFLOP/s per GPU, by a substring of the CUDA device name, most specific first ("NVIDIA
+# H100 80GB HBM3" is the SXM part). --peak_tflops overrides it.
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
+                    ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+                    ("L40", 181.0), ("L4", 121.0)]
+
+def peak_tflops_for(gpu_name: str) -> float | None:
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key.lower() in gpu_name.lower()), None)
+
+def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: --peak_tflops when set, else the table; None (MFU unknown) on a CPU."""
+    tflops = override_tflops or (peak_tflops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    return None if tflops is None else tflops * 1e12
+
+def mfu_pct(flops_per_tok: float, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
+    """Model FLOPs utilization in percent: achieved model FLOP/s over the devices' peak; None when unknown."""
+    if not peak or not tokens_per_s:
+        return None
+    return 100 * flops_per_tok * tokens_per_s / (peak * world_size)
+
+def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
+    """Peak memory allocated and reserved by torch on the device since the last reset, in MiB (None on a CPU)."""
+    if device.type != "cuda":
+        return {"peak_memory_allocated_mib": None, "peak_memory_reserved_mib": None}
+    return {"peak_memory_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
+
+# GPT's parameters of two or more dimensions that feed no matmul: tables read by index, per-layer scalars, a bias
+NO_MATMUL = ("embed.weight", "value_embeds", "bigram_embed.weight", "resid_lambdas", "post_lambdas", "xsa_alphas",
+             "mudd_b2")
+
+def matmul_weights(model: nn.Module) -> int:
+    """Parameters that feed a matmul, each used once per token: every parameter of two or more dimensions but
+    NO_MATMUL's. Read from the model, so a new layer counts itself."""
+    return sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and n not in NO_MATMUL)
+
+def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
+    """Mean over query positions t = 1..T of min(t, W): keys seen under a causal sliding window."""
+    w = min(window_tokens, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+def flops_per_token(model: GPT, s: StepSchedule) -> float:
+    """Model FLOPs per trained token (forward + backward) at schedule entry `s`: 6 N + sum over attention layers of
+    12 heads head_dim T_eff, N = matmul_weights(model), T_eff = mean_keys_per_query(window tokens, seq_len) (paired
+    layers: half the heads over 2 seq_len). Document masking is ignored: an upper bound."""
+    cfg = model.cfg
+    windows = {"long": s.long_window, "short": s.short_window}
+    attention = sum(12 * cfg.num_heads * cfg.head_dim *  # paired heads: half the heads, twice the queries
+                    mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size, (2 if p.paired else 1) * s.seq_len)
+                    for p in model.plans if p.attn is not None)
+    return 6 * matmul_weights(model) + attention
+
+def format_eta(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+@dataclass
+class PendingLine:
+    """A logging step whose rank statistics are on their way to host slot `slot` (done when event is)."""
+    step: int
+    train_time_ms: float
+    slot: int
+    event: torch.cuda.Event | None
+    timers: list[tuple[torch.cuda.Event, torch.cuda.Event]]
+    steps: int  # training steps since the previous line
+    tokens: int  # tokens per rank in them
+    schedule: StepSchedule  # of the last of them
+
+class Metrics:
+    """Train metrics kept on the device: per step, device adds and two CUDA events, no collective, no host sync. A
+    logging step all-gathers RANK_STATS in one vector, reduces mean/sum/min/max on the device and copies it without
+    blocking to a pinned host slot; rank 0 prints the line once it has landed (poll), or at flush(). A loss that is
+    not finite stops every rank at the next logging step. tok/s and mfu use the GPU time (CPU: the host clock)."""
+
+    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib", "stop")
+    STATS = ("mean", "sum", "min", "max")
+    SLOTS = 8  # pinned host slots; with all in flight, the oldest is waited for (GPU far behind)
+
+    def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT):
+        self.cfg, self.rt, self.log, self.model = cfg, rt, log, model
+        self.on_cuda = rt.device.type == "cuda"
+        self.peak = peak_flops(rt.device, cfg.peak_tflops)
+        self.sums = {"loss_sum": torch.zeros((), dtype=torch.float64, device=rt.device)}  # device side, by name
+        self.tokens, self.steps, self.host_ms = 0, 0, 0.0
+        self.timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.start: torch.cuda.Event | None = None
+        self.t0 = 0.0
+        self.host = torch.zeros(self.SLOTS, len(self.STATS), len(self.RANK_STATS), dtype=torch.float64,
+                                pin_memory=self.on_cuda)
+        self.host_view = self.host.numpy()  # read as numpy: no Tensor call on the host side
+        self.pending: list[PendingLine] = []  # staged lines, printed (rank 0) once their copy has landed
+        self.last: PendingLine | None = None  # the latest staged line: checked for a diverged loss
+        self.next_slot = 0
+        self.stop_agreed = False  # a rank received a stop signal: read at the same step on every rank
+
+    def logs_at(self, step: int) -> bool:
+        """Whether step (1-based: the step that `step:S/T` names) ends with a collective and a line."""
+        return step % self.cfg.log_every == 0 or step == self.cfg.num_steps
+
+    def begin_step(self, step: int) -> None:
+        """Open step `step` (1-based; the argument is also the tests' hook to know where the loop is)."""
+        if self.on_cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+
+    def add_loss(self, loss_sum: Tensor, tokens: int) -> None:
+        """Add a micro-step's summed token loss (detached, on the device) and its token count."""
+        self.sums["loss_sum"] += loss_sum
+        self.tokens += tokens
+
+    def end_step(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
+        """Close step `step` (trained with schedule entry s); at a logging step gather and stage it. Then
+        print what has landed."""
+        if self.on_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.timers.append((self.start, end))
+        self.host_ms += 1000 * (time.perf_counter() - self.t0)
+        self.steps += 1
+        if self.logs_at(step):
+            self._gather(step, train_time_ms, s)
+        self.poll()
+
+    @staticmethod
+    def reduce_ranks(local: Tensor, world_size: int) -> Tensor:
+        """Rows mean, sum, min, max (STATS) over ranks of each entry of `local`: one all-gather, or
+        none at world size 1; the reductions run locally on the device."""
+        if world_size == 1:
+            return local.unsqueeze(0).repeat(len(Metrics.STATS), 1)
+        gathered = local.new_empty(world_size * local.numel())  # flat: the one shape gloo accepts too
+        all_gather_into(gathered, local)
+        gathered = gathered.view(world_size, -1)
+        return torch.stack([gathered.mean(0), gathered.sum(0), gathered.amin(0), gathered.amax(0)])
+
+    def _gather(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
+        host = {"host_ms": self.host_ms, "stop": float(STOP.received is not None), **peak_memory_mib(self.rt.device)}
+        local = torch.empty(len(self.RANK_STATS), dtype=torch.float64, device=self.rt.device)
+        for i, name in enumerate(self.RANK_STATS):
+            if name in self.sums:
+                local[i].copy_(self.sums[name])
+            else:  # a host number goes in as a kernel argument (fill_): no host-to-device copy
+                local[i].fill_(host[name] or 0.0)
+        stats = self.reduce_ranks(local, self.rt.world_size)
+        if self.last is not None:  # every rank, at the same step: the previous line has long landed
+            self._check_finite(self.last)
+        if len(self.pending) == self.SLOTS:
+            self._print(self.pending.pop(0), wait=True)
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.SLOTS
+        self.host[slot].copy_(stats, non_blocking=self.on_cuda)
+        event = None
+        if self.on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.last = PendingLine(step, train_time_ms, slot, event, self.timers, self.steps, self.tokens, s)
+        self.pending.append(self.last)
+        for t in self.sums.values():
+            t.zero_()
+        self.tokens, self.steps, self.host_ms, self.timers = 0, 0, 0.0, []
+
+    def poll(self) -> None:
+        """Print, in order, the pending lines whose copy has landed; never waits."""
+        while self.pending and (self.pending[0].event is None or self.pending[0].event.query()):
+            self._print(self.pending.pop(0))
+
+    def flush(self) -> None:
+        """Wait for and print every pending line (before validation lines and at the end)."""
+        self._print_pending()
+        if self.last is not None:
+            self._check_finite(self.last)
+
+    def _print_pending(self) -> None:
+        while self.pending:
+            self._print(self.pending.pop(0), wait=True)
+
+    def _check_finite(self, p: PendingLine) -> None:
+        """Stop a diverged run at the logging step after the one whose loss is not finite (or at a flush): every
+        rank holds the line's statistics and checks them at the same point of the loop, so every rank stops."""
+        if p.event is not None:
+            p.event.synchronize()  # landed long ago: the line is a logging interval old
+        loss, stop = (float(self.host_view[p.slot][self.STATS.index("sum")][self.RANK_STATS.index(k)])
+                      for k in ("loss_sum", "stop"))
+        self.stop_agreed = self.stop_agreed or stop > 0
+        if not math.isfinite(loss):
+            self._print_pending()
+            raise UsageError(f"the train loss is {loss} at step {p.step}: the run diverged; lower the learning "
+                             f"rates (--muon_lr, --embed_lr, --head_lr, --scalar_lr) or check the data")
+
+    def _print(self, p: PendingLine, wait: bool = False) -> None:
+        if wait and p.event is not None:
+            p.event.synchronize()
+        mean, total, low, high = (dict(zip(self.RANK_STATS, map(float, row))) for row in self.host_view[p.slot])
+        cfg, tokens = self.cfg, p.tokens * self.rt.world_size
+        time_ms = sum(a.elapsed_time(b) for a, b in p.timers) if p.timers else high["host_ms"]
+        tok_s = tokens / (time_ms / 1000) if time_ms > 0 else None
+        mfu = mfu_pct(flops_per_token(self.model, p.schedule), tok_s, self.peak, self.rt.world_size)
+        train_loss = total["loss_sum"] / max(tokens, 1)
+        step_avg = p.train_time_ms / p.step
+        eta_s = step_avg * (cfg.num_steps - p.step) / 1000
+        self.log.record({
+            "step": p.step, "total": cfg.num_steps, "train_loss": train_loss, "train_time_ms": p.train_time_ms,
+            "step_avg_ms": step_avg, "tokens_per_s": tok_s, "mfu_pct": mfu, "eta_s": eta_s,
+            "step_ms": time_ms / max(p.steps, 1), "steps": p.steps, "tokens": tokens,
+            "lr_mult": p.schedule.lr_mult, "muon_momentum": p.schedule.muon_momentum,
+            "window_tokens": p.schedule.long_window * cfg.block_size,
+            "peak_memory_allocated_mib": high["peak_memory_allocated_mib"] if self.on_cuda else None,
+            "train_loss_rank_min": low["loss_sum"] / max(p.tokens, 1),
+            "train_loss_rank_max": high["loss_sum"] / max(p.tokens, 1),
+        })
+        self.log(f"step:{p.step}/{cfg.num_steps} train_loss:{train_loss:.4f} train_time:{p.train_time_ms:.0f}ms "
+                 f"step_avg:{step_avg:.2f}ms tok/s:{'-' if tok_s is None else f'{tok_s:.0f}'} "
+                 f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}", flush=True)
+
+def git_commit(directory: Path) -> str | None:
+    """HEAD of the git checkout holding `directory`; None when it is not one, git is missing, or anything fails."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = proc.stdout.strip()
+    ok = proc.returncode == 0 and len(commit) in (40, 64) and all(c in "0123456789abcdef" for c in commit)
+    return commit if ok else None
+
+def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
+                gpu_names: list[str], schedules: list[StepSchedule]) -> dict[str, object]:
+    """The end-of-run summary, logs/<run_id>.json (records/compare.py reads these keys)."""
+    tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedules[:cfg.num_steps])
+    return {
+        "run_id": cfg.run_id,
+        "final_val_loss": val_points[-1][1] if val_points else None,
+        "train_time_ms": train_time_ms,
+        "steps": cfg.num_steps,
+        "step_avg_ms": train_time_ms / cfg.num_steps,
+        "tokens_per_s": tokens / (train_time_ms / 1000) if train_time_ms > 0 else None,
+        **peak_memory_mib(rt.device),
+        "world_size": rt.world_size,
+        "gpu_names": gpu_names,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "git_commit": git_commit(Path(__file__).resolve().parent),
+        "seed": cfg.seed,
+        "config": dataclasses.asdict(cfg),
+        "val_losses": [list(p) for p in val_points],
+    }
+
+def write_json_atomic(path: Path, data: dict[str, object]) -> None:
+    """Write JSON to a temporary file beside path, then rename it over path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+# -----------------------------------------------------------------------------
+# Profiler
+# Only what must run inside training: torch.profiler around the chosen steps (--profile), the timings of a
+# --bench, and each rank's raw figures. records/trace_report.py turns traces and figures into the report
+# (medians, MFU, GPU idle, copy and NCCL overlap); --bench runs it at its end.
+
+STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
+TRACE_REPORT = Path(__file__).resolve().parent / "records" / "trace_report.py"
+
+def trace_report(folder: Path, log: RunLog) -> dict | None:
+    """records/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
+    this file (a copied train_gpt.py), a line saying where the raw figures are."""
+    if not TRACE_REPORT.exists():
+        log(f"bench: raw figures in {folder}/bench_rank<R>.json; records/trace_report.py reports on them")
+        return None
+    spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.bench_report(folder, print_line=log)
+
+class StepProfiler:
+    """The --profile / --bench hooks of the training loop; inert when neither is set. --profile=START:END traces
+    training steps START..END-1 (CPU, and CUDA kernels and copies) to trace_rank<R>.json.gz. --bench runs the
+    schedule's first steps: BENCH_SETTLE_STEPS untimed, bench_steps timed (CUDA events; the CPU's clock), one
+    profiler warmup, bench_steps traced and timed; no validation; each rank writes bench_rank<R>.json."""
+
+    def __init__(self, cfg: Config, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        self.traced: range | None = None
+        self.timed: range | None = None
+        if cfg.bench:  # the loop stops at run_length(cfg), the end of the traced steps
+            self.timed = range(BENCH_SETTLE_STEPS, BENCH_SETTLE_STEPS + cfg.bench_steps)
+            self.traced = range(self.timed.stop + 1, self.timed.stop + 1 + cfg.bench_steps)
+        elif cfg.profile:
+            self.traced = profile_steps(cfg.profile, cfg.num_steps)
+        self.folder = Path(cfg.log_dir) / cfg.run_id
+        self.prof: torch.profiler.profile | None = None
+        self.marks: dict[int, torch.cuda.Event | float] = {}
+        self.exported = False
+
+    def _mark(self, step: int) -> None:
+        if self.rt.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[step] = event
+        else:
+            self.marks[step] = time.perf_counter()
+
+    def _export(self, prof: torch.profiler.profile) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.folder / f"trace_rank{self.rt.rank}.json.gz"))
+        self.exported = True
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.rt.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        steps = torch.profiler.schedule(wait=0, warmup=int(self.traced.start > 0), active=len(self.traced), repeat=1)
+        self.prof = torch.profiler.profile(activities=activities, schedule=steps, on_trace_ready=self._export)
+        self.prof.__enter__()
+
+    def close(self) -> None:
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def step(self, step: int, settle: Callable[[], None] = lambda: None):
+        """Around training step `step`; settle() runs before the trace stops: a gloo collective ending after it
+        crashes the process."""
+        if self.traced is None:
+            yield
+            return
+        if self.timed is not None and self.timed.start <= step < self.traced.stop:
+            self._mark(step)
+            if step == self.timed.start and self.rt.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.rt.device)
+        if step == max(self.traced.start - 1, 0) and self.prof is None and not self.exported:
+            self._start()
+        try:
+            with torch.profiler.record_function(f"{STEP_MARK}{step}") if self.prof else contextlib.nullcontext():
+                yield
+        except BaseException:
+            self.close()
+            raise
+        if self.timed is not None and step == self.traced.stop - 1:
+            self._mark(step + 1)
+        if self.prof is not None:
+            if step == self.traced.stop - 1:
+                settle()
+            self.prof.step()
+            if step == self.traced.stop - 1:
+                self.close()
+
+    def _step_ms(self, steps: range) -> list[float]:
+        marks = [self.marks[s] for s in range(steps.start, steps.stop + 1)]
+        if self.rt.device.type == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        return [1000 * (b - a) for a, b in zip(marks, marks[1:])]
+
+    def finish(self, log: RunLog, model: GPT) -> dict | None:
+        """Close the profiler; with --bench, write this rank's raw figures and (rank 0) report. Returns the
+        bench report."""
+        self.close()
+        if self.traced is None:
+            return None
+        if not self.cfg.bench:
+            log(f"profile: steps {self.traced.start}..{self.traced.stop - 1} traced to {self.folder}/"
+                f"trace_rank<R>.json.gz ({self.rt.world_size} file(s)); python records/trace_report.py {self.folder}")
+            return None
+        synchronize(self.rt.device)
+        cfg, rt = self.cfg, self.rt
+        tokens = cfg.global_batch_seqs * schedule(self.traced.start, cfg).seq_len
+        flops = float(np.mean([flops_per_token(model, schedule(step, cfg)) for step in self.traced]))
+        peak = peak_flops(rt.device, cfg.peak_tflops)
+        timed = self._step_ms(self.timed)
+        write_json_atomic(self.folder / f"bench_rank{rt.rank}.json", {
+            "run_id": cfg.run_id, "rank": rt.rank, "world_size": rt.world_size,
+            "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else
+            f"CPU: {cpu_report()}; bf16 GEMM path {cfg.cpu_bf16_gemm}",
+            "timed_steps": [self.timed.start, self.timed.stop - 1],
+            "traced_steps": [self.traced.start, self.traced.stop - 1],
+            "step_ms": timed, "traced_step_ms": self._step_ms(self.traced), "tokens_per_step": tokens,
+            "flops_per_token": flops, "peak_flops_per_gpu": peak,
+            "mfu_pct": [mfu_pct(flops, tokens / (ms / 1000), peak, rt.world_size) for ms in timed],
+            **peak_memory_mib(rt.device), "trace": f"trace_rank{rt.rank}.json.gz",
+            "config": {k: getattr(cfg, k) for k in ("train_seq_len", "global_batch_seqs", "num_steps", "compile",
+                                                    "fp8_head", "prefetch_depth", "bench_steps")},
+        })
+        if rt.world_size > 1:
+            dist.barrier()  # every rank's figures are on disk (the log dir is shared, as for checkpoints)
+        return trace_report(self.folder, log) if rt.rank == 0 else None
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+# --save_every / --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop (device-to-host
+# copies on a side stream, files written by a thread); --resume continues a run exactly, at the same world
+# size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
+
+CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
+CKPT_FORMAT = 8  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
+#                  5: value_embeds (was num_value_embeds) and v2's model fields; 6: x0_lambdas out of the scalars;
+#                  7: one recipe (#70), its on/off fields gone; 8: #89's model (banks, MUDD, FP8 MLP state)
+# The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
+CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
+                     "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
+                     "bigram_rows", "bigram_dim", "bigram_sign_rows", "mudd_dim", "train_seq_len", "global_batch_seqs", "train_epochs")
+CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
+CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+def checkpoint_dir(cfg: Config, step: int) -> Path:
+    return Path(cfg.log_dir) / cfg.run_id / f"ckpt_{step}"
+
+def source_sha256() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+def train_files_identity(cfg: Config) -> list[list]:
+    """[file name, token count] of each training shard: the token stream a saved data position refers to."""
+    return [[p.name, shard_token_count(p)] for p in find_shards(cfg.train_files)]
+
+def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
+    """The metadata of a complete checkpoint directory (every file it lists there, with its size; load_part
+    checks each file's checksum as it reads it); a UsageError saying what is missing or broken otherwise.
+    taker: what the user gave the folder to, for the messages."""
+    where = f"checkpoint {folder}"
+    if folder.is_file():
+        raise UsageError(f"{where} is a file: {taker} takes a ckpt_<step> directory (the folder holding "
+                         f"{CKPT_META})")
+    if not folder.is_dir():
+        raise UsageError(f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
+    path = folder / CKPT_META
+    if not path.exists() and not any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()):
+        raise UsageError(f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
+                         f"--save_every, --save_final or a stop signal writes them under <log_dir>/<run_id>/")
+    if not path.exists():  # a save that was cut short leaves its parts (or their .tmp files) but no meta.json
+        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last, once every rank's part is "
+                         f"on disk); use an earlier checkpoint")
+    try:
+        meta = json.loads(path.read_text())
+        step, world_size, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
+        if meta["format"] != CKPT_FORMAT or not isinstance(meta["config"], dict) or step < 0 or world_size < 1:
+            raise ValueError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"{where}: {CKPT_META} is unreadable or not a checkpoint's metadata (format "
+                         f"{CKPT_FORMAT})") from None
+    for name in [CKPT_MODEL, *map(rank_file, range(world_size))]:
+        if name not in files:
+            raise UsageError(f"{where}: {CKPT_META} does not list {name}")
+    for name, entry in files.items():
+        if not (folder / name).is_file():
+            raise UsageError(f"{where} is incomplete: {name} is missing")
+        actual = (folder / name).stat().st_size
+        if not isinstance(entry, dict) or actual != entry.get("bytes"):
+            raise UsageError(f"{where}: {name} has {actual} bytes, {CKPT_META} says {entry}: truncated or corrupt")
+    return meta
+
+def check_resume(cfg: Config) -> None:
+    """With --resume, refuse at start-up (every rank), before anything is written, an incomplete or corrupt checkpoint
+    (every file's checksum is checked here, and again as it is loaded), one whose shapes or data differ from this
+    run's, or one past its last step."""
+    if not cfg.resume:
+        return
+    folder = Path(cfg.resume)
+    meta = read_checkpoint_meta(folder)
+    for name, entry in meta["files"].items():
+        read_part(folder / name, entry.get("sha256"))
+    saved = meta["config"]
+    diffs = [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
+             if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise UsageError(f"checkpoint {folder} needs {', '.join(diffs)}: model shapes and data must match the "
+                         f"checkpoint's")
+    if meta.get("train_files") != train_files_identity(cfg):
+        raise UsageError(f"checkpoint {folder} was trained on other files than --train_files={cfg.train_files} "
+                         f"(it needs {len(meta.get('train_files') or [])} shard(s) with the same names and sizes)")
+    if meta["step"] > cfg.num_steps:
+        raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
+
+def still_running(text_log: Path) -> str:
+    return (f"run {text_log.stem} is still running (another process holds its log {text_log}): --overwrite replaces "
+            f"the logs of a run that has ended; wait for it or choose another --run_id")
+
+def check_run_paths(cfg: Config) -> None:
+    """Before anything is written: the log folder can be created and written, no earlier run's log is
+    replaced (unless --overwrite), and no checkpoint is ever written into: a resumed run writes under its own
+    run id, and a saving run's folder holds no checkpoints yet."""
+    log_dir, run_dir = Path(cfg.log_dir), Path(cfg.log_dir) / cfg.run_id
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--log_dir={cfg.log_dir}: cannot create it ({e.strerror}); give a writable folder") from None
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"--log_dir={cfg.log_dir} is not writable; give a writable folder")
+    logs = [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]
+    if logs and not cfg.overwrite:
+        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: choose another --run_id "
+                         f"(or none, for a fresh one), or --overwrite=true to replace them")
+    text_log = log_dir / f"{cfg.run_id}.txt"
+    with contextlib.suppress(OSError), open(text_log, "rb") as f:  # the live run's lock (RunLog), tested and
+        if not lock_log(f, exclusive=False):                          # released at once
+            raise UsageError(still_running(text_log))
+    if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
+        raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
+                         f"its own --run_id (leave it unset for a fresh one)")
+    if (cfg.save_every or cfg.save_final) and run_dir.is_dir() and any(run_dir.glob("ckpt_*")):
+        raise UsageError(f"{run_dir} already holds checkpoints and they are never overwritten; use another --run_id")
+
+def rng_state(device: torch.device) -> dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+def save_atomic(obj: object, path: Path) -> str:
+    """torch.save obj to path atomically; returns the file's sha256. Serialized in memory first, so that a
+    failed write is the file system's own error (a full disk: ENOSPC), not torch's zip writer's."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with atomic_file(path) as f:
+        f.write(buffer.getbuffer())
+    return hashlib.sha256(buffer.getbuffer()).hexdigest()
+
+def read_part(path: Path, sha256: str | None) -> bytes:
+    """A checkpoint file's bytes, checked against the checksum meta.json recorded."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"checkpoint file {path} cannot be read ({e.strerror}): the checkpoint is incomplete") \
+            from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise UsageError(f"checkpoint file {path} does not match its checksum in {CKPT_META}: corrupt or from "
+                         f"another checkpoint; use another checkpoint")
+    return data
+
+def load_part(path: Path, sha256: str) -> dict:
+    """A checkpoint file, read once, checked against its checksum, then loaded."""
+    data = read_part(path, sha256)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # a file written under the right checksum but unloadable: a foreign pickle
+        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); use another checkpoint") \
+            from None
+
+@dataclass
+class ResumePoint:
+    step: int
+    train_time_ms: float
+    rng: dict
+    data_position: tuple[int, int] | None  # the stream's (next file, position) after step; None: re-derive it
+
+def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
+                     log: RunLog) -> ResumePoint:
+    meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
+    step, saved_world, files = meta["step"], meta["world_size"], meta["files"]
+    params = model.state_dict()  # the parameters and the persistent buffers (the sign table, the FP8 MLP state)
+    state = load_part(folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"])
+    if not isinstance(state, dict) or set(state) != set(params) or \
+            any(state[n].shape != p.shape or state[n].dtype != p.dtype for n, p in params.items()):
+        raise UsageError(f"checkpoint file {folder / CKPT_MODEL} does not hold this model's parameters")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])
+    try:
+        parts = [load_part(folder / rank_file(r), files[rank_file(r)]["sha256"]) for r in range(saved_world)]
+        if any(p["step"] != step or p["optimizer"]["step_count"] != step for p in parts):
+            raise ValueError
+        optimizer.load_state_dict([p["optimizer"] for p in parts])
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} or this model (other step, "
+                         f"parameters or units)") from None
+    rng = parts[rt.rank if rt.rank < saved_world else 0]["rng"]  # a new rank takes rank 0's RNG states
+    how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
+               if k not in ("run_id", "resume") and hasattr(cfg, k) and getattr(cfg, k) != v]
+    position = tuple(meta["data_position"]) if "data_position" in meta else None
+    data = (f"data from shard {position[0] - 1} token {position[1]:,}" if position and position[0] else
+            "data from the start" if position else f"data fast-forwarded {meta['consumed_steps']} steps")
+    log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} (optimizer state {how}), "
+        f"train_time so far {meta['train_time_ms']:.0f}ms, {data}")
+    if changed:
+        log(f"resume: config differs from the checkpoint's in {', '.join(changed)}")
+    if meta.get("source_sha256") != source_sha256():
+        log(f"resume: train_gpt.py differs from the checkpoint's (sha256 {str(meta.get('source_sha256'))[:12]} -> "
+            f"{source_sha256()[:12]})")
+    stale = sorted(folder.parent.glob("ckpt_*/*.tmp"))  # half-written by a killed save
+    if stale:  # not removed here: the run that left them may still be running
+
+        mib = sum(p.stat().st_size for p in stale) / 2**20
+        log(f"resume: {folder.parent} holds {len(stale)} temporary file(s), {mib:.0f} MiB, left by an interrupted "
+            f"save (e.g. {stale[0]}); delete them once that run has stopped")
+    return ResumePoint(step, float(meta["train_time_ms"]), rng, position)
+
+def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
+    """Restore --resume into the model and optimizer (before the warmup snapshot); the returned point carries
+    the step, train time and RNG states. Every rank raises the same UsageError if any rank cannot load."""
+    error, point = None, None
+    try:
+        point = _load_checkpoint(Path(cfg.resume), cfg, rt, model, optimizer, log)
+    except UsageError as e:
+        error = str(e)
+    if rt.world_size > 1:
+        errors: list[object] = [None] * rt.world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise UsageError(error)
+    return point
+
+@dataclass
+class PendingCheckpoint:
+    step: int
+    folder: Path
+    stall_ms: float  # host time spent in save()
+    issued: float  # perf_counter when save() handed it to the writer
+    future: Future
+    gpu_stall: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the compute stream's wait for the copies
+
+    def gpu_stall_ms(self) -> float | None:
+        """How long the compute stream waited for the device-to-host copies; None on the CPU."""
+        if self.gpu_stall is None:
+            return None
+        before, after = self.gpu_stall
+        after.synchronize()  # poll() asks only once the writer has seen the copies land: no wait in practice
+        return before.elapsed_time(after)
+
+class Checkpointer:
+    """Asynchronous checkpoints at --save_every, --save_final and a stop signal. save() copies to pinned buffers on
+    a side stream the compute stream then waits for (the GPU stall); a writer thread writes model.pt (rank 0),
+    rank<R>.pt (each rank's optimizer shard, RNG, step, config) and, once every rank's file is there, meta.json
+    (rank 0: each file's size and sha256), which makes it complete. A failed write leaves rank<R>.failed and
+    training goes on. poll() logs the completed ones; close() waits for all."""
+
+    def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
+                 start_step: int = 0):
+        self.cfg, self.rt, self.log, self.model, self.optimizer = cfg, rt, log, model, optimizer
+        self.start_step = start_step
+        self.enabled = cfg.save_every > 0 or cfg.save_final  # periodic saves (a stop signal saves in any case)
+        self.pending: list[PendingCheckpoint] = []
+        self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
+        self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
+        self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
+        if self.enabled:  # now, not at the first save: the loop would stall on the allocation
+            self._host_state(self._host_buffer)
+        self.source_sha = source_sha256()
+        self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
+                                         initargs=(rt.device,))
+        self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
+
+    def _host_buffer(self, t: Tensor) -> Tensor:
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)  # the saved tensors are views that live for the whole run
+        if key not in self.host:
+            self.host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.copy_stream is not None)
+        return self.host[key]
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        """t copied into its host buffer: non-blocking on the copy stream (CUDA), or a plain copy (CPU)."""
+        return self._host_buffer(t).copy_(t.detach(), non_blocking=self.copy_stream is not None)
+
+    def _host_state(self, copy: Callable[[Tensor], Tensor]) -> tuple[dict[str, Tensor] | None, dict]:
+        """(rank 0's model state dict, this rank's optimizer state dict), each tensor passed through copy."""
+        model = {n: copy(t) for n, t in self.model.state_dict().items()} if self.rt.rank == 0 else None
+        return model, self.optimizer.state_dict(copy=copy)
+
+    def due(self, step: int) -> bool:
+        if not self.enabled or step <= self.start_step:
+            return False
+        return bool(self.cfg.save_every and step % self.cfg.save_every == 0) or \
+            (self.cfg.save_final and step == self.cfg.num_steps)
+
+    @torch.no_grad()
+    def save(self, step: int, train_time_ms: float, data_position: tuple[int, int]) -> None:
+        """Checkpoint the state after `step` training steps; train_time_ms is the train time up to now;
+        data_position the token stream's after those steps (TrainTokenStream.position)."""
+        t0 = time.perf_counter()
+        self.poll(block=True)  # the host buffers are reused: the previous write must be done with them
+        self.optimizer.wait_for_params()  # the last step's all-gathers have written the parameters
+        event, gpu_stall = None, None
+        if self.copy_stream is None:
+            model, optim = self._host_state(self._to_host)
+        else:
+            compute = torch.cuda.current_stream(self.rt.device)
+            self.copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self.copy_stream):
+                model, optim = self._host_state(self._to_host)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            gpu_stall = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            gpu_stall[0].record(compute)
+            compute.wait_event(event)  # the next step writes these tensors only after they are copied
+            gpu_stall[1].record(compute)
+        cfg, rank = self.cfg, self.rt.rank
+        common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size,
+                  "train_time_ms": train_time_ms, "consumed_steps": step, "data_position": list(data_position),
+                  "config": dataclasses.asdict(cfg), "source_sha256": self.source_sha}
+        part = {**common, "rank": rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
+        meta = None
+        if rank == 0:
+            meta = {**common, "run_id": cfg.run_id, "train_files": self.train_files,
+                    "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
+        folder = checkpoint_dir(cfg, step)
+        future = self.writer.submit(self._write, folder, event, part, model, meta)
+        stall_ms = 1000 * (time.perf_counter() - t0)
+        self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future, gpu_stall))
+
+    def _write(self, folder: Path, event: torch.cuda.Event | None, part: dict, model: dict | None,
+               meta: dict | None) -> float:
+        """Writer thread: this rank's files; on rank 0 then meta.json once every rank's file is there."""
+        rank, world_size = self.rt.rank, self.rt.world_size
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if event is not None:
+                event.synchronize()
+            sums = {}
+            if model is not None:
+                sums[CKPT_MODEL] = save_atomic(model, folder / CKPT_MODEL)
+            sums[rank_file(rank)] = save_atomic(part, folder / rank_file(rank))
+            if meta is not None:
+                deadline = time.monotonic() + CKPT_WAIT_S
+                for r in range(1, world_size):
+                    while not (folder / rank_file(r)).exists():
+                        failed = folder / f"rank{r}.failed"
+                        if failed.exists():
+                            raise RuntimeError(f"rank {r} failed to write its part: {failed.read_text().strip()}")
+                        if time.monotonic() > min(deadline, self.give_up_at):
+                            raise RuntimeError(f"rank {r} did not write {rank_file(r)}")
+                        time.sleep(0.01)
+                for r in range(1, world_size):  # the other ranks' files are complete once renamed into place
+                    sums[rank_file(r)] = hashlib.sha256((folder / rank_file(r)).read_bytes()).hexdigest()
+                meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "sha256": h} for n, h in sums.items()}
+                write_json_atomic(folder / CKPT_META, meta)
+            return time.perf_counter()
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                (folder / f"rank{rank}.failed").write_text(f"{type(e).__name__}: {e}\n")
+            raise
+
+    def poll(self, block: bool = False) -> None:
+        """Log, in order, the checkpoints that are done (rank 0: complete on disk); block waits for all."""
+        while self.pending and (block or (self.pending[0].future.done() and self._copied(self.pending[0]))):
+            p = self.pending.pop(0)
+            try:
+                done = p.future.result()
+            except Exception as e:  # training goes on; the checkpoint stays incomplete (no meta.json)
+                why = f"no space left on {p.folder}" if getattr(e, "errno", None) == errno.ENOSPC else \
+                    f"{type(e).__name__}: {e}"
+                self.failures.append(f"{p.folder} ({why})")
+                print(f"[rank {self.rt.rank}] checkpoint: {p.folder} FAILED ({why}); the run continues",
+                      file=sys.stderr, flush=True)
+                self.log(f"checkpoint: {p.folder} FAILED ({why})", console=False, flush=True)
+                continue
+            gpu_ms = p.gpu_stall_ms()
+            gpu = "" if gpu_ms is None else f", GPU stall {gpu_ms:.2f} ms"
+            self.log.record({"step": p.step, "checkpoint": str(p.folder), "stall_ms": p.stall_ms,
+                             "gpu_stall_ms": gpu_ms, "write_s": done - p.issued})
+            self.log(f"checkpoint: {p.folder} (step {p.step}: loop stall {p.stall_ms:.2f} ms{gpu}, on disk "
+                     f"{done - p.issued:.2f} s later)", flush=True)
+
+    @staticmethod
+    def _copied(p: PendingCheckpoint) -> bool:
+        """Whether the compute stream has passed its wait for the copies (the GPU stall can be read)."""
+        return p.gpu_stall is None or p.gpu_stall[1].query()
+
+    def close(self, error: bool = False) -> None:
+        """Wait for every pending write (the process must not exit before); after an error rank 0 waits for
+        the other ranks' files CKPT_ERROR_GRACE_S more at most."""
+        if error:
+            self.give_up_at = time.monotonic() + CKPT_ERROR_GRACE_S
+        self.poll(block=True)
+        self.writer.shutdown(wait=True)
+        self.enabled = False
+
+# -----------------------------------------------------------------------------
+# Training
+# Untimed warmup on real batches (compiles and autotunes), then the model and optimizer state are
+# restored in place; the clock runs only over training steps, stopped (with a synchronize) around
+# every validation. Each micro-step's summed loss is scaled by train_loss_scale and the gradients are
+# summed across ranks, so every world size takes the same update.
+
+@dataclass
+class TrainResult:
+    val_losses: list[tuple[int, float]]
+    train_time_ms: float
+    model: GPT
+    summary: dict | None = None  # what rank 0 wrote to logs/<run_id>.json
+    bench: dict | None = None  # --bench: the report (rank 0)
+
+class TrainClock:
+    """The official train time: training steps only. stop() and start() synchronize the device around what is
+    not timed (validation); now() reads the running clock without a sync (approximate on a GPU)."""
+
+    def __init__(self, device: torch.device, ms: float = 0.0):
+        self.device, self.ms = device, ms
+        self.start()
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        synchronize(self.device)
+        self.ms += 1000 * (time.perf_counter() - self.t0)
+        return self.ms
+
+    def now(self) -> float:
+        return self.ms + 1000 * (time.perf_counter() - self.t0)
+
+def group_summary(names: list[str]) -> str:
+    """Parameter names with the layer index folded: blocks.{0-3,5}.attn.qkvo_w x5, embed.weight."""
+    layers: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        key = ".".join("{}" if p.isdigit() and i == 1 else p for i, p in enumerate(parts))
+        layers.setdefault(key, []).append(parts[1] if "{}" in key else "")
+    return ", ".join(k.format(f"{{{','.join(v)}}}" if len(v) > 1 else v[0]) + (f" x{len(v)}" if len(v) > 1 else "")
+                     for k, v in layers.items())
+
+def check_model_fits(cfg: Config, device: torch.device) -> None:
+    """Refuse a model whose parameters, gradients and tables alone exceed the device's memory (sized on meta)."""
+    with torch.device("meta"):
+        model = GPT(cfg, use_flex=False, fp8_head=False)
+    tensors = {**{n: (2, p) for n, p in model.named_parameters()}, **{n: (1, b) for n, b in model.named_buffers()}}
+    sizes = {n: copies * t.numel() * t.element_size() for n, (copies, t) in tensors.items()}
+    have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if sum(sizes.values()) > have:
+        big = max(sizes, key=sizes.get)
+        raise UsageError(f"the model needs at least {sum(sizes.values()) / 1e9:,.1f} GB for its parameters, their "
+                         f"gradients and tables ({big}: {sizes[big] / 1e9:,.1f} GB), more than the {device.type}'s "
+                         f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --vocab_size, "
+                         f"--model_dim, --num_layers)")
+
+def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
+    """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
+    whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
+    flex = rt.device.type == "cuda" and cfg.attention == "flex"
+    fa3 = load_fa3()[0] if cfg.attention == "fa3" else None
+    raw = GPT(cfg, use_flex=flex, fp8_head=cfg.fp8_head, compile_flex=flex and not cfg.compile, fa3=fa3).to(rt.device)
+    model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
+    optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
+    if cfg.fp8_mlp:
+        raw.quantize_mlp_(exact_down=True)
+    log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, fp8 mlp {cfg.fp8_mlp}, "
+        f"compile {cfg.compile}, world size {rt.world_size}, "
+        f"grad accumulation {cfg.global_batch_seqs // rt.world_size}")
+    for g in build_param_groups(raw, cfg):
+        log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
+    log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
+        f"{len(optimizer.buckets)} buckets)")
+    log(attention_report(rt, knobs))
+    if cfg.compile:  # dynamo refuses a function's graph past its limit (8 by default, a hard error): size it
+        graphs = compiled_graphs(cfg, optimizer)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, *graphs.values())
+        log(f"compile: graphs per function: {', '.join(f'{k} {v}' for k, v in graphs.items())} (recompile limit "
+            f"{torch._dynamo.config.recompile_limit})")
+    return raw, model, optimizer
+
+def attention_report(rt: Runtime, knobs: StepKnobs) -> str:
+    """The log's attention line: the path taken and, with FA3, cu_seqlens' length per shape and the data's need."""
+    if knobs.documents is None:
+        return f"attention: {rt.attention}"
+    need = knobs.documents
+    train = [f"{n}/{cut}: {varlen_slots(n, most)} ({most})" for (n, cut), most in need.train.items()]
+    val = f"{knobs.cfg.val_seq_len}: {varlen_slots(knobs.cfg.val_seq_len, need.val)} ({need.val})"
+    return (f"attention: {rt.attention}; cu_seqlens slots per sequence (tokens/document cut: slots (most documents in "
+            f"this run's data)): {', '.join(train)}; validating {val}")
+
+def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
+    """The graphs torch.compile builds per function: the model one per training graph_key (a sequence length; with
+    FA3 a plan) and per validation's, each of Muon's one per shard shape, Adam's one per shard shape, dtype and betas
+    (constants of its graph), each FP8 op two (static, then dynamic)."""
+    schedules = schedule_table(cfg)
+    training = {graph_key(cfg, s, True) for s in schedules[:-1]}
+    validating = {graph_key(cfg, schedules[k], False) for k in range(run_length(cfg) + 1) if validates_at(cfg, k)}
+    muon = len({(b.shard.shape, b.shard.dtype) for b in optimizer.buckets if b.kind == "muon"})
+    return {"model": len(training) + max(len(validating), 1),
+            "orthogonalize": muon, "normuon": muon, "cautious update": muon,
+            "adam": len({(b.shard.shape, b.shard.dtype, b.betas) for b in optimizer.buckets if b.kind == "adam"}),
+            "fp8 ops": 2 if cfg.fp8_head or cfg.fp8_mlp else 0}
+
+def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]]:
+    """Training step -> (seq_len, max_doc_len): the data stream's view of the schedule."""
+    return lambda step: (schedules[step].seq_len, schedules[step].max_doc_len)
+
+def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
+                 digest: Callable[[np.ndarray], object] | None, skip_steps: int = 0,
+                 position: tuple[int, int] | None = None) -> PrefetchLoader:
+    """This rank's batches for `steps` steps of the given shapes (step_shape), after the sequences of the first
+    skip_steps (a resumed run's): from the position its checkpoint saved, else re-derived from these shapes; each
+    with its digest (ShardedMuonAdam.batch_rows)."""
+    stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, shape, cfg.train_epochs,
+                              preload=cfg.prefetch_depth > 0)
+    if position is None:
+        stream.skip(skip_steps)
+    else:
+        stream.seek(skip_steps, position)
+    return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device, digest)
+
+def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows: np.ndarray | None,
+               knobs: tuple[Tensor, Tensor], loss_scale: float, metrics: Metrics | None = None,
+               requantize: Callable[[], None] | None = None) -> None:
+    """One optimizer step on a (micro-steps, seq_len + 1) batch, rows its bigram rows (the loader's digest); the last
+    backward arms the reduce-scatter hooks. requantize: the FP8 MLP weights' update, once the parameters are
+    gathered (GPT.quantize_mlp_)."""
+    optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
+    optimizer.begin_step(rows)
+    for m in range(batch.size(0)):
+        optimizer.final_micro_step = m == batch.size(0) - 1
+        loss = model(batch[m, :-1], batch[m, 1:].long(), *knobs)
+        (loss * loss_scale).backward()
+        if metrics is not None:
+            metrics.add_loss(loss.detach(), batch.size(1) - 1)
+    optimizer.step()
+    optimizer.zero_grad()
+    if requantize is not None:
+        optimizer.wait_for_params()
+        requantize()
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor | VarlenPlan,
+             stoppable: bool = False) -> float | None:
+    """Mean cross-entropy over the val tokens; one all-reduce for the whole validation. stoppable: a stop signal
+    abandons it at the next batch (None), on every rank alike: the all-reduce carries whether any rank did."""
+    model.eval()
+    totals = torch.zeros(3, device=rt.device)  # loss sum, batches, ranks that abandoned it
+    with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
+                        rt.device) as batches:
+        for batch in batches:
+            if stoppable and STOP.received is not None:
+                totals[2] = 1
+                break
+            totals[0] += model(batch[0, :-1], batch[0, 1:].long(), windows)
+            totals[1] += 1
+    if rt.world_size > 1:
+        dist.all_reduce(totals)
+    model.train()
+    return None if totals[2].item() else (totals[0] / totals[1]).item()
+
+def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
+    """One line per span of training steps with the same shapes and windows: a staged run's plan."""
+    def key(s: StepSchedule) -> tuple:
+        return s.seq_len, s.max_doc_len, s.short_window, s.long_window
+
+    spans = [0] + [k for k in range(1, cfg.num_steps) if key(schedules[k]) != key(schedules[k - 1])] + [cfg.num_steps]
+    lines = []
+    for a, b in zip(spans, spans[1:]):
+        s = schedules[a]
+        lines.append(f"stage: steps {a}-{b - 1}: {cfg.global_batch_seqs} x {s.seq_len} tokens "
+                     f"({cfg.global_batch_seqs * s.seq_len:,}/step), documents cut at {s.max_doc_len}, "
+                     f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
+    return lines
+
+def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
+    """The training steps the warmup replays (shape and windows): warmup_steps of each distinct training graph (a
+    sequence length; with FA3 a plan), at its first step, since each compiles its own graph (dynamic=False); and the
+    first Adam step where none of those is one, since the compiled optimizer's Adam graphs are built at the first."""
+    first: dict[tuple, int] = {}
+    for step, s in enumerate(schedules[:-1]):
+        first.setdefault(graph_key(cfg, s, True), step)
+    plan = [step for step in first.values() for _ in range(cfg.warmup_steps)]
+    adam = next((step for step, s in enumerate(schedules[:-1]) if s.adam_step), None)
+    if plan and adam is not None and not any(schedules[step].adam_step for step in plan):
+        plan.append(adam)
+    return sorted(plan)
+
+def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
+           loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, object, int], None]) -> None:
+    """Untimed steps on real batches, one micro-step each, at the shapes and windows of the steps in `plan`
+    (compile, autotune); then what training writes (with --resume: the loaded state) is put back from device-side
+    clones: the bucket buffers (every parameter is a view into one: checked), the optimizer state and the model's
+    persistent buffers (the FP8 MLP state)."""
+    buffers = [b.data for b in optimizer.buckets]
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
+    for name, p in model.named_parameters():
+        assert any(lo <= p.data_ptr() < hi for lo, hi in spans), f"parameter {name} is not in a bucket buffer"
+    params = dict(model.named_parameters())
+    persistent = [t for n, t in model.state_dict().items() if n not in params]  # the sign table, the FP8 MLP state
+    written = buffers + optimizer.state_tensors() + persistent
+    counts = optimizer.step_count, optimizer.adam_steps
+    times: list[float] = []
+
+    def lap() -> None:  # the device is idle at each mark: the laps time the snapshot, the steps, the restore
+        synchronize(rt.device)
+        times.append(time.perf_counter())
+
+    lap()
+    saved = [t.detach().clone() for t in written]
+    lap()
+    with loader:
+        for train_step_index in plan:
+            batch = next(loader)[:1]  # its digest holds every micro-step's rows: more than needed, never fewer
+            step(batch, loader.digest, train_step_index)
+    optimizer.wait_for_params()
+    lap()
+    with torch.no_grad():
+        for t, clone in zip(written, saved):
+            t.copy_(clone)
+    optimizer.zero_grad(everything=True)
+    optimizer.step_count, optimizer.adam_steps = counts
+    del saved
+    lap()
+    snapshot, steps, restore = (b - a for a, b in zip(times, times[1:]))
+    log(f"warmup: snapshot {1000 * snapshot:.1f} ms, {len(plan)} steps {steps:.1f} s, restore {1000 * restore:.1f} ms "
+        f"(untimed; state restored)")
+
+def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
+             step: int, train_time_ms: float, stoppable: bool = False) -> tuple[int, float, float] | None:
+    """Evaluate and log a val line; (step, val loss, train time so far), or None when a stop signal abandoned it
+    (stoppable: the loop can stop at this step, and the resumed run validates it again)."""
+    loss = evaluate(model, val, cfg, rt, windows, stoppable)
+    if loss is None:
+        log(f"validation at step {step} abandoned: a stop signal came; the resumed run validates this step",
+            flush=True)
+        return None
+    step_avg = train_time_ms / max(step, 1)
+    log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
+                "step_avg_ms": step_avg})
+    log(f"step:{step}/{cfg.num_steps} val_loss:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms",
+        flush=True)
+    return step, loss, train_time_ms
+
+def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProfiler,
+           val_points: list[tuple[int, float, float]], train_time_ms: float, schedules: list[StepSchedule]
+           ) -> TrainResult:
+    """After the last step: peak memory, the --bench report, the run summary (rank 0)."""
+    memory = peak_memory_mib(rt.device)
+    if rt.device.type == "cuda":
+        log(f"peak memory allocated: {int(memory['peak_memory_allocated_mib'])} MiB "
+            f"reserved: {int(memory['peak_memory_reserved_mib'])} MiB")
+    else:  # torch allocates from the process heap on a CPU: its peak resident size is what there is
+        log(f"peak memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB resident (CPU run)")
+    bench = profiler.finish(log, model)
+    gpu_names = [torch.cuda.get_device_name(rt.device)] if rt.device.type == "cuda" else []
+    if gpu_names and rt.world_size > 1:
+        every: list[object] = [None] * rt.world_size
+        dist.all_gather_object(every, gpu_names[0])
+        gpu_names = [str(n) for n in every]
+    summary = None
+    if rt.rank == 0:
+        summary = run_summary(cfg, rt, val_points, train_time_ms, gpu_names, schedules)
+        write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
+        log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
+    return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
+
+def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens, DocumentCounts]:
+    """The training shards, checked to hold what the run trains on, the validation tokens and the most documents a
+    sequence holds in each: read before anything is written, so a run without its data leaves nothing behind."""
+    try:
+        train_files = find_shards(cfg.train_files)
+    except UsageError:
+        if device.type == "cpu" and "fineweb10B" in cfg.train_files:  # the recipe's data, without a GPU: tiny first
+            raise UsageError(f"no FineWeb shards match {cfg.train_files!r} and this run is on the CPU: try the tiny "
+                             f"preset on the bundled sample (--preset=tiny, as ./run.sh does without a GPU); for "
+                             f"the recipe, {more_data_hint(cfg.train_files, missing=True)}") from None
+        raise
+    val_files = find_shards(cfg.val_files)
+
+    def shape(step: int) -> tuple[int, int]:  # step by step: a run the corpus cannot hold is refused at the corpus's
+        s = schedule(step, cfg)                # end, before anything of every step's (schedule_table) is built
+        return s.seq_len, s.max_doc_len
+
+    most = check_train_data(cfg, train_files, run_length(cfg), shape)
+    plan = warmup_plan(cfg, schedule_table(cfg))  # the warmup's batches: the first steps' data at the plan's shapes
+    supplied, warm = count_documents(cfg, train_files, len(plan), lambda k: shape(plan[k]))
+    if supplied < len(plan):
+        raise UsageError(f"the warmup ({len(plan)} steps of --warmup_steps={cfg.warmup_steps} per compiled shape) "
+                         f"needs more data than the run: lower --warmup_steps or {more_data_hint(cfg.train_files)}")
+    for key, count in warm.items():
+        most[key] = max(most.get(key, 0), count)
+    val = ValTokens(val_files, cfg.val_tokens, cfg.vocab_size)
+    return train_files, val, DocumentCounts(most, val.most_documents(cfg.val_seq_len))
+
+def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
+          argv: list[str]) -> TrainResult:
+    """The run from its first (or resumed) step to the summary; documents: load_data's count (FA3 sizes its buffers
+    from it); argv, the command line, for the resume command an interrupted run prints."""
+    last_step = run_length(cfg)
+    profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
+    schedules = schedule_table(cfg)
+    knobs = StepKnobs(cfg, schedules, rt.device, documents if cfg.attention == "fa3" else None)
+    raw_model, model, optimizer = build_model(cfg, rt, log, knobs)
+    resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
+    start_step = resumed.step if resumed else 0
+    loss_scale = train_loss_scale(cfg)
+
+    def requantize(exact_down: Callable[[], bool]) -> Callable[[], None] | None:  # after each step, with --fp8_mlp
+        return (lambda: raw_model.quantize_mlp_(exact_down())) if cfg.fp8_mlp else None
+
+    # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
+    plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
+    warmup(cfg, rt, log, raw_model, optimizer,
+           train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k]), optimizer.batch_rows()), plan,
+           lambda batch, rows, step: train_step(model, optimizer, batch, rows, knobs.train(step), loss_scale,
+                                                requantize=requantize(lambda: True)))
+    metrics = Metrics(cfg, rt, log, raw_model)
+    peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
+    log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
+        f"the final window; peak {peak} per device")
+    for line in stage_plan(cfg, schedules):
+        log(line)
+    checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)
+    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, optimizer.batch_rows(),
+                          skip_steps=start_step,
+                          position=resumed.data_position if resumed else None)
+    val_points: list[tuple[int, float, float]] = []
+    if resumed:
+        set_rng_state(resumed.rng, rt.device)
+    clock = TrainClock(rt.device, resumed.train_time_ms if resumed else 0.0)
+    try:
+        STOP.defer(True, stop_notice(cfg, rt.world_size))
+        for step in range(start_step, last_step + 1):
+            last = step == last_step
+            if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
+                optimizer.copy_param("lm_head.weight", TIED_EMBEDDING)
+            raw_model.tie_embedding(schedules[step].tied)
+            raw_model.apply_yarn(schedules[step].yarn_windows)
+            if validates_at(cfg, step):
+                optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
+                train_time_ms = clock.stop()
+                metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
+                point = validate(model, val, cfg, rt, log, knobs.val(step), step, train_time_ms,
+                                 stoppable=STOP.boundary(step, cfg))
+                metrics.stop_agreed |= point is None  # abandoned on every rank alike: the stop is agreed
+                val_points += [point] if point else []
+                clock.start()
+            if checkpointer.due(step):
+                checkpointer.save(step, clock.now(), loader.source.stream.position(step))
+            if STOP.now(step, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
+                stop_with_checkpoint(step, cfg, log, checkpointer, clock.now(), loader.source.stream.position(step),
+                                     argv, rt.world_size)
+            if last:
+                break
+            optimizer.set_step(schedules[step])
+            metrics.begin_step(step + 1)
+            with profiler.step(step, settle=optimizer.wait_for_params):
+                batch = next(loader)
+                train_step(model, optimizer, batch, loader.digest, knobs.train(step), loss_scale, metrics,
+                           requantize(lambda: step < cfg.fp8_down_exact_steps))
+            metrics.end_step(step + 1, clock.now(), schedules[step])
+            checkpointer.poll()
+        metrics.flush()
+    except BaseException:
+        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the wait short
+        checkpointer.close(error=True)  # pending writes finish before the error leaves train()
+        raise
+    finally:
+        STOP.defer(False)
+        loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
+    checkpointer.close()
+    optimizer.wait_for_params()
+    result = finish(cfg, rt, log, raw_model, profiler, val_points, clock.ms, schedules)
+    failures = checkpointer.failures
+    if rt.world_size > 1:  # every rank exits alike, whichever rank's write failed
+        every: list[list[str]] = [[]] * rt.world_size
+        dist.all_gather_object(every, failures)
+        failures = [f for rank_failures in every for f in rank_failures]
+    if failures:
+        raise UsageError(f"the run finished, but {len(failures)} requested checkpoint(s) failed: {failures[0]}"
+                         f"{' and more (see the log)' if len(failures) > 1 else ''}")
+    return result
+
+# -----------------------------------------------------------------------------
+# Main
+# Reads the launch environment (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), picks the device and the
+# process-group backend (NCCL and gloo on CUDA, gloo on CPU), seeds every rank alike, and runs training.
+
+# Expandable segments let validation's logits (val_seq_len x vocab, ~26 GB at the recipe's shape) reuse
+# the memory of training's (~5 GB each) without fragmenting fixed-size segments; the record sets it too.
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+def setup_runtime(cfg: Config) -> Runtime:
+    """The process's rank and device, and the process group; resolves the config's device-dependent fields."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cfg.device != "cpu":  # read when CUDA initialises: before any CUDA call; a user's own setting wins
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+    want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device=cuda but no CUDA GPU is visible; use --device=cpu (or --preset=tiny)")
+        visible = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local_world > visible:
+            raise UsageError(f"{local_world} processes per node but only {visible} GPU(s) visible; "
+                             f"launch with --nproc_per_node={visible} or fewer")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    cuda = device.type == "cuda"
+    attention = resolve_for_device(cfg, cuda)
+    if world_size > 1:
+        # gloo beside NCCL on CUDA, as #89: the bigram rows' counts are exchanged from host memory (RowBucket)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None)
+        paths: list[object] = [None] * world_size
+        dist.all_gather_object(paths, cfg.attention)
+        if len(set(paths)) > 1:  # auto found FA3 on some ranks only: they would call different collectives' graphs
+            raise UsageError(f"--attention=auto resolved differently across ranks ({', '.join(map(str, paths))}): "
+                             f"give --attention=fa3 or --attention=flex")
+    return Runtime(rank, world_size, local_rank, device, attention)
+
+def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
+    """Rank 0 draws the seed and run id when they are not given; every rank uses rank 0's."""
+    ident = [cfg.seed if cfg.seed >= 0 else random.SystemRandom().randrange(2**31),
+             cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"]
+    if rt.world_size > 1:
+        dist.broadcast_object_list(ident, src=0)
+    cfg.seed, cfg.run_id = ident
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, as SLURM, Kubernetes and torchrun stop a job: handled as Ctrl-C is."""
+
+STOPS = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}  # the last line of the log and of stderr
+EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + SIGINT, 128 + SIGTERM
+
+class StopSignal:
+    """The first SIGINT or SIGTERM stops the run (later ones are ignored: they cannot break into the cleanup).
+    Outside the training loop at once; inside it (deferred), at the next step boundary where exact resume is
+    possible, once every rank agrees (through the metrics' collective, or a validation's, which the signal abandons:
+    the resumed run redoes it), after a checkpoint. One that comes while a failed run cleans up is ignored: the
+    error is what the run ends with."""
+
+    def __init__(self):
+        self.deferred, self.ignored, self.notice = False, False, ""
+        self.received: type[KeyboardInterrupt] | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.ignored:
+            return
+        self.received = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        if not self.deferred:
+            raise self.received()
+        print0(f"{STOPS[self.received]}: {self.notice}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM for one run, then hand them back to their previous handlers: a process that
+        imports this file and calls main() keeps its own signal handling afterwards."""
+        self.received, self.ignored = None, False
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.received, self.ignored = None, False  # a signal belongs to its run: a later one starts afresh
+
+    def defer(self, deferred: bool, notice: str = "") -> None:
+        """Inside the training loop or not; notice: what a signal there does (stderr's first line)."""
+        self.deferred, self.notice = deferred, notice
+
+    def ignore(self) -> None:
+        """The run is ending on an error or a stop: from now on a signal changes nothing."""
+        self.ignored = True
+
+    @staticmethod
+    def boundary(step: int, cfg: Config) -> bool:
+        """Whether the loop can stop before training `step`: a checkpoint there resumes exactly. Between Adam steps
+        the summed gradients are pending: it cannot (a --bench stops anywhere: it saves nothing)."""
+        return cfg.bench or step % cfg.adam_every == 0
+
+    def now(self, step: int, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
+        """Whether the loop stops before training `step` (after its validation; every rank answers alike)."""
+        asked = self.received is not None if rt.world_size == 1 else metrics.stop_agreed
+        return asked and self.boundary(step, cfg)
+
+STOP = StopSignal()
+
+def stop_notice(cfg: Config, world_size: int) -> str:
+    """What a signal in the training loop does, said when it comes: where the loop stops, and what it writes."""
+    where = "the next step boundary" if cfg.bench or cfg.adam_every == 1 else \
+        f"the end of the next Adam step (one in {cfg.adam_every} steps: up to {cfg.adam_every} more steps)"
+    agreed = ", once the ranks agree (within two logging intervals)" if world_size > 1 else ""
+    return f"stopping at {where}{agreed}{'' if cfg.bench else ', after a checkpoint'}"
+
+def resume_command(argv: list[str], folder: Path, world_size: int) -> str:
+    """The command to paste to continue this run from a checkpoint: its own options without --run_id and --resume
+    (the resumed run writes under a fresh id), then --resume=<folder>; torchrun's launch for several ranks."""
+    options = [f"--{k}={v}" for k, v in read_options(argv).items() if k not in ("run_id", "resume")]
+    launch = ["python"] if world_size == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world_size}"]
+    return shlex.join([*launch, os.path.relpath(__file__), *options, f"--resume={folder}"])
+
+def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Checkpointer", train_time_ms: float,
+                         data_position: tuple[int, int], argv: list[str], world_size: int) -> None:
+    """Write (unless the loop's schedule just did) and wait for a checkpoint, print the resume command, and stop."""
+    kind = STOP.received or Terminated  # another rank's signal: this rank stops as that one does
+    if not cfg.bench:
+        if not checkpointer.due(step):
+            checkpointer.save(step, train_time_ms, data_position)
+        checkpointer.close()
+        folder = checkpoint_dir(cfg, step)
+        if not checkpointer.failures:
+            log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with: "
+                f"{resume_command(argv, folder, world_size)}", flush=True)
+    raise kind()
+
+def lost_rank(e: BaseException, rt: Runtime | None) -> RankLost | None:
+    """The error of a collective whose peer process is gone, as one line; None for any other error. NCCL raises
+    DistError; gloo's transport a plain RuntimeError naming its source file, then a paragraph of advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if rt is None or rt.world_size == 1 or not (isinstance(e, dist.DistError) or
+                                                isinstance(e, RuntimeError) and "gloo/transport" in text):
+        return None
+    detail = text.split("] ", 1)[-1].split(". This is typically")[0][:200]
+    return RankLost(f"rank {rt.rank} lost the connection to another rank ({detail}): a rank stopped or died; its "
+                    f"own output says why")
+
+def run(argv: list[str]) -> TrainResult:
+    """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
+    is checked before anything is written; a run that stops after its log was opened says why in the log, and
+    keeps its run id's name only when it finished or a signal stopped it after it recorded something: any other
+    end moves its logs to <run_id>.failed.*."""
+    rt, log, stop, error = None, RunLog(None), None, None
+    try:
+        cfg = parse_config(argv)
+        validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_resume(cfg)
+        rt = setup_runtime(cfg)
+        agree_on_run_identity(cfg, rt)
+        check_model_fits(cfg, rt.device)
+        train_files, val, documents = load_data(cfg, rt.device)
+        check_run_paths(cfg)
+        if rt.world_size > 1:
+            dist.barrier()  # every rank checked the log folder before rank 0 writes into it
+        torch.manual_seed(cfg.seed)
+        if rt.rank == 0:
+            log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt", Path(cfg.log_dir) / f"{cfg.run_id}.jsonl")
+            (Path(cfg.log_dir) / f"{cfg.run_id}.json").unlink(missing_ok=True)  # an --overwrite's old summary
+            log(Path(__file__).read_text(), console=False)
+            log(SEPARATOR, console=False)
+            # The console's first line: what names the run's files (the config, one long line, is the log's alone).
+            log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
+            log(environment_report(rt.device, cfg.cpu_bf16_gemm))
+            log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
+            log(SEPARATOR)
+        with cpu_gemms(cfg.cpu_bf16_gemm):
+            result = train(cfg, rt, log, train_files, val, documents, argv)
+        if rt.world_size > 1:
+            # No rank tears the process group down while another still uses it: without this, a rank that
+            # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
+            dist.barrier()
+        if STOP.received is not None:  # no boundary to stop at came before the end (StopSignal.now): it finished
+            log(f"{STOPS[STOP.received]}: the run finished before a step boundary where a checkpoint resumes it "
+                f"(summary written)", flush=True)
+            raise STOP.received()
+        return result
+    except BaseException as e:
+        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the cleanup short
+        error = lost_rank(e, rt) or e
+        stop = f"error: {error}" if isinstance(error, (UsageError, RankLost)) else STOPS.get(
+            type(error), f"failed: {type(error).__name__}: {error}")
+        if error is not e:
+            raise error from None
+        raise
+    finally:
+        log.close(stop)
+        finished = any(path.with_suffix(".json").exists() for path in log.paths)  # its summary (only rank 0's)
+        if error is not None and (not log.records or not (finished or isinstance(error, KeyboardInterrupt))):
+            kept = log.set_aside()
+            run_dir = log.paths[0].with_suffix("") if log.paths else None
+            free = "" if run_dir and any(run_dir.glob("ckpt_*")) else "; the run id is free for a rerun"
+            if kept is not None:  # a rerun with the same --run_id must not be refused
+                error.add_note(f"(its log is kept as {kept}{free})")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        print0(config_help())
+        return
+    try:
+        with STOP.installed():
+            run(argv)
+    except UsageError as e:
+        print0("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)
+        if _rank_and_world()[0] != 0:  # rank 0 says why and exits first: the launcher then stops this one
+            time.sleep(5)
+        sys.exit(2)
+    except RankLost as e:
+        print("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
+        sys.exit(1)
+    except KeyboardInterrupt as e:  # the loaders and checkpoint writers were closed on the way out
+        print0("\n".join([STOPS[type(e)], *getattr(e, "__notes__", [])]), file=sys.stderr)
+        sys.exit(EXIT_CODES[type(e)])
+
+if __name__ == "__main__":
+    main()
