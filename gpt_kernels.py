@@ -137,15 +137,17 @@ fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 
 # The MLP's ReLU^2 GEMM (#89's linear_relu_square, after #59 and #87): one persistent Triton GEMM, A (M, K) times
 # B (N, K)^T, whose epilogue makes the MLP's activations, in three modes. FP8 forward (training): e4m3 x8 and W8_fc,
-# the fp32 accumulator times the dequant scale, pre = bf16, post = bf16(relu(pre)^2), post8 = e4m3(min(post /
-# s_act, 448)) for the down-projection, and each program's max(post) for the next step's s_act. bf16 forward
-# (validation, or training without FP8): pre and post. Backward: dpre = bf16(2 bf16(g W_proj^T) relu(pre)), aux =
-# pre. #89's tiles (128 x 256, K blocks of 128 in FP8, 64 in bf16) through TMA descriptors; a grid of one program
+# the fp32 accumulator times the dequant scale, pre = bf16 (in registers only), post = bf16(relu(pre)^2), post8 =
+# e4m3(min(post / s_act, 448)) for the down-projection, and each program's max(post) for the next step's s_act.
+# bf16 forward (validation, or training without FP8): post alone. Backward: dpre = bf16(2 bf16(g W_proj^T)
+# sqrt(post)), aux = post (upstream's #87: pre is never stored; relu(pre) comes back as sqrt(post), within 2^-9 of
+# it, so about one entry of dpre in eight is a bf16 step from #89's 2 bf16(g W_proj^T) relu(pre)). #89's tiles (128
+# x 256, K blocks of 128 in FP8, 64 in bf16) through TMA descriptors; a grid of one program
 # per SM, each looping over tiles (persistent), its epilogue in two halves of N (half the registers live). Built on
 # first use (triton imported then); with TRITON_INTERPRET=1 it runs on CPU tensors, which is how the tests check it.
 MLP_BLOCK_M, MLP_BLOCK_N = 128, 256
-# (BLOCK_K, num_stages) of each mode, #89's: K blocks of 128 bytes; fewer stages where the epilogue's stores (pre,
-# post, post8) or the backward's read of pre need shared memory too (records/sm90_kernels.py: each within sm90's).
+# (BLOCK_K, num_stages) of each mode, #89's: K blocks of 128 bytes; fewer stages where the epilogue's stores (post,
+# post8) or the backward's read of post need shared memory too (records/sm90_kernels.py: each within sm90's).
 MLP_GEMM_MODES = {"fp8 forward": (128, 3), "bf16 forward": (64, 4), "backward": (64, 3)}
 MLP_PROGRAMS_OFF_GPU = 4  # the persistent grid off a GPU (the interpreter): small, so that programs loop over tiles
 
@@ -170,22 +172,24 @@ def linear_relu_square_launcher() -> Callable:
 
     # One half tile: the activations from its fp32 accumulator acc. Every product is formed in fp32 from bf16
     # values (exact: 8 x 8 significant bits) and rounded once to bf16, which is what bf16 arithmetic computes.
+    # Forward: c = pre = bf16(acc) lives in registers only, post goes out through c_desc. Backward: c = bf16(g
+    # W_proj^T), aux_desc reads post; sqrt_rn (IEEE, as torch's sqrt) where tl.sqrt would be approximate on the GPU,
+    # so that the kernel's dpre is the torch path's bit for bit. post = 0 (pre <= 0) gives dpre = 0.
     @triton.jit
     def relu2_epilogue(acc, m0, n0, c_desc, aux_desc, post8_desc, inv_act_scale, amax, FORWARD: tl.constexpr,
                        FP8: tl.constexpr):
         c = acc.to(c_desc.dtype)
         if FORWARD:
-            c_desc.store([m0, n0], c)
             r = tl.maximum(c.to(tl.float32), 0.0)
-            post = (r * r).to(aux_desc.dtype)
-            aux_desc.store([m0, n0], post)
+            post = (r * r).to(c_desc.dtype)
+            c_desc.store([m0, n0], post)
             if FP8:  # post >= 0: only the upper clamp (and the cast saturates too)
                 post32 = post.to(tl.float32)
                 post8_desc.store([m0, n0], tl.minimum(post32 * inv_act_scale, 448.0).to(post8_desc.dtype))
                 amax = tl.maximum(amax, tl.max(tl.max(post32, axis=1), axis=0))
         else:
-            pre = aux_desc.load([m0, n0]).to(tl.float32)
-            c_desc.store([m0, n0], (2 * c.to(tl.float32) * tl.maximum(pre, 0.0)).to(c_desc.dtype))
+            post = aux_desc.load([m0, n0]).to(tl.float32)
+            c_desc.store([m0, n0], (2 * c.to(tl.float32) * tl.sqrt_rn(post)).to(c_desc.dtype))
         return amax
 
     # The scales are one fp32 each, s_act a layer's element of a buffer: no alignment specialization (one compile
@@ -223,9 +227,9 @@ def linear_relu_square_launcher() -> Callable:
     def launch(a: Tensor, b: Tensor, aux: Tensor | None = None, scales: tuple[Tensor, Tensor] | None = None,
                num_sms: int | None = None) -> tuple[Tensor, ...]:
         """a (M, K) @ b (N, K)^T, row-major. FP8 forward: scales = (dequant, act_scale), fp32 0-d, a and b e4m3;
-        returns (pre, post, post8, partial maxima (programs,)). bf16 forward (no aux, no scales): (pre, post).
-        Backward: aux = pre, a = g, b = W_proj; returns (dpre,). num_sms: the persistent grid's width (default:
-        the GPU's SMs). Rows of 16 bytes (TMA): K a multiple of 16 in FP8, of 8 in bf16; N of 16."""
+        returns (post, post8, partial maxima (programs,)). bf16 forward (no aux, no scales): (post,). Backward:
+        aux = post, a = g, b = W_proj; returns (dpre,). num_sms: the persistent grid's width (default: the GPU's
+        SMs). Rows of 16 bytes (TMA): K a multiple of 16 in FP8, of 8 in bf16; N of 16."""
         a, b = a.contiguous(), b.contiguous()
         (M, K), N = a.shape, b.size(0)
         fp8, forward = scales is not None, aux is None
@@ -236,7 +240,7 @@ def linear_relu_square_launcher() -> Callable:
         programs = mlp_programs(M, N, a.device, width)
         out_dtype = torch.bfloat16 if fp8 else a.dtype
         c = a.new_empty(M, N, dtype=out_dtype)
-        aux = a.new_empty(M, N, dtype=out_dtype) if forward else aux.contiguous()
+        aux = None if forward else aux.contiguous()  # the forward reads none: a None descriptor, a constant
         post8 = a.new_empty(M, N, dtype=torch.float8_e4m3fn) if fp8 else None
         amax = a.new_empty(programs, dtype=torch.float32) if fp8 else None  # every slot written: one per program
         half = [MLP_BLOCK_M, MLP_BLOCK_N // 2]
@@ -245,7 +249,7 @@ def linear_relu_square_launcher() -> Callable:
         kernel[(programs,)](*descs, amax, *(scales or (None, None)), M, N, K, BLOCK_M=MLP_BLOCK_M,
                             BLOCK_N=MLP_BLOCK_N, BLOCK_K=bk, NUM_SMS=width, FORWARD=forward, FP8=fp8,
                             num_warps=8, num_stages=stages)
-        return (c, aux, post8, amax) if fp8 else (c, aux) if forward else (c,)
+        return (c, post8, amax) if fp8 else (c,)
 
     launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
     return launch
@@ -401,7 +405,10 @@ def _(a: Tensor, b: float, c: float) -> Tensor:
 # neither the (T, vocab) logits nor their fp32 softcap ever exist, one chunk at a time does (validation, loss only,
 # too). #89's rounding: in training s = sigmoid((z + shift) / temp) is rounded to bf16 and u = cap s formed from
 # it; each row's gradient weighs the softmax by all K weights (S_w) even where t + k is past the end, while the loss
-# and the target term leave those k out (#89's tail quirk: the last K - 1 rows). Validation rounds u = cap s to the
+# and the target term leave those k out (#89's tail quirk: the last K - 1 rows). Training adds upstream's prefix term
+# (#88): w_pre (lse - u[T'_t]) with T'_t the longest proper prefix token of y_t, where 0 <= T'_t < vocab (else none),
+# its weight in S_w and in the target term (targets outside [0, vocab) have neither loss nor target term); with
+# w_pre = 0 or no valid T' every value is #89's, bit for bit. Validation rounds u = cap s to the
 # logits' dtype (#89's compiled softcap: bf16). With FP8 scales the kernel writes the gradient as e5m2 codes of
 # dloss/dz / grad_s (nearest, saturating at +-57344: #89's cvt.rn.satfinite), which the head's FP8 backward GEMMs
 # take as they are.
@@ -443,13 +450,19 @@ def softcap_ce_launcher() -> Callable:
         r = tl.where(a < 0.00006103515625, (a + 128.0) - 128.0, ((b >> 21) << 21).to(tl.float32, bitcast=True))
         return tl.where(x < 0, -r, r)
 
-    @triton.jit
-    def kernel(z_ptr, z_stride, g_ptr, g_stride, targets_ptr, weights_ptr, loss_ptr, row0, T, cap, shift, temp,
-               grad_s, V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
+    # The prefix weight one fp32, possibly an element of a per-step schedule: no alignment specialization (one
+    # compile for every step's, not one per alignment of its offset).
+    @triton.jit(do_not_specialize_on_alignment=["prefix_weight_ptr"])
+    def kernel(z_ptr, z_stride, g_ptr, g_stride, targets_ptr, weights_ptr, prefix_ptr, prefix_weight_ptr, loss_ptr,
+               row0, T, cap, shift, temp, grad_s, V: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr,
+               GRAD: tl.constexpr):
         # One program per row t = row0 + r, u its softcap (above): the loss sum_k w_k (lse - u[y_(t+k)]) over the k
-        # with t + k < T; GRAD: g = (S_w softmax(u) - sum_k w_k onehot(y_(t+k))) (cap / temp) s (1 - s) / grad_s in
-        # g_ptr's dtype, the sums' order #89's. u <= cap, so lse = cap + log sum exp(u - cap) needs no running max.
-        # sigmoid and cdiv written out: tl's are jit functions, which the interpreter re-patches at every call.
+        # with t + k < T and 0 <= y_(t+k) < V; GRAD adds w_pre (lse - u[T'_t]) for a T'_t in [0, V) and makes g =
+        # (S_w softmax(u) - sum_k w_k onehot(y_(t+k)) - w_pre onehot(T'_t)) (cap / temp) s (1 - s) / grad_s in
+        # g_ptr's dtype, S_w = sum_k w_k + w_pre, the MTP sums' order #89's and the prefix's weight added after them
+        # (adding zero changes no bit: without a prefix term the values are #89's). u <= cap, so lse = cap + log sum
+        # exp(u - cap) needs no running max. sigmoid and cdiv written out: tl's are jit functions, which the
+        # interpreter re-patches at every call.
         r = tl.program_id(0)
         row = z_ptr + r.to(tl.int64) * z_stride
         inv_temp = 1 / temp
@@ -462,76 +475,101 @@ def softcap_ce_launcher() -> Callable:
             sums += tl.where(cols < V, tl.exp(u - cap), 0.0)
         lse = cap + tl.log(tl.sum(sums, axis=0))
         ks = tl.arange(0, K)
-        valid = row0 + r + ks < T
-        ys = tl.load(targets_ptr + row0 + r + ks, mask=valid, other=-1)
+        ys = tl.load(targets_ptr + row0 + r + ks, mask=row0 + r + ks < T, other=-1)
+        valid = (ys >= 0) & (ys < V)
+        ys = tl.where(valid, ys, -1)  # -1 matches no column: an invalid target has no target term either
         ws = tl.load(weights_ptr + ks)
         s_y = 1 / (1 + tl.exp(-(tl.load(row + ys, mask=valid, other=0.0).to(tl.float32) * inv_temp + bias)))
         u_y = capped(s_y, cap, GRAD, z_ptr.dtype.element_ty)
-        tl.store(loss_ptr + r, tl.sum(tl.where(valid, ws * (lse - u_y), 0.0), axis=0))
+        loss = tl.sum(tl.where(valid, ws * (lse - u_y), 0.0), axis=0)
         if GRAD:
-            coef = tl.sum(ws, axis=0)  # S_w
+            prefix = tl.load(prefix_ptr + row0 + r)
+            has_prefix = (prefix >= 0) & (prefix < V)
+            prefix = tl.where(has_prefix, prefix, -1)
+            w_pre = tl.where(has_prefix, tl.load(prefix_weight_ptr), 0.0)
+            s_p = 1 / (1 + tl.exp(-(tl.load(row + prefix, mask=has_prefix, other=0.0).to(tl.float32) * inv_temp
+                                    + bias)))
+            loss += w_pre * (lse - cap * round_bf16(s_p))
+            coef = tl.sum(ws, axis=0) + w_pre  # S_w: every MTP weight (#89's tail quirk), the prefix's if valid
             scale = cap * inv_temp * (1 / grad_s)
             out = g_ptr + r.to(tl.int64) * g_stride
             for i in range(0, (V + BLOCK_V - 1) // BLOCK_V):
                 cols = i * BLOCK_V + tl.arange(0, BLOCK_V)
                 a = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_temp + bias
                 s = round_bf16(1 / (1 + tl.exp(-a)))
-                picked = tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
+                # the weights of every prediction whose target is this column (MTP's, then the prefix's)
+                picked = (tl.sum(tl.where(cols[:, None] == ys[None, :], ws[None, :], 0.0), axis=1)
+                          + tl.where(cols == prefix, w_pre, 0.0))
                 g = scale * (coef * tl.exp(cap * s - lse) - picked) * s * (1 - s)
                 if g_ptr.dtype.element_ty == tl.float8e5:
                     g = round_e5m2(g)
                 elif g_ptr.dtype.element_ty == tl.bfloat16:
                     g = round_bf16(g)
                 tl.store(out + cols, g.to(g_ptr.dtype.element_ty), mask=cols < V)
+        tl.store(loss_ptr + r, loss)
 
-    def launch(z: Tensor, targets: Tensor, weights: Tensor, losses: Tensor, row0: int, cap: float, shift: float,
-               temp: float, grad: Tensor | None = None, grad_s: float = 1.0, block_v: int = 1024) -> None:
+    def launch(z: Tensor, targets: Tensor, weights: Tensor, prefix_targets: Tensor, prefix_weight: Tensor,
+               losses: Tensor, row0: int, cap: float, shift: float, temp: float, grad: Tensor | None = None,
+               grad_s: float = 1.0, block_v: int = 1024) -> None:
         """grad: where the gradient goes (z itself for the bf16 head; e5m2 codes for the FP8 one), None for the
-        loss alone (validation's rounding). weights: fp32, padded with zeros to a power of two (tl.arange's rule;
-        softcap_ce pads them once)."""
+        loss alone (validation's rounding, no prefix term: prefix_targets and prefix_weight unread). weights: fp32,
+        padded with zeros to a power of two (tl.arange's rule; softcap_ce pads them once). prefix_targets: int64,
+        one per target (row0 + r indexes both); prefix_weight: fp32, one element."""
         out = z if grad is None else grad
-        kernel[(z.size(0),)](z, z.stride(0), out, out.stride(0), targets, weights, losses, row0, targets.numel(), cap,
-                             shift, temp, grad_s, V=z.size(1), K=weights.numel(), BLOCK_V=block_v,
-                             GRAD=grad is not None)
+        kernel[(z.size(0),)](z, z.stride(0), out, out.stride(0), targets, weights, prefix_targets, prefix_weight,
+                             losses, row0, targets.numel(), cap, shift, temp, grad_s, V=z.size(1), K=weights.numel(),
+                             BLOCK_V=block_v, GRAD=grad is not None)
 
     launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
 @torch.library.custom_op("speedrun::softcap_ce", mutates_args=())
-def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-               scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]), u #89's softcap of x w^T
-    (above), the terms past the end left out; dloss/dx in x's dtype, dloss/dw in fp32 (#89's). scales: fp8_scales()
-    of loss scale 1 (grad_s sets the e5m2 codes' range; the loss scale reaches the gradients through autograd): the
-    head's GEMMs in FP8 as #89 runs them; [] runs them in x's dtype. with_grad=False (no autograd: validation)
-    gives the loss alone, with validation's rounding, the gradients empty."""
-    if not with_grad:
+def softcap_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, prefix_targets: Tensor, prefix_weight: Tensor,
+               cap: float, shift: float, temp: float, fp8_scales: list[float], training: bool = True
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dloss/dx, dloss/dw) of sum_k weights[k] sum_t CE(u_t, targets[t + k]) + prefix_weight sum_t CE(u_t,
+    prefix_targets[t]), u #89's softcap of x w^T (above), the terms past the end and the targets outside [0, vocab)
+    left out (a prefix target of -1: that row has no prefix term); dloss/dx in x's dtype, dloss/dw in fp32 (#89's).
+    prefix_targets: int64, one per target; prefix_weight: fp32, one element (a tensor: a new weight is no new
+    graph). fp8_scales: fp8_scales() of loss scale 1 (grad_s sets the e5m2 codes' range; the loss scale reaches the
+    gradients through autograd): the head's GEMMs in FP8 as #89 runs them; [] runs them in x's dtype.
+    training=False (no autograd: validation) gives the next-token losses alone, with validation's rounding and no
+    prefix term, the gradients empty."""
+    if training and (prefix_targets.shape != targets.shape or prefix_targets.dtype != torch.int64
+                     or prefix_weight.numel() != 1):
+        raise ValueError(f"softcap_ce: prefix_targets must be int64 of targets' shape {tuple(targets.shape)} and "
+                         f"prefix_weight one element, not {prefix_targets.dtype} {tuple(prefix_targets.shape)} and "
+                         f"{prefix_weight.numel()} elements")
+    if not training:
         grad_x, grad_w = x.new_empty(0), w.new_empty(0, dtype=torch.float32)
     else:
         grad_x, grad_w = torch.empty_like(x), torch.zeros_like(w, dtype=torch.float32)
     losses = torch.empty(x.size(0), dtype=torch.float32, device=x.device)  # per row, summed once at the end
     weights = F.pad(weights.float(), (0, max(2, 1 << (weights.numel() - 1).bit_length()) - weights.numel()))
-    w_x = None if scales else w.type_as(x)  # the FP8 GEMMs cast w themselves
-    grad_s = scales[2] if scales else 1.0
-    scale_tensors = _scales(scales, x)
+    prefix_targets, prefix_weight = prefix_targets.contiguous(), prefix_weight.float()
+    w_x = None if fp8_scales else w.type_as(x)  # the FP8 GEMMs cast w themselves
+    grad_s = fp8_scales[2] if fp8_scales else 1.0
+    scale_tensors = _scales(fp8_scales, x)
     for row0 in range(0, x.size(0), HEAD_CHUNK_ROWS):
         xc = x[row0: row0 + HEAD_CHUNK_ROWS]
-        z = _fp8_matmul(xc, w, *scale_tensors[:2]) if scales else xc @ w_x.T
-        grad = None if not with_grad else torch.empty_like(z, dtype=torch.float8_e5m2) if scales else z
-        softcap_ce_launcher()(z, targets, weights, losses[row0:], row0, cap, shift, temp, grad, grad_s)
+        z = _fp8_matmul(xc, w, *scale_tensors[:2]) if fp8_scales else xc @ w_x.T
+        grad = None if not training else torch.empty_like(z, dtype=torch.float8_e5m2) if fp8_scales else z
+        softcap_ce_launcher()(z, targets, weights, prefix_targets, prefix_weight, losses[row0:], row0, cap, shift,
+                              temp, grad, grad_s)
         if grad is None:
             continue
-        gx, gw = _fp8_head_grads(grad, xc, w, *scale_tensors) if scales else (z @ w_x, z.T @ xc)
+        gx, gw = _fp8_head_grads(grad, xc, w, *scale_tensors) if fp8_scales else (z @ w_x, z.T @ xc)
         grad_x[row0: row0 + HEAD_CHUNK_ROWS] = gx
         grad_w += gw
     return losses.sum(), grad_x, grad_w
 
 
 @softcap_ce.register_fake
-def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float,
-      scales: list[float], with_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    grads = ((torch.empty_like(x), torch.empty_like(w, dtype=torch.float32)) if with_grad
+def _(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, prefix_targets: Tensor, prefix_weight: Tensor,
+      cap: float, shift: float, temp: float, fp8_scales: list[float], training: bool = True
+      ) -> tuple[Tensor, Tensor, Tensor]:
+    grads = ((torch.empty_like(x), torch.empty_like(w, dtype=torch.float32)) if training
              else (x.new_empty(0), w.new_empty(0, dtype=torch.float32)))
     return x.new_empty((), dtype=torch.float32), *grads
 
@@ -541,17 +579,18 @@ def _softcap_ce_setup(ctx, inputs: tuple, output: tuple) -> None:
 
 
 def _softcap_ce_grad(ctx, grad_loss: Tensor, *_: Tensor) -> tuple:
-    # grad_w stays fp32 through the loss scale; autograd rounds it once, to w's dtype
+    # grad_w stays fp32 through the loss scale; autograd rounds it once, to w's dtype. None for each of the other
+    # nine inputs (targets, weights, prefix_targets, prefix_weight, cap, shift, temp, fp8_scales, training).
     grad_x, grad_w = ctx.saved_tensors
-    return grad_loss * grad_x, grad_loss * grad_w, None, None, None, None, None, None, None
+    return grad_loss * grad_x, grad_loss * grad_w, *[None] * 9
 
 
 softcap_ce.register_autograd(_softcap_ce_grad, setup_context=_softcap_ce_setup)
 
-
 # FP8 MLP (#84's up-projection, #89's down-projection), training only: relu(x W_fc^T)^2 W_proj with both GEMMs in
-# float8_e4m3 (spec 4.8.2-4.8.3) and the backward in bf16 from the bf16 weights, x, pre and post ("straight-through",
-# 4.8.4), as #89's FusedLinearReLUSquareFunction. The weights' codes and scales come from quantize_mlp_weights_ once
+# float8_e4m3 (spec 4.8.2-4.8.3) and the backward in bf16 from the bf16 weights, x and post ("straight-through",
+# 4.8.4), as upstream's FusedLinearReLUSquareFunction (#89's, with #87's post-only activations: relu(pre) is
+# sqrt(post) in the backward, pre is never kept). The weights' codes and scales come from quantize_mlp_weights_ once
 # per optimizer step; x's scale is its current amax, post's a delayed one (the caller's, from the partial maxima
 # this op returned in the previous training forward). kernel=True (--relu2_kernel): the up-projection, ReLU^2 and
 # post8 in linear_relu_square's FP8 mode and dpre in its backward mode, as #89; else the torch path, compiled on
@@ -573,7 +612,7 @@ _mlp_fp8_input = compiled_on_first_call(_mlp_input_codes)  # the kernel path's x
 
 @compiled_on_first_call
 def _mlp_fp8_forward(x: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor, down_scale: Tensor,
-                     act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     act_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x8, dequant = _mlp_input_codes(x, up_scale)
     # pre = bf16(dequant x the fast-accumulated dot) (Triton's fp8 default on sm90): one fp32 multiply, one rounding.
     # cuBLAS scales the fp32 accumulator so; torch's CPU _scaled_mm scales the operands first, so there the
@@ -586,39 +625,39 @@ def _mlp_fp8_forward(x: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tens
         pre = (torch._scaled_mm(x8, w8_fc.T, out_dtype=torch.float32, scale_a=one, scale_b=one) * dequant).bfloat16()
     post = torch.relu(pre).square()
     post8 = (post.float() * (1 / act_scale)).clamp(max=FP8_MAX_E4M3).to(torch.float8_e4m3fn)  # post >= 0
-    return _down_projection(post8, w8_proj_t, act_scale, down_scale), post.amax().float().view(1), pre, post
+    return _down_projection(post8, w8_proj_t, act_scale, down_scale), post.amax().float().view(1), post
 
 
 @compiled_on_first_call
-def _mlp_grads(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor
-               ) -> tuple[Tensor, Tensor, Tensor]:
-    d_pre = 2 * (g @ w_proj.T) * torch.relu(pre)  # bf16: 2h is exact, the product rounds once (#89's epilogue)
+def _mlp_grads(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, post: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # relu(pre) as sqrt(post) (#87): 2h exact, its product with the fp32 root rounded once to fp32, then to bf16, as
+    # the kernel's epilogue computes it (the IEEE root both sides)
+    d_pre = (2 * (g @ w_proj.T).float() * post.float().sqrt()).bfloat16()
     return d_pre @ w_fc, d_pre.T @ x, post.T @ g
 
 
 @torch.library.custom_op("speedrun::mlp_fp8_forward", mutates_args=())
 def mlp_fp8_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
-                    down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """mlp_fp8's (out, post's partial maxima) and the bf16 pre and post (M, hidden) its backward keeps, as #89."""
+                    down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """mlp_fp8's (out, post's partial maxima) and the bf16 post (M, hidden) its backward keeps (no pre: #87)."""
     if not kernel:
         return _mlp_fp8_forward(x, w8_fc, up_scale, w8_proj_t, down_scale, act_scale)
     x8, dequant = _mlp_fp8_input(x, up_scale)
-    pre, post, post8, maxima = linear_relu_square_launcher()(x8, w8_fc, scales=(dequant, act_scale))
-    return _down_projection(post8, w8_proj_t, act_scale, down_scale), maxima, pre, post
+    post, post8, maxima = linear_relu_square_launcher()(x8, w8_fc, scales=(dequant, act_scale))
+    return _down_projection(post8, w8_proj_t, act_scale, down_scale), maxima, post
 
 
 @mlp_fp8_forward.register_fake
 def _(x: Tensor, w_fc: Tensor, w_proj: Tensor, w8_fc: Tensor, up_scale: Tensor, w8_proj_t: Tensor,
-      down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    hidden = x.new_empty(x.size(0), w_fc.size(0), dtype=torch.bfloat16)
+      down_scale: Tensor, act_scale: Tensor, kernel: bool) -> tuple[Tensor, Tensor, Tensor]:
     maxima = mlp_programs(x.size(0), w_fc.size(0), x.device) if kernel else 1
     return (x.new_empty(x.size(0), w_proj.size(1), dtype=torch.bfloat16), x.new_empty(maxima, dtype=torch.float32),
-            hidden, torch.empty_like(hidden))
+            x.new_empty(x.size(0), w_fc.size(0), dtype=torch.bfloat16))
 
 
 def _mlp_fp8_setup(ctx, inputs: tuple, output: tuple) -> None:
     ctx.kernel = inputs[-1]
-    ctx.save_for_backward(*inputs[:3], *output[2:])
+    ctx.save_for_backward(*inputs[:3], output[2])  # x, w_fc, w_proj, post
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -630,24 +669,23 @@ mlp_fp8_forward.register_autograd(_mlp_fp8_grad, setup_context=_mlp_fp8_setup)
 
 
 # The bf16 MLP through the ReLU^2 GEMM (--relu2_kernel outside FP8 training: validation, a run without FP8): its
-# bf16 forward mode makes pre and post, torch multiplies post by W_proj; the backward is the FP8 MLP's (#89's
+# bf16 forward mode makes post, torch multiplies it by W_proj; the backward is the FP8 MLP's (upstream's
 # FusedLinearReLUSquareFunction without FP8). All bf16 (x and both weights).
 @torch.library.custom_op("speedrun::mlp_relu2_forward", mutates_args=())
-def mlp_relu2_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """mlp_relu2's output and the pre and post (M, hidden) its backward keeps."""
-    pre, post = linear_relu_square_launcher()(x, w_fc)
-    return post @ w_proj, pre, post
+def mlp_relu2_forward(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
+    """mlp_relu2's output and the post (M, hidden) its backward keeps."""
+    (post,) = linear_relu_square_launcher()(x, w_fc)
+    return post @ w_proj, post
 
 
 @mlp_relu2_forward.register_fake
-def _(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    hidden = x.new_empty(x.size(0), w_fc.size(0))
-    return x.new_empty(x.size(0), w_proj.size(1)), hidden, torch.empty_like(hidden)
+def _(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.size(0), w_proj.size(1)), x.new_empty(x.size(0), w_fc.size(0))
 
 
 def _mlp_relu2_setup(ctx, inputs: tuple, output: tuple) -> None:
-    ctx.save_for_backward(*inputs, *output[1:])
-    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*inputs, output[1])  # x, w_fc, w_proj, post
+    ctx.mark_non_differentiable(output[1])
 
 
 def _mlp_relu2_grad(ctx, grad_out: Tensor, *_: Tensor) -> tuple:
@@ -658,24 +696,24 @@ mlp_relu2_forward.register_autograd(_mlp_relu2_grad, setup_context=_mlp_relu2_se
 
 
 @torch.library.custom_op("speedrun::mlp_backward", mutates_args=())
-def mlp_backward(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor, kernel: bool
+def mlp_backward(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, post: Tensor, kernel: bool
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of mlp_fp8 and mlp_relu2 (grad_x, grad_w_fc, grad_w_proj), bf16: dpre = bf16(2 bf16(g W_proj^T)
-    relu(pre)) (kernel: the ReLU^2 GEMM's backward mode), dpre W_fc, dpre^T x, post^T g. An op of its own, as
-    fp8_mm_backward: a compiled caller traces it opaque."""
+    sqrt(fp32(post))) (kernel: the ReLU^2 GEMM's backward mode), dpre W_fc, dpre^T x, post^T g. An op of its own,
+    as fp8_mm_backward: a compiled caller traces it opaque."""
     if not kernel:
-        return _mlp_grads(g, x, w_fc, w_proj, pre, post)
-    (d_pre,) = linear_relu_square_launcher()(g, w_proj, aux=pre)
+        return _mlp_grads(g, x, w_fc, w_proj, post)
+    (d_pre,) = linear_relu_square_launcher()(g, w_proj, aux=post)
     return d_pre @ w_fc, d_pre.T @ x, post.T @ g
 
 
 @mlp_backward.register_fake
-def _(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, pre: Tensor, post: Tensor, kernel: bool
+def _(g: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor, post: Tensor, kernel: bool
       ) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
 
 
-# The public ops, composite: each is its forward op, whose extra outputs (pre, post) autograd keeps for the backward.
+# The public ops, composite: each is its forward op, whose extra output (post) autograd keeps for the backward.
 torch.library.define("speedrun::mlp_fp8", "(Tensor x, Tensor w_fc, Tensor w_proj, Tensor w8_fc, Tensor up_scale, "
                      "Tensor w8_proj_t, Tensor down_scale, Tensor act_scale, bool kernel) -> (Tensor, Tensor)")
 torch.library.define("speedrun::mlp_relu2", "(Tensor x, Tensor w_fc, Tensor w_proj) -> Tensor")
@@ -796,3 +834,273 @@ def quantize_mlp_weights_(bank: Tensor, w8_fc: Tensor, up_scales: Tensor, w8_pro
         w8_proj_t.copy_(_to_fp8(w_proj, next_scales[:, None, None], torch.float8_e4m3fn).transpose(1, 2))
         used_scales.copy_(next_scales)
         next_scales.copy_(amax.float().clamp(min=1e-12) * (headroom / FP8_MAX_E4M3))
+
+
+# DC attention (upstream f411b3d's layer-10 correction, spec §3; train_gpt.dc_attention is its torch path): out = base +
+# sum_j round(w2[t, h] A[t, j]) v[j, h], A = sum_h w1[t, h] P_h[t, j], P_h a fresh softmax of scale q.k over the
+# window V(t) = {j : s(t) <= j <= t, t - j < window} inside t's document. The forward: one program per DC_BLOCK_M
+# queries and every head, against the key slots k0 ... k0 + BLOCK_K - 1, k0 = max(0, q0 - (window - 1)), which hold
+# every query's window; it keeps each row's log-sum-exp (T, H) fp32 for the backward. The backward, deterministic
+# (no atomics, every sum in one program in a fixed order, each gradient rounded once): a query-major kernel
+# recomputes P_h from the LSE and writes dq, dw1, dw2 and, per (t, offset t - j), the softmax gradient dS_h (in the
+# input dtype, the operand the dots take) and the mixture A (fp32); a key-major kernel then forms dk = scale sum_t
+# dS_h q and dv = sum_t round(w2 A) dO per DC_BLOCK_N keys from them. T and the number of cu_seqlens entries are
+# runtime arguments: one compile serves every stage and validation. The scores' dots take fp32 operands in IEEE
+# precision (the fp32 tests), 16-bit ones exactly with fp32 accumulation, as upstream's tf32 dots do.
+DC_BLOCK_M, DC_BLOCK_N = 16, 16  # queries per forward / first backward program; keys per second backward program
+# 8 warps, and the heads in a loop the compiler keeps (range, not static_range): unrolled, the six heads' loads were
+# hoisted together and the backward kernels spilled at 4 or 8 warps (records/sm90_kernels.py)
+DC_NUM_WARPS = 8
+
+
+def dc_slots(window: int, block: int) -> int:
+    """A tile's second dimension: the key slots (or, key-major, the query slots) a block of `block` rows reaches
+    through a window, block + window - 1, as a power of two (tl.arange's rule); 128 at the recipe's 112."""
+    return max(16, 1 << (window + block - 2).bit_length())
+
+
+@functools.cache
+def dc_attention_launcher() -> Callable:
+    global tl, dc_window, dc_probs  # module globals, as Triton (its interpreter too) resolves a kernel's names there
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dc_window(cu_ptr, n_docs, search_steps, t, j, T, WINDOW: tl.constexpr):
+        # (BLOCK_M, slots) mask of V(t) and t's rows inside T. s(t) = cu[c - 1], c the number of the first n_docs
+        # entries at or before t, by a binary search of search_steps = n_docs.bit_length() halvings (the padding's
+        # repeated T and zero-length segments need no special case).
+        inside = t < T
+        lo = tl.zeros_like(t)
+        hi = lo + n_docs
+        for _ in range(search_steps):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            at = tl.load(cu_ptr + mid, mask=active, other=0)
+            lo = tl.where(active & (at <= t), mid + 1, lo)
+            hi = tl.where(active & (at > t), mid, hi)
+        start = tl.load(cu_ptr + tl.maximum(lo - 1, 0))
+        back = t[:, None] - j[None, :]
+        valid = inside[:, None] & (j[None, :] >= start[:, None]) & (back >= 0) & (back < WINDOW)
+        return valid, inside
+
+    @triton.jit
+    def dc_probs(q_ptr, k_ptr, t, j, d, h, valid, inside, lse, T, scale, H: tl.constexpr, D: tl.constexpr,
+                 PRECISION: tl.constexpr, FROM_LSE: tl.constexpr):
+        # P_h over the tile (0 off V(t)) and each row's LSE: computed (forward) or given (FROM_LSE, the backward).
+        # A row past T has no valid slot: its sum is taken as 1 (upstream's rule), its P and LSE are never stored.
+        q = tl.load(q_ptr + (t.to(tl.int64)[:, None] * H + h) * D + d[None, :], mask=inside[:, None], other=0.0)
+        k = tl.load(k_ptr + (j.to(tl.int64)[:, None] * H + h) * D + d[None, :], mask=(j < T)[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if not FROM_LSE:
+            top = tl.max(tl.where(valid, s, float("-inf")), axis=1)
+            top = tl.where(inside, top, 0.0)
+            total = tl.sum(tl.where(valid, tl.exp(s - top[:, None]), 0.0), axis=1)
+            lse = top + tl.log(tl.where(total > 0, total, 1.0))
+        return tl.where(valid, tl.exp(s - lse[:, None]), 0.0), lse
+
+    @triton.jit
+    def forward_kernel(base_ptr, q_ptr, k_ptr, v_ptr, w1_ptr, w2_ptr, cu_ptr, out_ptr, lse_ptr, T, n_docs,
+                       search_steps, scale, H: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
+                       BLOCK_M: tl.constexpr, SLOTS: tl.constexpr, PRECISION: tl.constexpr):
+        q0 = tl.program_id(0) * BLOCK_M
+        t = q0 + tl.arange(0, BLOCK_M)
+        j = tl.maximum(q0 - (WINDOW - 1), 0) + tl.arange(0, SLOTS)
+        d = tl.arange(0, D)
+        valid, inside = dc_window(cu_ptr, n_docs, search_steps, t, j, T, WINDOW)
+        rows = t.to(tl.int64) * H  # the (t, h) entries of w1, w2 and the LSE: rows + h
+        mix = tl.zeros((BLOCK_M, SLOTS), dtype=tl.float32)
+        for h in range(H):
+            p, lse = dc_probs(q_ptr, k_ptr, t, j, d, h, valid, inside, None, T, scale, H, D, PRECISION, False)
+            tl.store(lse_ptr + rows + h, lse, mask=inside)
+            mix += tl.load(w1_ptr + rows + h, mask=inside, other=0.0).to(tl.float32)[:, None] * p
+        for h in range(H):
+            # the weight rounded to the input dtype before its dot with v (spec §3.2 step 4)
+            w2 = tl.load(w2_ptr + rows + h, mask=inside, other=0.0).to(tl.float32)
+            weight = (w2[:, None] * mix).to(v_ptr.dtype.element_ty)
+            v = tl.load(v_ptr + (j.to(tl.int64)[:, None] * H + h) * D + d[None, :], mask=(j < T)[:, None], other=0.0)
+            correction = tl.dot(weight, v, input_precision=PRECISION)
+            at = (rows[:, None] + h) * D + d[None, :]
+            base = tl.load(base_ptr + at, mask=inside[:, None], other=0.0).to(tl.float32)
+            tl.store(out_ptr + at, (base + correction).to(out_ptr.dtype.element_ty), mask=inside[:, None])
+
+    @triton.jit
+    def backward_queries_kernel(grad_ptr, q_ptr, k_ptr, v_ptr, w1_ptr, w2_ptr, cu_ptr, lse_ptr, dq_ptr, dw1_ptr,
+                                dw2_ptr, ds_ptr, mix_ptr, T, n_docs, search_steps, scale, H: tl.constexpr,
+                                D: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS: tl.constexpr,
+                                PRECISION: tl.constexpr):
+        # With dO = grad: dm_h = dO_h . v_h, dA = sum_h w2_h dm_h, dw2_h = sum_j dm_h A, dw1_h = sum_j dA P_h,
+        # dS_h = P_h w1_h (dA - dw1_h), dq_h = scale round(dS_h) k_h (spec §3.3). Two passes over the heads: A and dA
+        # need every head's P and dm first; the second recomputes them (registers hold one head's tiles at a time).
+        q0 = tl.program_id(0) * BLOCK_M
+        t = q0 + tl.arange(0, BLOCK_M)
+        j = tl.maximum(q0 - (WINDOW - 1), 0) + tl.arange(0, SLOTS)
+        d = tl.arange(0, D)
+        valid, inside = dc_window(cu_ptr, n_docs, search_steps, t, j, T, WINDOW)
+        rows = t.to(tl.int64) * H
+        v_at = (j.to(tl.int64)[:, None] * H) * D + d[None, :]
+        mix = tl.zeros((BLOCK_M, SLOTS), dtype=tl.float32)
+        dmix = tl.zeros((BLOCK_M, SLOTS), dtype=tl.float32)
+        for h in range(H):
+            lse = tl.load(lse_ptr + rows + h, mask=inside, other=0.0)
+            p, _ = dc_probs(q_ptr, k_ptr, t, j, d, h, valid, inside, lse, T, scale, H, D, PRECISION, True)
+            mix += tl.load(w1_ptr + rows + h, mask=inside, other=0.0).to(tl.float32)[:, None] * p
+            g = tl.load(grad_ptr + (rows[:, None] + h) * D + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptr + v_at + h * D, mask=(j < T)[:, None], other=0.0)
+            dm = tl.dot(g, tl.trans(v), input_precision=PRECISION)
+            dmix += tl.load(w2_ptr + rows + h, mask=inside, other=0.0).to(tl.float32)[:, None] * dm
+        # A and dS by (t, t - j): every offset of [0, WINDOW) with j >= 0 is in this tile (SLOTS >= BLOCK_M +
+        # WINDOW - 1); those off V(t) are stored as 0, so the key-major kernel reads no unwritten entry.
+        back = t[:, None] - j[None, :]
+        kept = inside[:, None] & (back >= 0) & (back < WINDOW)
+        by_offset = t.to(tl.int64)[:, None] * WINDOW + back
+        tl.store(mix_ptr + by_offset, mix, mask=kept)
+        for h in range(H):
+            lse = tl.load(lse_ptr + rows + h, mask=inside, other=0.0)
+            p, _ = dc_probs(q_ptr, k_ptr, t, j, d, h, valid, inside, lse, T, scale, H, D, PRECISION, True)
+            g = tl.load(grad_ptr + (rows[:, None] + h) * D + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptr + v_at + h * D, mask=(j < T)[:, None], other=0.0)
+            dm = tl.dot(g, tl.trans(v), input_precision=PRECISION)
+            dw2 = tl.sum(dm * mix, axis=1)
+            dw1 = tl.sum(dmix * p, axis=1)
+            w1 = tl.load(w1_ptr + rows + h, mask=inside, other=0.0).to(tl.float32)
+            ds = (p * w1[:, None] * (dmix - dw1[:, None])).to(ds_ptr.dtype.element_ty)
+            tl.store(ds_ptr + (rows[:, None] + h) * WINDOW + back, ds, mask=kept)
+            k = tl.load(k_ptr + v_at + h * D, mask=(j < T)[:, None], other=0.0)
+            dq = tl.dot(ds, k, input_precision=PRECISION) * scale
+            tl.store(dq_ptr + (rows[:, None] + h) * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+                     mask=inside[:, None])
+            tl.store(dw1_ptr + rows + h, dw1.to(dw1_ptr.dtype.element_ty), mask=inside)
+            tl.store(dw2_ptr + rows + h, dw2.to(dw2_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def backward_keys_kernel(grad_ptr, q_ptr, w2_ptr, ds_ptr, mix_ptr, dk_ptr, dv_ptr, T, scale, H: tl.constexpr,
+                             D: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        # Keys j0 ... j0 + BLOCK_N - 1 against the queries that can see them, t = j0 ... j0 + SLOTS - 1 (a window's
+        # reach: BLOCK_N + WINDOW - 1 of them): dk_h = scale sum_t dS_h[t, j] q_h[t], dv_h = sum_t round(w2[t, h]
+        # A[t, j]) dO_h[t], each one dot in one program, rounded once.
+        j0 = tl.program_id(0) * BLOCK_N
+        j = j0 + tl.arange(0, BLOCK_N)
+        t = j0 + tl.arange(0, SLOTS)
+        d = tl.arange(0, D)
+        back = t[None, :] - j[:, None]
+        kept = (t < T)[None, :] & (back >= 0) & (back < WINDOW)
+        by_offset = t.to(tl.int64)[None, :] * WINDOW + back
+        mix = tl.load(mix_ptr + by_offset, mask=kept, other=0.0)
+        rows = t.to(tl.int64) * H
+        keys = j < T
+        for h in range(H):
+            ds = tl.load(ds_ptr + (rows[None, :] + h) * WINDOW + back, mask=kept, other=0.0)
+            q = tl.load(q_ptr + (rows[:, None] + h) * D + d[None, :], mask=(t < T)[:, None], other=0.0)
+            dk = tl.dot(ds, q, input_precision=PRECISION) * scale
+            w2 = tl.load(w2_ptr + rows + h, mask=t < T, other=0.0).to(tl.float32)
+            weight = (w2[None, :] * mix).to(q_ptr.dtype.element_ty)
+            g = tl.load(grad_ptr + (rows[:, None] + h) * D + d[None, :], mask=(t < T)[:, None], other=0.0)
+            dv = tl.dot(weight, g, input_precision=PRECISION)
+            at = (j.to(tl.int64)[:, None] * H + h) * D + d[None, :]
+            tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=keys[:, None])
+            tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys[:, None])
+
+    def sizes(q: Tensor, cu_seqlens: Tensor) -> dict:
+        # the launches' shared arguments: T, the cu_seqlens entries' count and its binary search's length
+        n_docs = cu_seqlens.numel() - 1
+        return {"T": q.size(1), "n_docs": n_docs, "search_steps": max(1, n_docs.bit_length())}
+
+    def options(q: Tensor, window: int) -> dict:
+        _, _, H, D = q.shape
+        return {"H": H, "D": D, "WINDOW": window, "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+                "num_warps": DC_NUM_WARPS, "num_stages": 1}
+
+    def forward(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
+                scale: float, window: int) -> tuple[Tensor, Tensor]:
+        """(out (T, H, D) in base's dtype, LSE (T, H) fp32); every tensor contiguous."""
+        T, H, D = base.shape
+        out = torch.empty_like(base)
+        lse = base.new_empty(T, H, dtype=torch.float32)
+        n = sizes(q, cu_seqlens)
+        forward_kernel[(triton.cdiv(T, DC_BLOCK_M),)](
+            base, q, k, v, w1, w2, cu_seqlens, out, lse, n["T"], n["n_docs"], n["search_steps"], scale,
+            BLOCK_M=DC_BLOCK_M, SLOTS=dc_slots(window, DC_BLOCK_M), **options(q, window))
+        return out, lse
+
+    def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
+                 lse: Tensor, scale: float, window: int) -> tuple[Tensor, ...]:
+        """(dq, dk, dv, dw1, dw2) in their inputs' dtypes; every tensor contiguous."""
+        T = q.size(1)
+        dq, dk, dv, dw1, dw2 = (torch.empty_like(x) for x in (q, k, v, w1, w2))
+        ds = q.new_empty(T, q.size(2), window)  # dS_h[t, t - j], the dots' operand: in the input dtype
+        mix = q.new_empty(T, window, dtype=torch.float32)  # A[t, t - j]
+        n, opts = sizes(q, cu_seqlens), options(q, window)
+        backward_queries_kernel[(triton.cdiv(T, DC_BLOCK_M),)](
+            grad, q, k, v, w1, w2, cu_seqlens, lse, dq, dw1, dw2, ds, mix, n["T"], n["n_docs"], n["search_steps"],
+            scale, BLOCK_M=DC_BLOCK_M, SLOTS=dc_slots(window, DC_BLOCK_M), **opts)
+        backward_keys_kernel[(triton.cdiv(T, DC_BLOCK_N),)](
+            grad, q, w2, ds, mix, dk, dv, n["T"], scale, BLOCK_N=DC_BLOCK_N, SLOTS=dc_slots(window, DC_BLOCK_N),
+            **opts)
+        return dq, dk, dv, dw1, dw2
+
+    # records/sm90_kernels.py compiles these for the H100 offline
+    forward.kernel, backward.kernels = forward_kernel, (backward_queries_kernel, backward_keys_kernel)
+    return forward, backward
+
+
+def _dc_check(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
+              window: int) -> None:
+    T, H, D = base.shape
+    if q.shape != (1, T, H, D) or k.shape != q.shape or v.shape != q.shape or w1.shape != (1, T, H) or \
+            w2.shape != w1.shape:
+        raise ValueError(f"dc_attention: base (T, H, D), q, k, v (1, T, H, D), w1, w2 (1, T, H); got {base.shape}, "
+                         f"{q.shape}, {k.shape}, {v.shape}, {w1.shape}, {w2.shape}")
+    if len({x.dtype for x in (base, q, k, v, w1, w2)}) != 1 or cu_seqlens.dtype != torch.int32:
+        raise ValueError("dc_attention: one float dtype for base, q, k, v, w1, w2 and int32 cu_seqlens")
+    if D < 16 or D & (D - 1) or window < 1:
+        raise ValueError(f"dc_attention's kernels take a head dim that is a power of two >= 16 (got {D}), window >= 1")
+
+
+@torch.library.custom_op("speedrun::dc_attention", mutates_args=())
+def dc_attention(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
+                 scale: float, window: int = 112) -> tuple[Tensor, Tensor]:
+    """(out, LSE): train_gpt.dc_attention's out by the Triton kernels (shapes and dtype as there), and
+    each (t, h) row's log-sum-exp (T, H) fp32, which the backward recomputes P from."""
+    _dc_check(base, q, k, v, w1, w2, cu_seqlens, window)
+    forward, _ = dc_attention_launcher()
+    return forward(*(x.contiguous() for x in (base, q, k, v, w1, w2, cu_seqlens)), scale, window)
+
+
+@dc_attention.register_fake
+def _(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor, scale: float,
+      window: int = 112) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(base), base.new_empty(base.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("speedrun::dc_attention_backward", mutates_args=())
+def dc_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                          cu_seqlens: Tensor, lse: Tensor, scale: float, window: int
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dw1, dw2) of dc_attention for the output's gradient grad (T, H, D), deterministic."""
+    _, backward = dc_attention_launcher()
+    return backward(*(x.contiguous() for x in (grad.to(q.dtype), q, k, v, w1, w2, cu_seqlens, lse)), scale, window)
+
+
+@dc_attention_backward.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor, lse: Tensor,
+      scale: float, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(torch.empty_like(x) for x in (q, k, v, w1, w2))
+
+
+def _dc_attention_setup(ctx, inputs: tuple, output: tuple) -> None:
+    _, q, k, v, w1, w2, cu_seqlens, ctx.scale, ctx.window = inputs
+    ctx.save_for_backward(q, k, v, w1, w2, cu_seqlens, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _dc_attention_grad(ctx, grad_out: Tensor, _: Tensor) -> tuple:
+    # base's gradient is the output's (out = base + C); the rest from the two kernels
+    q, k, v, w1, w2, cu_seqlens, lse = ctx.saved_tensors
+    dq, dk, dv, dw1, dw2 = torch.ops.speedrun.dc_attention_backward(grad_out, q, k, v, w1, w2, cu_seqlens, lse,
+                                                                    ctx.scale, ctx.window)
+    return grad_out, dq, dk, dv, dw1, dw2, None, None, None
+
+
+dc_attention.register_autograd(_dc_attention_grad, setup_context=_dc_attention_setup)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Launch train_gpt.py on every visible GPU; arguments pass through (e.g. ./run.sh --num_steps=500).
-# Without a GPU it runs the tiny preset on the bundled sample, on the CPU, to show the pipeline working.
+# Without a GPU it runs the tiny preset on the bundled sample, on the CPU, to show the pipeline working, on the
+# bundled records' arithmetic (the record path: the same bits on any x86-64 CPU with AVX2); CPU_PATH=native runs
+# the CPU's own kernels instead (faster with AVX-512 or bf16 GEMMs; the losses differ by rounding).
 # NPROC=N sets the number of processes (NPROC=2 ./run.sh on a CPU: two gloo ranks).
 # One process runs python directly. Several run under torchrun, whose own report of a failed rank would
 # bury the rank's one line: here the launcher stays quiet, so that line is the last one printed, and the
@@ -9,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 # Some images (a distribution's, a container's) have only python3.
 python=$(command -v python || command -v python3) || { echo "run.sh: neither python nor python3 is on PATH" >&2; exit 1; }
-gpus=$("$python" -c "import torch; print(torch.cuda.device_count())")
+probe=$("$python" -c "import torch; print(torch.cuda.device_count(), int(torch.cpu._is_avx2_supported()))")
+read -r gpus avx2 <<<"$probe"
 args=("$@")
 if [ "$gpus" -eq 0 ]; then
     for a in "$@"; do  # a GPU asked for by name: say so, not that a CPU run starts
@@ -20,17 +23,34 @@ if [ "$gpus" -eq 0 ]; then
     done
     # glibc returns large freed blocks to the OS and page-faults them back every step: keep them.
     export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4000000000} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4000000000}
-    # The tiny preset and the CPU, unless given (the trainer refuses a flag given twice).
+    # The tiny preset, the CPU and (the record path) the fp32 GEMM path, unless given (the trainer refuses a flag
+    # given twice).
     defaults=(--preset=tiny --device=cpu)
+    case "${CPU_PATH:-record}" in
+        record)
+            if [ "$avx2" -eq 1 ]; then
+                # torch, oneDNN and MKL read these when torch loads: the trainer is too late to set them.
+                export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+                defaults+=(--cpu_bf16_gemm=fp32)
+                how="on the record path (AVX2 kernels, fp32 GEMMs; CPU_PATH=native: this CPU's own)"
+            else
+                how="on this CPU's own kernels: the record path needs an x86-64 CPU with AVX2"
+            fi ;;
+        native) how="on this CPU's own kernels (CPU_PATH=native)" ;;
+        *) echo "error: CPU_PATH=$CPU_PATH: use CPU_PATH=record (the default: the bundled records' arithmetic) or" \
+                "CPU_PATH=native (this CPU's own kernels)" >&2
+           exit 2 ;;
+    esac
     for a in "$@"; do
         case "$a" in
             --preset|--preset=*) defaults=("${defaults[@]/--preset=tiny}") ;;
             --device|--device=*) defaults=("${defaults[@]/--device=cpu}") ;;
+            --cpu_bf16_gemm|--cpu_bf16_gemm=*) defaults=("${defaults[@]/--cpu_bf16_gemm=fp32}") ;;
         esac
     done
     added=()
     for d in "${defaults[@]}"; do [ -n "$d" ] && added+=("$d"); done
-    echo "run.sh: no CUDA GPU visible; running on the CPU${added[*]:+ with ${added[*]}}" >&2
+    echo "run.sh: no CUDA GPU visible; running on the CPU${added[*]:+ with ${added[*]}}, $how" >&2
     args=("${added[@]}" "$@")
 fi
 nproc=${NPROC:-$((gpus > 0 ? gpus : 1))}

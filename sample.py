@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> str:
                 raise T.UsageError(f"--{name} must be {rule}, got {getattr(args, name)}")
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                               "cpu" if args.device == "auto" else args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():  # else torch's assertion, deep in .to()
+            raise T.UsageError("--device=cuda but no CUDA GPU is visible; use --device=cpu (or auto)")
         model = load_model(args.checkpoint, device)
         if args.top_k > model.cfg.vocab_size:
             raise T.UsageError(f"--top_k must be at most this model's vocabulary, {model.cfg.vocab_size} tokens (0: "

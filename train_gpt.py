@@ -1,4 +1,5 @@
-"""Speedrun GPT trainer: record #89 of the NanoGPT speedrun in one file, the recipe first, then the plumbing.
+"""Speedrun GPT trainer: the NanoGPT speedrun's current recipe (upstream's f411b3d: record #89 with #85-#88) in one
+file, the recipe first, then the plumbing.
 
 The FP8 head's ops and the Triton kernels live beside it in gpt_kernels.py (without it: the torch path).
 Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or
@@ -7,6 +8,8 @@ Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=valu
 
 from __future__ import annotations
 
+import base64
+import binascii
 import bisect
 import contextlib
 import dataclasses
@@ -71,10 +74,10 @@ class RankLost(Exception):
 
 # -----------------------------------------------------------------------------
 # Hyperparameters
-# Record #89 (2026-07-17_FP8DownProjection) on 8xH100, FlexAttention in place of FA3. One dataclass holds every number a
-# user tunes and every systems switch, each overridable as --field=value; a recipe change is an edit here and
-# in the model. Earlier recipes run from their snapshots under records/ (#28: records/2026-11-25_record28/, #70:
-# records/2026-11-26_record70/).
+# Upstream's current code (modded-nanogpt f411b3d, 2026-08-01: record #89 with #85 v3's MUDD gates and DC attention,
+# #86's XSA, #87's ReLU^2 backward, #88's prefix-token loss) on 8xH100. One dataclass holds every number a user tunes
+# and every systems switch, each overridable as --field=value; a recipe change is an edit here and in the model.
+# Earlier recipes run from their snapshots under records/ (#28, #70, #89: records/*_record28/, _record70/, _record89/).
 
 @dataclass
 class Config:
@@ -96,12 +99,14 @@ class Config:
     attn_pattern: str = "SSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
     paired_layers: str = "0,2,5,9"  # short-window layers whose heads j, j + H/2 attend as pairs (#58); "": none
     value_embeds: str = "-01-----234"  # per layer: the value-embedding table (0-9) its values add, - none (#63)
-    skip: str = "3:6"  # A:B: layer A's output joins attention-less layer B under a gate (#45/#55)
+    skip: str = "3:6"  # A:B: layer A's output joins attention-less layer B under a gate (#45/#55); the MUDD gates'
+    #                    second block is computed from it, at layer A + 1's input (#85)
     attn_input_layer: int = 7  # later layers attend over this layer's normed output (#77); the MUDD mixes read it
-    bigram_rows: int = 15 * 50304  # rows of the bigram hash embedding added at every layer (#62)
-    bigram_dim: int = 192  # its width: it adds to the residual's first bigram_dim channels (#83)
+    xsa_layers: str = "1,3,4,7"  # unpaired attention layers that subtract a gated share of their output along v (#82)
+    attn_gate_layers: str = "3,10"  # attention layers whose heads' outputs a MUDD gate scales (#85)
+    bigram_rows: int = 50304 * 15 // 2  # rows of the bigram hash embedding added at every layer (#62; model_dim wide, #85)
     bigram_sign_rows: int = 8192  # rows of the +-1 table its rows are multiplied by, per token pair (#83)
-    mudd_dim: int = 64  # hidden width of the two MUDD coefficient MLPs (#81/#85)
+    mudd_dim: int = 64  # hidden width of the MUDD coefficient MLPs and of the MUDD gate network (#81/#85)
     attn_scale: float = 0.1  # attention logit scale (in place of 1/sqrt(head_dim))
     gate_channels: int = 12  # leading channels of the attention input that drive the head and VE gates
     logit_cap: float = 23.0  # logits are logit_cap * sigmoid((z + logit_shift) / logit_temp) (#54)
@@ -118,10 +123,10 @@ class Config:
     embed_lr: float = 0.6  # Adam: value embeddings and the bigram table
     head_lr: float = 0.008  # Adam: LM head, and the embedding (tied to it, then its own)
     scalar_lr: float = 0.04  # Adam: the scalar vector (attention lambdas, smear, skip) and the residual lambdas
-    lambda_lr: float = 0.008  # Adam: the post, x0 and bigram lambdas and the XSA strengths, with lambda_betas
+    lambda_lr: float = 0.008  # Adam: the post lambdas, with lambda_betas
     mudd_lr: float = 0.002  # Adam: the MUDD MLPs (#81), with the scalars' betas
-    gate_lr: float = 0.008  # Adam: the attention and VE gates, with the scalars' betas
-    skip_gate_lr: float = 4e-4  # Adam: the skip's input gate (#55: 0.008 x 0.05), with the scalars' betas
+    mudd_gate_lr: float = 8e-4  # Adam: the MUDD gate network and its scale (#85: 0.008 x 0.1), the scalars' betas
+    gate_lr: float = 0.008  # Adam: the VE gates, with the scalars' betas
     smear_gate_lr: float = 8e-5  # Adam: the smear's gate (#52: 0.008 x 0.01), with the scalars' betas
     adam_beta1: float = 0.75  # Adam's first-moment decay (value embeddings, bigram table)
     adam_beta2: float = 0.95  # Adam's second-moment decay
@@ -136,8 +141,8 @@ class Config:
     adam_every: int = 2  # Adam steps every N steps, on the gradients summed since its last step (#39)
     grad_scale: float = 1.0  # gradients are this x the mean over the step's sequences (#89: 1 / its grad_accum_steps)
     # schedule
-    num_steps: int = 1390  # optimizer steps: the scheduled ones, then the extension
-    extension_steps: int = 10  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46)
+    num_steps: int = 1285  # optimizer steps: the scheduled ones, then the extension
+    extension_steps: int = 15  # the last N of num_steps run at final_lr_frac after the cooldown (#35/#46)
     cooldown_frac: float = 0.6  # of the scheduled steps: lr falls linearly from the stage's to final_lr_frac
     final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
@@ -148,14 +153,17 @@ class Config:
     lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
     doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
     mtp_stages: str = "1/0.5/0.25,1/0.5,1"  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0
+    prefix_stages: str = "0.25/0.25,0.25/0,0/0"  # "A/B,...": per stage the prefix token's loss weight, A -> B (#88)
     final_val_windows: str = "6/20"  # "S/L": the last validation's windows in blocks (#35, #62)
     untie_stage: int = 2  # the embedding, a lookup into the head until then, unties after this stage's first Adam step
+    vocab_file: str = "data/tokenizer/0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"  # GPT-2's BPE: the prefix table
     # systems
     device: str = "auto"  # auto | cuda | cpu
     compile: bool | None = None  # torch.compile the model and the orthogonalization; auto: on for CUDA, off for CPU
     fp8_head: bool | None = None  # FP8 LM-head matmul in training; auto: on for CUDA (DISABLE_FP8=1: off)
     fp8_mlp: bool | None = None  # FP8 MLP matmuls in training (#84, #89); auto: on for CUDA (DISABLE_FP8=1: off)
     relu2_kernel: bool | None = None  # MLP up-projection + ReLU^2 in one Triton kernel (#59); auto: on for CUDA
+    dc_kernel: bool | None = None  # DC attention in Triton kernels (#85; deterministic gradients); auto: on for CUDA
     fused_head: bool | None = None  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
     attention: str = "auto"  # fa3: #89's FA3 varlen kernel (Hopper, the kernels package) | flex | auto: fa3 where it loads
     fp8_x_scale: float = 100 / 448  # the FP8 head's input scale (value = fp8 x scale) (#51)
@@ -196,7 +204,8 @@ PRESETS: dict[str, dict[str, object]] = {
         seed=1337, train_files="data/sample/sample_train_*.bin", val_files="data/sample/sample_val_*.bin",
         train_seq_len=512, val_seq_len=1024, val_tokens=16384,
         num_layers=5, model_dim=128, num_heads=2, head_dim=64, attn_pattern="SL-SL", paired_layers="0",
-        value_embeds="0--12", skip="1:2", attn_input_layer=3, bigram_rows=2 * 50304, bigram_dim=32, mudd_dim=16,
+        value_embeds="0--12", skip="1:2", attn_input_layer=3, xsa_layers="1,3", attn_gate_layers="1,4",
+        bigram_rows=50304, mudd_dim=16,
         block_size=128,
         num_steps=40, extension_steps=2, muon_momentum_warmup_steps=10, muon_momentum_cooldown_steps=5,
         window_stages="0/1,1/2,1/3,2/4", seq_len_stages="256,384,512", doc_len_stages="224,512,512",
@@ -207,11 +216,12 @@ PRESETS: dict[str, dict[str, object]] = {
 
 # -----------------------------------------------------------------------------
 # Model
-# Record #89's GPT: token, value and bigram embeddings, one gated skip, per-sublayer residual lambdas and x0 and
-# bigram injections, QK-norm, half-truncated RoPE with YaRN, head gates, paired-head, key-offset and XSA attention,
-# later layers attending over one saved layer's output, MUDD mixes, ReLU^2 MLP (FP8 in training), soft-capped
-# multi-token loss. One mask rule (FA3's token windows within documents), two kernels: FlexAttention block masks on
-# CUDA, a dense SDPA mask on CPU (FlexAttention has no CPU backward). The windows come in as a tensor.
+# Upstream's current GPT: token, value and bigram embeddings, per-sublayer residual lambdas, per-token gates from a
+# small network (x0 and bigram injections, XSA shares, head gates, the skip, DC's weights), QK-norm, half-truncated
+# RoPE with YaRN, paired-head, key-offset and XSA attention, DC attention on the last layer, later layers attending
+# over one saved layer's output, MUDD mixes, ReLU^2 MLP (FP8 in training), soft-capped multi-token and prefix-token
+# loss. One mask rule (FA3's token windows within documents), two kernels: FlexAttention block masks on CUDA, a dense
+# SDPA mask on CPU (FlexAttention has no CPU backward). The windows come in as a tensor.
 
 BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
@@ -370,6 +380,71 @@ class Rotary(nn.Module):
 
 MUDD_SCALE = 0.1  # the MUDD MLPs' outputs times this are the coefficients; their biases are stored divided by it
 MUDD_COEFS = (14, 5)  # block 0 (at the last layer's input) and block 1 (after the last layer): their coefficients
+DC_WINDOW = 112  # DC attention's keys per query: itself and the 111 before it in its document (#85)
+
+def dc_attention(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
+                 scale: float | Tensor, window: int = DC_WINDOW) -> Tensor:
+    """DC attention's correction added to attention's output base (T, H, D) (#85): per token t and head h, a fresh
+    softmax P_h of scale q_t.k_j over the keys j of its window in its document (cu_seqlens: FA3's, padded with T),
+    the heads' mix A = sum_h w1_h P_h, and out_h = base_h + sum_j bf16(w2_h A_j) v_j; fp32 sums, one rounding at the
+    end. q, k, v: (1, T, H, D); w1, w2: (1, T, H). One key offset at a time, so the memory is T x window per head
+    (validation's T is 262,144). The torch path of gpt_kernels' dc_attention op."""
+    T, acc = base.size(0), torch.promote_types(base.dtype, torch.float32)  # fp32 sums (float64 in the tests)
+    q, k, v, w1, w2 = (t[0].to(acc) for t in (q, k, v, w1, w2))
+    pos = torch.arange(T, device=base.device)
+    doc_start = cu_seqlens[torch.searchsorted(cu_seqlens[:-1], pos.to(cu_seqlens.dtype), right=True) - 1]
+    offsets = range(min(window, T))
+    scores = torch.stack([F.pad(torch.where((pos[o:] - o >= doc_start[o:])[:, None],
+                                            (q[o:] * k[: T - o]).sum(-1) * scale, -torch.inf), (0, 0, o, 0),
+                                value=-torch.inf) for o in offsets], -1)  # (T, H, offsets): key t - o
+    mix = (w1[..., None] * scores.softmax(-1)).sum(1)  # (T, offsets)
+    weights = w2[..., None] * mix[:, None]
+    weights = weights + (weights.to(base.dtype).to(acc) - weights).detach()  # rounded as the kernel's, fp32 gradient
+    correction = torch.zeros_like(q)
+    for o in offsets:
+        correction[o:] += weights[o:, :, o, None] * v[: T - o]
+    return (base.to(acc) + correction).to(base.dtype)
+
+@dataclass(frozen=True)
+class GateSlots:
+    """Where each per-token gate sits in the outputs of the MUDD gate network's two blocks (#85 v3): block 0 reads x0
+    and gates the layers up to the skip's source, block 1 reads the skip's source's output and gates the rest. In a
+    block: the XSA shares' logits (H per layer), the head gates (H per layer), an (x0, bigram) pair per layer that
+    injects them; then in block 1 the skip's gate and DC's w1 and w2 (H each). Layer -> (block, first slot)."""
+    xsa: dict[int, tuple[int, int]]
+    attn_gate: dict[int, tuple[int, int]]
+    inject: dict[int, tuple[int, int]]  # x0's gate at the slot, the bigram's after it (not the last layer: MUDD's)
+    skip: int  # in block 1
+    dc: int  # in block 1: w1 at dc .. dc + H - 1, w2 after
+    sizes: tuple[int, int]
+
+def gate_slots(cfg: Config, plans: list[LayerPlan], second_from: int) -> GateSlots:
+    H, last, slots = cfg.num_heads, len(plans) - 1, GateSlots({}, {}, {}, 0, 0, (0, 0))
+    sizes = []
+    for block, layers in enumerate(([i for i, p in enumerate(plans) if p.attn is not None and i < second_from],
+                                    [i for i, p in enumerate(plans) if p.attn is not None and i >= second_from])):
+        n = 0
+        for table, width, chosen in ((slots.xsa, H, [i for i in layers if plans[i].xsa]),
+                                     (slots.attn_gate, H, [i for i in layers if plans[i].attn_gate]),
+                                     (slots.inject, 2, [i for i in layers if i != last])):
+            for i in chosen:
+                table[i], n = (block, n), n + width
+        if block == 1:
+            slots, n = dataclasses.replace(slots, skip=n, dc=n + 1), n + 1 + 2 * H
+        sizes.append(n)
+    return dataclasses.replace(slots, sizes=tuple(sizes))
+
+def gate_bias_init(slots: GateSlots, cfg: Config) -> Tensor:
+    """The gate network's biases (stored / MUDD_SCALE): at init the head gates are 0.25, the bigram's 0.05, the
+    skip's 0.5 and DC's w1 1 (the x0 gates, XSA shares and DC's w2 0: DC adds nothing)."""
+    b = torch.zeros(2, max(slots.sizes))
+    for block, slot in slots.attn_gate.values():
+        b[block, slot: slot + cfg.num_heads] = 0.25 / MUDD_SCALE
+    for block, slot in slots.inject.values():
+        b[block, slot + 1] = 0.05 / MUDD_SCALE
+    b[1, slots.skip] = 0.5 / MUDD_SCALE
+    b[1, slots.dc: slots.dc + cfg.num_heads] = 1.0 / MUDD_SCALE
+    return b
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -377,18 +452,20 @@ class LayerPlan:
     attn: int | None  # its index among the attention layers (its rows of the banks); None: the skip lands here
     window: str  # "long" or "short": which of the step's two windows it attends within
     paired: bool  # heads j and j + H/2 attend as one over 2T positions (#58)
-    xsa: bool  # an unpaired attention layer: subtracts a learned share of its output along v (#82)
+    xsa: bool  # subtracts a gated share of its output along v (#82, #86)
+    attn_gate: bool  # its heads' outputs are scaled by a gate (#85)
     ve_table: int | None  # the value-embedding table its values add (#63)
     ve_gate: int | None  # its VE gate's row of ve_gate_bank (the last layer's row goes unused: MUDD gates it)
 
 def layer_plans(cfg: Config) -> list[LayerPlan]:
     paired, tables = paired_layers(cfg), [None if c == "-" else int(c) for c in cfg.value_embeds]
+    xsa, gated = layer_list(cfg, "xsa_layers"), layer_list(cfg, "attn_gate_layers")
     plans: list[LayerPlan] = []
     for i, kind in enumerate(cfg.attn_pattern):
         attn = sum(k != "-" for k in cfg.attn_pattern[:i]) if kind != "-" else None
         gate = sum(t is not None for t in tables[:i]) if tables[i] is not None else None
-        plans.append(LayerPlan(attn, {"L": "long", "S": "short"}.get(kind, ""), i in paired,
-                               attn is not None and i not in paired, tables[i], gate))
+        plans.append(LayerPlan(attn, {"L": "long", "S": "short"}.get(kind, ""), i in paired, i in xsa, i in gated,
+                               tables[i], gate))
     return plans
 
 def mudd_bias_init() -> Tensor:
@@ -400,35 +477,58 @@ def mudd_bias_init() -> Tensor:
     b[1, 1] = -0.5 / MUDD_SCALE
     return b.bfloat16()
 
-def with_bigram(x: Tensor, bigram: Tensor) -> Tensor:
-    """x with bigram added to its first bigram_dim channels (#83)."""
-    return torch.cat([x[..., : bigram.size(-1)] + bigram, x[..., bigram.size(-1):]], dim=-1)
+def mudd_w1_init(cfg: Config) -> Tensor:
+    """A MUDD MLP's first layers (two blocks): each nn.Linear's default init, U(+-1/sqrt(model_dim)), stored bf16."""
+    w1 = torch.empty(2, cfg.mudd_dim, cfg.model_dim)
+    for block in w1:
+        nn.init.kaiming_uniform_(block, a=math.sqrt(5))
+    return w1.bfloat16()
+
+class ReluSquare(torch.autograd.Function):
+    """relu(pre)^2 that saves only its output: the backward reads relu(pre) as sqrt(post), 2 g sqrt(fp32 post) rounded
+    once (#87; post = bf16(pre^2), so an ulp of the gradient differs from 2 g relu(pre) in about one entry in eight)."""
+
+    @staticmethod
+    def forward(ctx, pre: Tensor) -> Tensor:
+        post = F.relu(pre).square()
+        ctx.save_for_backward(post)
+        return post
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (post,) = ctx.saved_tensors
+        return (2 * grad.float() * sqrt32(post.float())).to(grad.dtype)
 
 def softcap(logits: Tensor, cfg: Config) -> Tensor:
     """The head's logits in fp32, squashed into (0, logit_cap): cap sigmoid((z + shift) / temp) (#54's rescale)."""
     return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
 class SoftcappedMTPLoss(torch.autograd.Function):
-    """#89's loss in torch, as its fused kernel computes it (gpt_kernels' softcap_ce on the GPU): per position t,
-    sum_k w_k CE(z_t, y_(t+k)) over the k inside the sequence (#53), z = cap bf16(sigmoid((l + shift) / temp)). The
-    gradient is the kernel's: its softmax term weighs every w_k, also past the sequence's end, so the last K - 1
-    positions' gradient is not their loss's (#89's quirk, ported as it ran)."""
+    """The loss in torch, as upstream's fused kernel computes it (gpt_kernels' softcap_ce on the GPU): per position t,
+    sum_k w_k CE(z_t, y_(t+k)) over the k inside the sequence (#53), plus w_p CE(z_t, prefix_t) where y_t's prefix
+    token prefix_t exists (>= 0, #88), z = cap bf16(sigmoid((l + shift) / temp)). The gradient is the kernel's: its
+    softmax term weighs every w_k, also past the sequence's end, so the last K - 1 positions' gradient is not their
+    loss's (#89's quirk, ported as it ran)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, cap: float, shift: float, temp: float
-                ) -> Tensor:
+    def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, prefix: Tensor, prefix_weight: Tensor,
+                cap: float, shift: float, temp: float) -> Tensor:
         # In place where it can: five (T, vocab) fp32 passes, not a dozen (the CPU's tiny run spends most of a step
         # here).
         s = torch.sigmoid((logits.float() + shift).div_(temp)).bfloat16().float()
         z = s * cap
         lse = z.logsumexp(dim=-1)
         T, rows = targets.numel(), torch.arange(targets.numel(), device=targets.device)
+        has_prefix = prefix >= 0
+        prefix_w = prefix_weight * has_prefix  # (T,): 0 where there is no prefix token
         losses = torch.zeros_like(lse)
         for k in range(weights.numel()):
             losses[: T - k] += weights[k] * (lse[: T - k] - z[rows[: T - k], targets[k:]])
-        grad = z.sub_(lse[:, None]).exp_().mul_(weights.sum())  # z's buffer: the softmax, times every weight
+        losses += prefix_w * (lse - z[rows, prefix.clamp_min(0)])
+        grad = z.sub_(lse[:, None]).exp_().mul_((weights.sum() + prefix_w)[:, None])  # the softmax, times S_w
         for k in range(weights.numel()):
             grad.index_put_((rows[: T - k], targets[k:]), -weights[k].expand(T - k), accumulate=True)
+        grad.index_put_((rows, prefix.clamp_min(0)), -prefix_w, accumulate=True)
         ctx.save_for_backward(grad.mul_(s.sub_(s.square())).mul_(cap / temp))
         ctx.dtype = logits.dtype
         return losses
@@ -436,7 +536,31 @@ class SoftcappedMTPLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: Tensor) -> tuple:
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None
+        return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None, None, None
+
+def read_vocabulary(cfg: Config) -> list[bytes]:
+    """GPT-2's byte-level BPE tokens by id, from --vocab_file (tiktoken's r50k_base file, bundled under data/tokenizer/:
+    GPT-2's ranks, a base64 token and its id per line). Read at start-up: a run without it stops before any work."""
+    path = Path(cfg.vocab_file)
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parent / path
+    try:
+        pairs = [line.split() for line in path.read_text().splitlines() if line]
+        tokens = {int(rank): base64.b64decode(token, validate=True) for token, rank in pairs}
+    except (OSError, ValueError, binascii.Error) as e:
+        raise UsageError(f"--vocab_file={cfg.vocab_file}: cannot read GPT-2's BPE tokens ({e}); the prefix-token loss "
+                         f"needs them: `git checkout data/tokenizer`, or point it at tiktoken's r50k_base file") from None
+    if sorted(tokens) != list(range(len(tokens))) or len(tokens) > cfg.vocab_size:
+        raise UsageError(f"--vocab_file={cfg.vocab_file}: not a BPE rank file of ids 0..N-1 with N <= --vocab_size="
+                         f"{cfg.vocab_size} (tiktoken's r50k_base file has 50,256)")
+    return [tokens[i] for i in range(len(tokens))]
+
+def prefix_table(tokens: list[bytes], vocab_size: int) -> Tensor:
+    """Each token's prefix token (#88): the id of the longest proper prefix of its bytes that is itself a token; -1
+    where there is none (the 256 single bytes) and past the BPE's ids (<|endoftext|>, the padding)."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    prefixes = [next((ids[t[:n]] for n in range(len(t) - 1, 0, -1) if t[:n] in ids), -1) for t in tokens]
+    return torch.tensor(prefixes + [-1] * (vocab_size - len(tokens)))
 
 def train_loss_scale(cfg: Config) -> float:
     """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then
@@ -449,9 +573,9 @@ def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
     return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
 class GPT(nn.Module):
-    """Record #89's model. Attention: fa3 (FA3's flash_attn_varlen_func, or a stand-in with its signature), else
+    """Upstream's current model. Attention: fa3 (FA3's flash_attn_varlen_func, or a stand-in with its signature), else
     use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone
-    (an uncompiled model on CUDA: unfused flex would materialize the score matrix). Parameter names are #89's
+    (an uncompiled model on CUDA: unfused flex would materialize the score matrix). Parameter names are upstream's
     optimizer labels; the Muon banks (qk, vo, mlp) are bf16, their fp32 masters completed by the optimizer's state."""
 
     def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False,
@@ -474,17 +598,14 @@ class GPT(nn.Module):
             self.embed.weight.copy_(self.lm_head.weight)
         self.value_embeds = nn.Parameter(0.01 * torch.randn(n_tables, cfg.vocab_size, d, dtype=torch.bfloat16))
         # The bigram hash table (#62), narrower than the residual, times a fixed +-1 row per token pair (#83).
-        self.bigram_embed = nn.Embedding(cfg.bigram_rows, cfg.bigram_dim, dtype=torch.bfloat16)
+        self.bigram_embed = nn.Embedding(cfg.bigram_rows, d, dtype=torch.bfloat16)
         nn.init.zeros_(self.bigram_embed.weight)
         self.register_buffer("bigram_sign_table",
-                             torch.randn(cfg.bigram_sign_rows, cfg.bigram_dim).sign().bfloat16())
-        # Input gates of the smear (#34) and the skip (2 sigmoid(w x0[:gate_channels]), #55): zero, open.
+                             torch.randn(cfg.bigram_sign_rows, d).sign().bfloat16())
+        # The smear's input gate (#34): zero, open.
         self.smear_gate = nn.Linear(cfg.gate_channels, 1, bias=False, dtype=torch.bfloat16)
-        self.skip_gate = nn.Linear(cfg.gate_channels, 1, bias=False, dtype=torch.bfloat16)
         nn.init.zeros_(self.smear_gate.weight)
-        nn.init.zeros_(self.skip_gate.weight)
-        # Per attention layer: head output gates; per VE layer: the VE gates, 2 sigmoid(W [u, ve]) (#55, #70).
-        self.attn_gate_bank = nn.Parameter(torch.zeros(n_attn, H, cfg.gate_channels, dtype=torch.bfloat16))
+        # Per VE layer: the VE gates, 2 sigmoid(W [u, ve]) (#55, #70).
         self.ve_gate_bank = nn.Parameter(torch.zeros(n_ve, H, cfg.gate_channels, dtype=torch.bfloat16))
         # Muon's matrices (#80): Q and K in head pairs, per attention layer H/2 of Q then H/2 of K, (2D, d) each; V and
         # W_o per layer, (HD, d) each; W_fc and W_proj per layer, (4d, d) each (W_proj read as h W_proj).
@@ -500,14 +621,8 @@ class GPT(nn.Module):
         # Per layer and sublayer (attention, MLP): the residual's scale (sqrt(1.1): 1.1 a layer) and the output's.
         self.resid_lambdas = nn.Parameter(torch.full((L, 2), 1.1**0.5))
         self.post_lambdas = nn.Parameter(torch.ones(L, 2))
-        self.x0_lambdas = nn.Parameter(torch.zeros(L))  # x0 added after each attention (#45)
-        self.bigram_lambdas = nn.Parameter(torch.full((L,), 0.05))  # the bigram vector, likewise
-        self.xsa_alphas = nn.Parameter(torch.zeros(L, H))  # XSA's share tanh(alpha) per head, 0: off (#82)
         # MUDD (#81, #85): coefficients per token from the residual by a small MLP, (gelu(x W1^T) W2^T + b) x 0.1.
-        w1 = torch.empty(2, cfg.mudd_dim, d)
-        for block in w1:
-            nn.init.kaiming_uniform_(block, a=math.sqrt(5))
-        self.mudd_w1 = nn.Parameter(w1.bfloat16())
+        self.mudd_w1 = nn.Parameter(mudd_w1_init(cfg))
         self.mudd_w2 = nn.Parameter(torch.zeros(2, max(MUDD_COEFS), cfg.mudd_dim, dtype=torch.bfloat16))
         self.mudd_b2 = nn.Parameter(mudd_bias_init())
         # One RoPE table per length (paired layers: 2T positions), shared by the layers.
@@ -528,6 +643,16 @@ class GPT(nn.Module):
         self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, hidden, dtype=torch.float8_e4m3fn))
         for name in ("fp8_up_scales", "fp8_down_scales", "fp8_down_next_scales", "fp8_act_scales"):
             self.register_buffer(name, torch.ones(L))
+        # The prefix-token loss's targets (#88): each token's longest proper byte prefix that is a token, -1 (none)
+        # until the run fills it in place (set_prefix_table: after the clock starts, as upstream); not checkpointed.
+        self.register_buffer("prefix_table", torch.full((cfg.vocab_size,), -1), persistent=False)
+        # The MUDD gate network (#85 v3), registered last as upstream's: per token, every gate of gate_slots from two
+        # small MLPs like MUDD's, times one learned scale shared by both blocks (fp32, read in bf16).
+        self.slots = gate_slots(cfg, self.plans, self.skip_from + 1)
+        self._mudd_gate_scale = nn.Parameter(torch.tensor(MUDD_SCALE))
+        self.mudd_gate_w1 = nn.Parameter(mudd_w1_init(cfg))
+        self.mudd_gate_w2 = nn.Parameter(torch.zeros(2, max(self.slots.sizes), cfg.mudd_dim, dtype=torch.bfloat16))
+        self.mudd_gate_b2 = nn.Parameter(gate_bias_init(self.slots, cfg).bfloat16())
 
     @torch.no_grad()
     def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
@@ -567,6 +692,13 @@ class GPT(nn.Module):
         n = MUDD_COEFS[block]
         return ((F.linear(h, self.mudd_w2[block, :n]) + self.mudd_b2[block, :n]) * MUDD_SCALE).split(1, dim=-1)
 
+    def gates(self, x: Tensor, block: int) -> Tensor:
+        """The gate network's block of gates for each token of x, (1, T, slots)."""
+        h = F.gelu(F.linear(x, self.mudd_gate_w1[block]))
+        n = self.slots.sizes[block]
+        return (F.linear(h, self.mudd_gate_w2[block, :n]) + self.mudd_gate_b2[block, :n]) * \
+            self._mudd_gate_scale.type_as(x)
+
     def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> dict[str, Attend]:
         """Per window kind (long, short, paired: the short window over 2T positions), attention over q, k, v of shape
         (1, positions, heads, D), same shape out: FA3's varlen call (windows: a VarlenPlan of tokens), else the
@@ -598,9 +730,22 @@ class GPT(nn.Module):
             del kinds["paired"]
         return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
 
-    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], qk: Tensor, vo: Tensor
-                  ) -> Tensor:
-        """Layer i's attention over u (normed, (1, T, d)), aux_v added to its values; qk, vo: the banks in bf16."""
+    def dc_attention(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Callable[..., Tensor]:
+        """DC attention (dc_attention's arguments after base, q, k, v, w1, w2) at the attention's softmax scale: FA3's
+        plan's, else YaRN's gain on q (as attend applies it); the Triton kernels with --dc_kernel."""
+        cu = cu_seqlens(input_seq, windows.slots if self.fa3 is not None else input_seq.numel() + 1)
+
+        def dc(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+            q, scale = (q, windows.scale) if self.fa3 is not None else (q * self.q_gain, self.cfg.attn_scale)
+            if self.cfg.dc_kernel:
+                return torch.ops.speedrun.dc_attention(y, q, k, v, w1, w2, cu, scale, DC_WINDOW)[0]
+            return dc_attention(y, q, k, v, w1, w2, cu, scale)
+        return dc
+
+    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], qk: Tensor, vo: Tensor,
+                  gates: dict[str, Tensor], dc: Callable[..., Tensor] | None = None) -> Tensor:
+        """Layer i's attention over u (normed, (1, T, d)), aux_v added to its values; qk, vo: the banks in bf16; gates:
+        its per-token gates ((1, T, H) each: "xsa", "attn", "dc_w1", "dc_w2"); dc: the last layer's DC attention."""
         plan, (T, H, D) = self.plans[i], (u.size(1), self.cfg.num_heads, self.cfg.head_dim)
         a, lambdas = plan.attn, self.scalars[2 * i: 2 * i + 2]
         w_qkv = torch.cat([qk[a * H:(a + 1) * H].flatten(0, 1), vo[2 * a]])  # rows: Q, K (head pairs), V
@@ -616,11 +761,14 @@ class GPT(nn.Module):
         if plan.window == "long":  # the un-rotated dims of each key from the previous position (#49; across documents)
             ks = torch.where(rotary.stationary, torch.cat([ks[:, :1], ks[:, :-1]], dim=1), ks)
         y = attend["paired" if plan.paired else plan.window](qs, ks, vs).reshape(1, T, H, D)
-        if plan.xsa:  # y minus tanh(alpha) of its component along the unit value (#82/#86)
-            unit_v = F.normalize(v, dim=-1, eps=1e-4)
-            share = torch.tanh(self.xsa_alphas[i]).bfloat16().type_as(y).view(1, 1, H, 1)  # bf16, as #89 reads it
-            y = y - share * (y * unit_v).sum(-1, keepdim=True) * unit_v
-        y = y * torch.sigmoid(F.linear(u[..., : self.cfg.gate_channels], self.attn_gate_bank[a])).unsqueeze(-1)
+        if dc is not None:  # DC's w1 normalized over the heads (RMS, fp32), rounded to bf16 (#85)
+            w1 = F.rms_norm(gates["dc_w1"].float(), (H,), eps=1e-6).type_as(y)
+            y = dc(y[0], qs, ks, vs, w1, gates["dc_w2"])[None]
+        if plan.xsa:  # y minus tanh(gate) of its component along v, per token and head (#82, #86's form)
+            share = torch.tanh(gates["xsa"]).type_as(y)[..., None]
+            y = y - share * ((y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)) * v
+        if plan.attn_gate:  # a linear gate per token and head (#85)
+            y = y * gates["attn"].type_as(y)[..., None]
         return F.linear(y.flatten(-2), lambdas[1] * vo[2 * a + 1])
 
     def mlp(self, x: Tensor, i: int, w_fc: Tensor, w_proj: Tensor, amaxes: list[Tensor]) -> Tensor:
@@ -635,7 +783,18 @@ class GPT(nn.Module):
             return out.view_as(x)
         if self.cfg.relu2_kernel:
             return torch.ops.speedrun.mlp_relu2(x.flatten(0, 1), w_fc, w_proj).view_as(x)
-        return F.relu(F.linear(x, w_fc)).square() @ w_proj
+        return ReluSquare.apply(F.linear(x, w_fc)) @ w_proj
+
+    def layer_gates(self, gates: Tensor, block: int) -> dict[int, dict[str, Tensor]]:
+        """A block's gates (1, T, slots) by layer and kind: "xsa", "attn" (1, T, H); "x0", "bigram" (1, T, 1)."""
+        H, out = self.cfg.num_heads, {}
+        for kinds, table, width in ((("xsa",), self.slots.xsa, H), (("attn",), self.slots.attn_gate, H),
+                                    (("x0", "bigram"), self.slots.inject, 1)):
+            for i, (b, slot) in table.items():
+                for j, kind in enumerate(kinds):
+                    if b == block:
+                        out.setdefault(i, {})[kind] = gates[..., slot + j * width: slot + (j + 1) * width]
+        return out
 
     def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
         """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor, or
@@ -649,22 +808,27 @@ class GPT(nn.Module):
         # The smear (#34): e_t += lambda sigmoid(w e_t[:gate_channels]) e_(t-1), across documents.
         gate = self.scalars[2 * L] * torch.sigmoid(self.smear_gate(e[1:, : cfg.gate_channels]))
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
-        # The lambdas in bf16, as #89 reads them (a float copy of the model reads them rounded the same way).
+        # The lambdas in bf16, as upstream reads them (a float copy of the model reads them rounded the same way).
         resid, post = self.resid_lambdas.bfloat16().unbind(1), self.post_lambdas.bfloat16().unbind(1)
-        x0_lambdas, bigram_lambdas = self.x0_lambdas.bfloat16(), self.bigram_lambdas.bfloat16()
         signs = self.bigram_sign_table[sign_index(input_seq, cfg.bigram_sign_rows)]
         bigram = (self.bigram_embed(bigram_index(input_seq, cfg.bigram_rows)) * signs)[None]
-        # Layer 0's bigram share goes into x in place in #89, and x0 is the same tensor: x0 carries it too (its quirk).
-        x = x0 = with_bigram(norm(e[None]), bigram * bigram_lambdas[0])
-        skip_gate = torch.sigmoid(self.scalars[2 * L + 1]) * 2 * torch.sigmoid(self.skip_gate(x0[..., : 2 * half]))
+        x0 = norm(e[None])
+        gates = self.layer_gates(self.gates(x0, 0), 0)  # block 0 reads x0 without the bigram (#85)
+        x = stream0 = x0 + bigram * gates[0]["bigram"]  # the MUDD mixes' first stream
         ves = self.value_embeds[:, input_seq]
         qk, vo, mlp = self.qk_bank, self.vo_bank, self.mlp_bank
         saved: dict[int, Tensor] = {}  # the skip's source and the attention input layer's output
         amaxes: list[Tensor] = []
         for i, plan in enumerate(self.plans):
             mu = None
+            if i == self.skip_from + 1:  # block 1 reads the skip's source's output, not normed
+                block = self.gates(x, 1)
+                gates.update(self.layer_gates(block, 1))
+                skip_gate = block[..., self.slots.skip: self.slots.skip + 1]
+                dc = self.slots.dc
+                gates.setdefault(last, {}).update(dc_w1=block[..., dc: dc + H], dc_w2=block[..., dc + H: dc + 2 * H])
             if plan.attn is None:
-                x = x + skip_gate * saved[self.skip_from]
+                x = x + torch.sigmoid(self.scalars[2 * L + 1]) * skip_gate * saved[self.skip_from]
             else:
                 u = norm(saved.get(cfg.attn_input_layer, x))  # #77: past that layer, all attend over its output
                 ve = None if plan.ve_table is None else ves[plan.ve_table][None].view(1, T, H, D)
@@ -672,19 +836,20 @@ class GPT(nn.Module):
                 if i == last:  # MUDD block 0 (#81, #85): V, residual, VE gate and this layer's lambdas, per token
                     last_input, mu = x, self.mudd(x, 0)
                     src = saved[cfg.attn_input_layer]
-                    aux_v = (mu[0] * x0 + mu[1] * src + mu[2] * x).view(1, T, H, D)
-                    x = (1 + mu[5]) * x + mu[3] * x0 + mu[4] * src
+                    aux_v = (mu[0] * stream0 + mu[1] * src + mu[2] * x).view(1, T, H, D)
+                    x = (1 + mu[5]) * x + mu[3] * stream0 + mu[4] * src
                     if ve is not None:
                         aux_v = aux_v + torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, -1)[..., None] * ve
                 elif ve is not None:
                     gate_in = torch.cat([u[..., :half], ve.flatten(-2)[..., :half]], dim=-1)
                     aux_v = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[plan.ve_gate]))[..., None] * ve
-                out = self.attention(u, i, aux_v, attend, qk, vo)
+                out = self.attention(u, i, aux_v, attend, qk, vo, gates.get(i, {}),
+                                     self.dc_attention(input_seq, windows) if i == last else None)
                 if mu is not None:
-                    x = with_bigram(mu[8] * x + mu[9] * out + mu[10] * x0, mu[11] * bigram)
+                    x = mu[8] * x + mu[9] * out + mu[10] * stream0 + mu[11] * bigram
                 else:
-                    x = resid[0][i] * x + post[0][i] * out + x0 * x0_lambdas[i]
-                    x = with_bigram(x, bigram * bigram_lambdas[i]) if i > 0 else x
+                    x = resid[0][i] * x + post[0][i] * out + x0 * gates[i]["x0"]
+                    x = x + bigram * gates[i]["bigram"] if i > 0 else x
             out = self.mlp(norm(x), i, mlp[i, 0], mlp[i, 1], amaxes)
             x = mu[12] * x + mu[13] * out if mu is not None else resid[1][i] * x + post[1][i] * out
             if i in (self.skip_from, cfg.attn_input_layer):
@@ -694,7 +859,7 @@ class GPT(nn.Module):
             self.fp8_act_scales.copy_(scales)
         # MUDD block 1 (#81): the last mix, in place of #70's backout
         nu = self.mudd(x, 1)
-        x = (x + nu[0] * x0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
+        x = (x + nu[0] * stream0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
              + nu[4] * saved[self.skip_from])
         return norm(x).flatten(0, 1)
 
@@ -710,21 +875,26 @@ class GPT(nn.Module):
         raw = self.head(self.hidden(input_seq, windows))
         return softcap(raw, self.cfg).to(raw.dtype).float()
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor | VarlenPlan, mtp: Tensor | None = None
-                ) -> Tensor:
-        """Summed multi-token loss in training (mtp: its weights), mean cross-entropy in eval; --fused_head: the head
-        and loss by gpt_kernels' softcap_ce, no logits tensor."""
+    def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor | VarlenPlan, mtp: Tensor | None = None,
+                prefix_weight: Tensor | None = None) -> Tensor:
+        """Summed multi-token and prefix-token loss in training (mtp, prefix_weight: their weights, (K,) and (1,)),
+        mean cross-entropy in eval; --fused_head: the head and loss by gpt_kernels' softcap_ce, no logits tensor."""
         cfg = self.cfg
-        weights = mtp if mtp is not None and self.training else target_seq.new_ones(1, dtype=torch.float32)
+        if not self.training or mtp is None:
+            mtp = target_seq.new_ones(1, dtype=torch.float32)
+        if not self.training or prefix_weight is None:
+            prefix_weight = target_seq.new_zeros(1, dtype=torch.float32)
+        prefix = self.prefix_table[target_seq]  # the next token's prefix token (#88), -1: none
         if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
             loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
-                                                 weights, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp,
+                                                 mtp, prefix, prefix_weight, cfg.logit_cap, cfg.logit_shift,
+                                                 cfg.logit_temp,
                                                  fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],
                                                  self.training)[0]
             return loss if self.training else loss / target_seq.numel()
         if self.training:
-            return SoftcappedMTPLoss.apply(self.head(self.hidden(input_seq, windows)), target_seq, weights,
-                                           cfg.logit_cap, cfg.logit_shift, cfg.logit_temp).sum()
+            return SoftcappedMTPLoss.apply(self.head(self.hidden(input_seq, windows)), target_seq, mtp, prefix,
+                                           prefix_weight, cfg.logit_cap, cfg.logit_shift, cfg.logit_temp).sum()
         return F.cross_entropy(self.logits(input_seq, windows), target_seq)
 
 # -----------------------------------------------------------------------------
@@ -746,6 +916,7 @@ class StepSchedule:
     max_doc_len: int  # documents are cut to this many tokens in training
     yarn_windows: tuple[int, ...]  # the long windows trained at so far, in order (GPT.apply_yarn)
     mtp_weights: tuple[float, ...]  # loss weights of the next 1, 2, ... tokens (as many every step)
+    prefix_weight: float  # loss weight of the next token's prefix token (#88)
     tied: bool  # the embedding still reads the head (untied after the last tied step's update)
 
 def stage_starts(cfg: Config) -> list[int]:
@@ -789,11 +960,13 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     if len(mtp) > 1:
         mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #89 interpolates, a + (b - a) t, bit for bit
     mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
+    start, end = staged("prefix_stages")
+    prefix = start + (end - start) * (0.0 if stage >= stages else progress)  # the extension keeps its start
     # The last tied step is the first Adam step at or after the untie stage's start.
     split = starts[cfg.untie_stage]
     tied = step <= split + (-(split + 1) % cfg.adam_every)
     return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, staged("seq_len_stages"),
-                        staged("doc_len_stages"), yarn_windows, mtp, tied)
+                        staged("doc_len_stages"), yarn_windows, mtp, prefix, tied)
 
 def schedule_table(cfg: Config) -> list[StepSchedule]:
     """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
@@ -817,6 +990,7 @@ class StepKnobs:
         self.windows = torch.tensor([(s.long_window, s.short_window) for s in schedules], dtype=torch.int32,
                                     device=device)
         self.mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
+        self.prefix = torch.tensor([[s.prefix_weight] for s in schedules], device=device)
 
     def plan(self, step: int, training: bool) -> VarlenPlan:
         """FA3's numbers for training step `step` or the validation before it."""
@@ -827,8 +1001,9 @@ class StepKnobs:
                           min(s.max_doc_len, seq_len) if training else seq_len, varlen_slots(seq_len, most),
                           yarn_scale(s.yarn_windows, cfg.attn_scale))
 
-    def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor]:
-        return (self.windows[step] if self.documents is None else self.plan(step, True)), self.mtp[step]
+    def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor, Tensor]:
+        return (self.windows[step] if self.documents is None else self.plan(step, True)), self.mtp[step], \
+            self.prefix[step]
 
     def val(self, step: int) -> Tensor | VarlenPlan:
         return self.windows[step] if self.documents is None else self.plan(step, False)
@@ -1044,18 +1219,18 @@ class ParamGroup:
 
 TIED_EMBEDDING = "embed.weight"  # reads the head's weight until the untie (#51): no gradient of its own till then
 BIGRAM_TABLE = "bigram_embed.weight"  # a bucket of its own: only the rows a rank touched are exchanged (RowBucket)
-# #89's orders: gradients reduce-scattered in its parameter table's order, updates (each followed by its all-gather)
-# small parameters first and the Muon banks last, so that the large reductions finish while the rest updates.
-SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate.weight", "skip_gate.weight",
-                 "attn_gate_bank", "ve_gate_bank", "lm_head.weight", BIGRAM_TABLE, "post_lambdas",
-                 "x0_lambdas", "bigram_lambdas", "resid_lambdas", "xsa_alphas", "value_embeds", TIED_EMBEDDING,
-                 "mudd_w1", "mudd_w2", "mudd_b2")
-WORK_ORDER = ("scalars", "smear_gate.weight", "skip_gate.weight", "attn_gate_bank", "ve_gate_bank", "mudd_b2",
-              "xsa_alphas", "post_lambdas", "x0_lambdas", "bigram_lambdas", "resid_lambdas", "mudd_w2", "value_embeds",
-              BIGRAM_TABLE, "mudd_w1", "lm_head.weight", TIED_EMBEDDING, "qk_bank", "vo_bank", "mlp_bank")
+# Upstream's orders: gradients reduce-scattered in its parameter table's order, updates (each followed by its
+# all-gather) small parameters first and the Muon banks last, so that the large reductions finish while the rest
+# updates.
+SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate.weight", "ve_gate_bank", "lm_head.weight",
+                 BIGRAM_TABLE, "post_lambdas", "resid_lambdas", "value_embeds", TIED_EMBEDDING, "mudd_w1", "mudd_w2",
+                 "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "_mudd_gate_scale")
+WORK_ORDER = ("scalars", "smear_gate.weight", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
+              "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", BIGRAM_TABLE, "mudd_w1",
+              "mudd_gate_w1", "lm_head.weight", TIED_EMBEDDING, "qk_bank", "vo_bank", "mlp_bank")
 
 def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
-    """#89's table: Muon for the three banks (W_proj at mlp_down_lr_mul), Adam for the rest by kind."""
+    """Upstream's table: Muon for the three banks (W_proj at mlp_down_lr_mul), Adam for the rest by kind."""
     named = dict(model.named_parameters())
     betas, scalar_betas = (cfg.adam_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.scalar_beta2)
     head_betas, lambda_betas = (cfg.head_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.adam_beta2)
@@ -1074,13 +1249,13 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
               group("adam", cfg.head_lr, ["lm_head.weight"], wd=cfg.adam_wd * cfg.head_wd_mul, betas=head_betas),
               group("adam", cfg.scalar_lr, ["scalars"], betas=scalar_betas),
               group("adam", cfg.scalar_lr, ["resid_lambdas"], betas=lambda_betas),
-              group("adam", cfg.lambda_lr, ["post_lambdas", "x0_lambdas", "bigram_lambdas", "xsa_alphas"],
-                    betas=lambda_betas),
-              group("adam", cfg.gate_lr, ["attn_gate_bank", "ve_gate_bank"], wd=cfg.adam_wd, betas=scalar_betas),
-              group("adam", cfg.skip_gate_lr, ["skip_gate.weight"], betas=scalar_betas),
+              group("adam", cfg.lambda_lr, ["post_lambdas"], betas=lambda_betas),
+              group("adam", cfg.gate_lr, ["ve_gate_bank"], wd=cfg.adam_wd, betas=scalar_betas),
               group("adam", cfg.smear_gate_lr, ["smear_gate.weight"], betas=scalar_betas),
               group("adam", cfg.mudd_lr, ["mudd_w1", "mudd_w2"], wd=cfg.adam_wd, betas=scalar_betas),
-              group("adam", cfg.mudd_lr, ["mudd_b2"], betas=scalar_betas)]
+              group("adam", cfg.mudd_lr, ["mudd_b2"], betas=scalar_betas),
+              group("adam", cfg.mudd_gate_lr, ["mudd_gate_w1", "mudd_gate_w2"], wd=cfg.adam_wd, betas=scalar_betas),
+              group("adam", cfg.mudd_gate_lr, ["mudd_gate_b2", "_mudd_gate_scale"], betas=scalar_betas)]
     assert sum(len(g.params) for g in groups) == len(named), "every parameter belongs to exactly one group"
     return groups
 
@@ -2008,12 +2183,14 @@ def profile_steps(spec: str, num_steps: int) -> range:
 # numbers. name -> (numbers per entry, their type, what each may be, what an entry is, an example). The lr multiplier
 # scales every group's lr (the records use 1 to 1.73); at most 100 keeps it far from an fp32 update's overflow.
 STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] = {
-    "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks", "1/3,3/7,5/11,6/13"),
+    "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks, LONG >= 1", "1/3,3/7,5/11,6/13"),
     "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
     "lr_stages": (range(1, 2), float, lambda m: 0 < m <= 100, "a multiplier in (0, 100]", "1,1.52,1.73"),
     "doc_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "2048,2048,2048"),
     "mtp_stages": (range(1, 65), float, lambda w: 0 <= w <= 100, "1-64 weights W/W/... in [0, 100]",
                    "1/0.5/0.25,1/0.5,1"),
+    "prefix_stages": (range(2, 3), float, lambda w: 0 <= w <= 100, "a weight at the stage's start and end in "
+                      "[0, 100], START/END", "0.25/0.25,0.25/0,0/0"),
     "final_val_windows": (range(2, 3), int, lambda w: w >= 0, "one SHORT/LONG pair of blocks", "6/20"),
 }
 STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
@@ -2034,6 +2211,10 @@ def parse_stages(name: str, spec: str) -> tuple:
     if "window" in name and any(short > long for short, long in entries):
         wrong = ", ".join(f"{a}/{b}" for a, b in entries if a > b)
         raise UsageError(f"--{name}={spec}: the short window exceeds the long one in {wrong} (SHORT/LONG, in blocks)")
+    # A long window of 0 cannot be meant (and YaRN divides by it); a short one of 0 is the tiny preset's first.
+    if "window" in name and any(long == 0 for _, long in entries):
+        raise UsageError(f"--{name}={spec}: a long window must be at least 1 block (0 would leave each token of the "
+                         f"long layers only itself); a short window of 0 is allowed (itself only)")
     if name == "mtp_stages" and any(e[0] == 0 for e in entries):
         raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
                          f"without it the stage trains on nothing")
@@ -2059,6 +2240,20 @@ def paired_layers(cfg: Config) -> set[int]:
     if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] != "S" for i in layers) or layers and cfg.num_heads % 2:
         raise UsageError(f"--paired_layers={cfg.paired_layers!r} must list short-window (S) layers of --attn_pattern="
                          f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
+    return layers
+
+def layer_list(cfg: Config, name: str) -> set[int]:
+    """--xsa_layers or --attn_gate_layers as a set of layers; UsageError unless each has attention (XSA: unpaired,
+    where v lines up with the output)."""
+    spec = getattr(cfg, name)
+    try:
+        layers = {int(i) for i in spec.split(",")} if spec else set()
+    except ValueError:
+        layers = {-1}
+    if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] == "-" or name == "xsa_layers" and
+           i in paired_layers(cfg) for i in layers):
+        raise UsageError(f"--{name}={spec!r} must list layers with attention in --attn_pattern={cfg.attn_pattern}"
+                         f"{', not paired ones' if name == 'xsa_layers' else ''}, e.g. 1,3")
     return layers
 
 def skip_layers(cfg: Config) -> tuple[int, int]:
@@ -2087,7 +2282,7 @@ def run_length(cfg: Config) -> int:
 FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
                      "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size",
-                     "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage", "bigram_dim",
+                     "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage",
                      "bigram_sign_rows", "mudd_dim", "attn_input_layer"], "> 0"),
     # Start-up work grows with these before the corpus is read (the step table, the list of shards to pass over):
     # bounded, so that a typo (--num_steps=10000000) is refused at once rather than after minutes of building.
@@ -2096,7 +2291,7 @@ FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "save_every",
                      "extension_steps", "muon_momentum_cooldown_steps", "fp8_down_exact_steps"], ">= 0"),
     **dict.fromkeys(["seed"], "in [-1, 4294967295]"),  # 32 bits: torch's generator overflows past 64
-    **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "skip_gate_lr", "smear_gate_lr",
+    **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "mudd_gate_lr", "smear_gate_lr",
                      "lambda_lr", "mudd_lr"],
                     "in (0, 10]"),
     **dict.fromkeys(["mlp_down_lr_mul", "attn_scale", "fp8_x_scale", "fp8_w_scale", "fp8_grad_scale",
@@ -2164,12 +2359,11 @@ def validate_config(cfg: Config, world_size: int) -> int:
         (not cfg.attn_input_layer < cfg.num_layers - 1 or cfg.attn_input_layer == skip_layers(cfg)[0],
          f"--attn_input_layer={cfg.attn_input_layer} must be a layer other than the skip's source, before the last "
          f"({cfg.num_layers - 1}): the MUDD mixes read it"),
-        (cfg.attn_pattern[-1] == "-" or "0" not in cfg.value_embeds,
-         "the last layer needs attention (MUDD's first block mixes its values) and --value_embeds a table 0 (the "
-         "last mix reads it)"),
+        (cfg.attn_pattern[-1] == "-" or cfg.attn_pattern[0] == "-" or "0" not in cfg.value_embeds,
+         "the first and last layers need attention (the bigram's first gate; MUDD's first block mixes the last's "
+         "values, DC attends) and --value_embeds a table 0 (the last mix reads it)"),
         (cfg.attn_pattern[skip_layers(cfg)[1]] != "-",
          f"--skip={cfg.skip}: the skip lands in place of an attention, on a '-' layer of --attn_pattern"),
-        (cfg.bigram_dim > cfg.model_dim, f"--bigram_dim={cfg.bigram_dim} exceeds --model_dim={cfg.model_dim}"),
         (cfg.bigram_rows < 2, f"--bigram_rows={cfg.bigram_rows}: the table needs at least 2 rows (one is reserved for "
          f"position 0)"),
         (cfg.gate_channels % 2, f"the VE gates read half of --gate_channels={cfg.gate_channels} from x, half from the "
@@ -2214,6 +2408,11 @@ def validate_config(cfg: Config, world_size: int) -> int:
             raise UsageError(line)
     skip_layers(cfg)
     paired_layers(cfg)
+    layer_list(cfg, "xsa_layers")
+    layer_list(cfg, "attn_gate_layers")
+    if cfg.num_layers - 1 in paired_layers(cfg):
+        raise UsageError(f"--paired_layers={cfg.paired_layers}: the last layer runs DC attention over its own heads: "
+                         f"leave it unpaired")
     return cfg.global_batch_seqs // world_size
 
 @dataclass
@@ -2276,7 +2475,7 @@ def resolve_for_device(cfg: Config, cuda: bool) -> str:
         if getattr(cfg, name) and not kernels:
             raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
                              f"--{name}=false")
-    for name in ("relu2_kernel", "fused_head"):
+    for name in ("relu2_kernel", "fused_head", "dc_kernel"):
         if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
             setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None)
         if getattr(cfg, name) and (not kernels or importlib.util.find_spec("triton") is None or
@@ -2354,6 +2553,22 @@ def cpu_report() -> str:
     return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
             f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
+# The bundled CPU records' arithmetic, the "record" path: torch's AVX2 kernels, oneDNN and MKL (the fp32 GEMMs)
+# held to AVX2, the fp32 GEMM path. Every x86-64 CPU with AVX2 computes it, to the same bits at the same torch,
+# threads and world size. The libraries read these variables when torch loads, so run.sh sets them (CPU_PATH=native:
+# not); an AVX2-only CPU runs this path without them.
+RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+CPU_PATHS = {"record": "record (AVX2 kernels, oneDNN and MKL at AVX2, fp32 GEMMs: the bundled CPU records' "
+                       "arithmetic, the same bits on any x86-64 CPU with AVX2)",
+             "native": "native (this CPU's own kernels: faster with AVX-512 or bf16 GEMMs; the losses differ from "
+                       "the record path's by rounding)"}
+
+def cpu_path(gemm_path: str) -> str:
+    """record where this run computes the records' arithmetic (above), else native."""
+    capped = all(os.environ.get(k, "").lower() == v.lower() for k, v in RECORD_PATH_ENV.items())
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and gemm_path == "fp32"
+    return "record" if avx2 and (capped or not torch.cpu._is_avx512_supported()) else "native"
+
 # -----------------------------------------------------------------------------
 # Metrics
 # Rank 0 writes logs/<run_id>.txt (source, environment, config, speedrun-grammar lines), a JSONL record per
@@ -2387,6 +2602,7 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
     else:
         lines.append(f"CPU run: {cpu_report()}")
         lines.append(f"bf16 GEMM path: {CPU_GEMM_PATHS[cpu_bf16_gemm]}")
+        lines.append(f"CPU path: {CPU_PATHS[cpu_path(cpu_bf16_gemm)]}")
     if shutil.which("nvidia-smi"):
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
         lines.append(smi.stdout.rstrip())
@@ -2505,8 +2721,8 @@ def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
             "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
 
 # GPT's parameters of two or more dimensions that feed no matmul: tables read by index, per-layer scalars, a bias
-NO_MATMUL = ("embed.weight", "value_embeds", "bigram_embed.weight", "resid_lambdas", "post_lambdas", "xsa_alphas",
-             "mudd_b2")
+NO_MATMUL = ("embed.weight", "value_embeds", "bigram_embed.weight", "resid_lambdas", "post_lambdas", "mudd_b2",
+             "mudd_gate_b2")
 
 def matmul_weights(model: nn.Module) -> int:
     """Parameters that feed a matmul, each used once per token: every parameter of two or more dimensions but
@@ -2521,13 +2737,15 @@ def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
 def flops_per_token(model: GPT, s: StepSchedule) -> float:
     """Model FLOPs per trained token (forward + backward) at schedule entry `s`: 6 N + sum over attention layers of
     12 heads head_dim T_eff, N = matmul_weights(model), T_eff = mean_keys_per_query(window tokens, seq_len) (paired
-    layers: half the heads over 2 seq_len). Document masking is ignored: an upper bound."""
+    layers: half the heads over 2 seq_len), the last layer's DC attention as one more over DC_WINDOW keys. Document
+    masking is ignored: an upper bound."""
     cfg = model.cfg
     windows = {"long": s.long_window, "short": s.short_window}
     attention = sum(12 * cfg.num_heads * cfg.head_dim *  # paired heads: half the heads, twice the queries
                     mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size, (2 if p.paired else 1) * s.seq_len)
                     for p in model.plans if p.attn is not None)
-    return 6 * matmul_weights(model) + attention
+    dc = 12 * cfg.num_heads * cfg.head_dim * mean_keys_per_query(DC_WINDOW, s.seq_len)
+    return 6 * matmul_weights(model) + attention + dc
 
 def format_eta(seconds: float) -> str:
     seconds = max(0, round(seconds))
@@ -2872,13 +3090,15 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 8  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
+CKPT_FORMAT = 9  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
 #                  5: value_embeds (was num_value_embeds) and v2's model fields; 6: x0_lambdas out of the scalars;
-#                  7: one recipe (#70), its on/off fields gone; 8: #89's model (banks, MUDD, FP8 MLP state)
+#                  7: one recipe (#70), its on/off fields gone; 8: #89's model (banks, MUDD, FP8 MLP state);
+#                  9: upstream's current model (the MUDD gate network)
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
-                     "bigram_rows", "bigram_dim", "bigram_sign_rows", "mudd_dim", "train_seq_len", "global_batch_seqs", "train_epochs")
+                     "xsa_layers", "attn_gate_layers", "bigram_rows", "bigram_sign_rows", "mudd_dim",
+                     "train_seq_len", "global_batch_seqs", "train_epochs")
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
 CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
 
@@ -3558,9 +3778,10 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
     return train_files, val, DocumentCounts(most, val.most_documents(cfg.val_seq_len))
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
-          argv: list[str]) -> TrainResult:
+          vocabulary: list[bytes], argv: list[str]) -> TrainResult:
     """The run from its first (or resumed) step to the summary; documents: load_data's count (FA3 sizes its buffers
-    from it); argv, the command line, for the resume command an interrupted run prints."""
+    from it); vocabulary: the BPE's tokens (the prefix table); argv, the command line, for the resume command an
+    interrupted run prints."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     schedules = schedule_table(cfg)
@@ -3593,6 +3814,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     if resumed:
         set_rng_state(resumed.rng, rt.device)
     clock = TrainClock(rt.device, resumed.train_time_ms if resumed else 0.0)
+    raw_model.prefix_table.copy_(prefix_table(vocabulary, cfg.vocab_size))  # timed, after the warmup, as upstream's
     try:
         STOP.defer(True, stop_notice(cfg, rt.world_size))
         for step in range(start_step, last_step + 1):
@@ -3807,6 +4029,7 @@ def run(argv: list[str]) -> TrainResult:
         rt = setup_runtime(cfg)
         agree_on_run_identity(cfg, rt)
         check_model_fits(cfg, rt.device)
+        vocabulary = read_vocabulary(cfg)
         train_files, val, documents = load_data(cfg, rt.device)
         check_run_paths(cfg)
         if rt.world_size > 1:
@@ -3823,7 +4046,7 @@ def run(argv: list[str]) -> TrainResult:
             log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
             log(SEPARATOR)
         with cpu_gemms(cfg.cpu_bf16_gemm):
-            result = train(cfg, rt, log, train_files, val, documents, argv)
+            result = train(cfg, rt, log, train_files, val, documents, vocabulary, argv)
         if rt.world_size > 1:
             # No rank tears the process group down while another still uses it: without this, a rank that
             # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.

@@ -18,9 +18,15 @@ reduce-scatter and all-gather; while tied, `embed` does neither (its gradient jo
 (grad_accum_steps 1) the bigram table's gradient goes as an all-to-all of the rows a rank touched in the step pair
 that belong to other ranks' shards, 192 bf16 values and a 4-byte row id each; its all-gather stays dense.
 
+Upstream's current code (f411b3d; upstream_head_spec.md §2.2, §2.8, §2.10): #89's comms over its own parameter table
+(five small gate/lambda tensors gone, the MUDD gate network's four replicated ones added), its 377,280 x 768 bigram
+table: 768 bf16 values and a 4-byte row id per sparse row, the touched rows counted in that table.
+
 Touched rows: measured on a corpus through the trainer's own data path (TrainTokenStream, bigram_index on the host
 tokens): per stage shape, a few step pairs of 8 sequences, rank r of W taking sequences r, r + W, ... of each step
-(TrainBatches); without the corpus, seeded uniform random tokens (far more distinct bigrams than text).
+(TrainBatches). --train_files names the corpus (a glob that matches no shards is an error); without it, the proxy
+corpus where data/proxy/ has it, else seeded uniform random tokens (far more distinct bigrams than text). The first
+line of the output says which.
 
     python records/comm_bytes.py [--train_files GLOB] [--pairs 4] [--json PATH]
 """
@@ -187,11 +193,40 @@ def record89_params(world_size: int) -> list[tuple[str, int, int, str]]:
             ("mudd_w2", 2 * 14 * 64, 2, "replicated"), ("mudd_b2", 2 * 14, 2, "replicated")]
 
 
+# Upstream's current code (f411b3d; upstream_head_spec.md §2.2, §2.8, §2.10): #89's comms (its optimizer class is the
+# same) over its own table: skip_gate, attn_gate_bank, x0_lambdas, bigram_lambdas, xsa_alphas gone; the MUDD gate
+# network's four parameters added, replicated; the bigram table 377,280 x 768 (47,160 rows a rank at W = 8), its
+# sparse rows 768 bf16 wide.
+UPSTREAM_ROWS, UPSTREAM_DIM = V * 15 // 2, D
+UPSTREAM_ROW_BYTES = UPSTREAM_DIM * 2 + 4
+
+
+def upstream_params(world_size: int) -> list[tuple[str, int, int, str]]:
+    removed = {"skip_gate", "attn_gate_bank", "x0_lambdas", "bigram_lambdas", "xsa_alphas"}
+    bigram = "sharded_sparse" if world_size == 8 else "sharded"
+    return [("bigram_embed", UPSTREAM_ROWS * UPSTREAM_DIM, 2, bigram) if label == "bigram_embed" else
+            (label, numel, size, comms) for label, numel, size, comms in record89_params(world_size)
+            if label not in removed] + [
+        ("mudd_gate_w1", 2 * 64 * D, 2, "replicated"), ("mudd_gate_w2", 2 * 41 * 64, 2, "replicated"),
+        ("mudd_gate_b2", 2 * 41, 2, "replicated"), ("_mudd_gate_scale", 1, 4, "replicated")]
+
+
 def record89_bytes(world_size: int, step_kind: str, touched_rows: float) -> dict[str, float]:
     """#89's bytes per kind for one rank and step; touched_rows: other ranks' bigram rows this rank sends (W = 8)."""
+    return table_bytes(record89_params(world_size), SPARSE_ROW_BYTES, world_size, step_kind, touched_rows)
+
+
+def upstream_bytes(world_size: int, step_kind: str, touched_rows: float) -> dict[str, float]:
+    """Upstream f411b3d's, as record89_bytes (touched_rows: of its 377,280-row table)."""
+    return table_bytes(upstream_params(world_size), UPSTREAM_ROW_BYTES, world_size, step_kind, touched_rows)
+
+
+def table_bytes(params: list[tuple[str, int, int, str]], row_bytes: int, world_size: int, step_kind: str,
+                touched_rows: float) -> dict[str, float]:
+    """Bytes per kind of a parameter table with #89's comms for one rank and step."""
     adam, tied = STEP_KINDS[step_kind]
     out, ring = dict.fromkeys(KINDS, 0.0), (world_size - 1) / world_size
-    for label, numel, size, comms in record89_params(world_size):
+    for label, numel, size, comms in params:
         if world_size == 1 or not adam and label not in MUON_LABELS or tied and label == "embed":
             continue
         if comms == "replicated":
@@ -200,7 +235,7 @@ def record89_bytes(world_size: int, step_kind: str, touched_rows: float) -> dict
         if comms == "sharded":
             out["reduce-scatter"] += ring * numel * size
         else:
-            out["all-to-all"] += touched_rows * SPARSE_ROW_BYTES
+            out["all-to-all"] += touched_rows * row_bytes
         out["all-gather"] += ring * numel * size
     return out
 
@@ -213,14 +248,15 @@ ISSUE_TOUCHED_ROWS = {16384: 18_200, 49152: 44_650}
 SEQS = 8  # sequences per step: the recipe's global_batch_seqs, #89's 8 ranks
 
 
-def pair_rows(files: list[Path] | None, seq_len: int, max_doc_len: int, pairs: int) -> list[list[np.ndarray]]:
-    """Per step pair from the corpus start, the bigram rows of its 2 x 8 sequences' inputs (step-major); files None:
-    seeded random tokens."""
+def pair_rows(files: list[Path] | None, seq_len: int, max_doc_len: int, pairs: int, table_rows: int = BIGRAM_ROWS
+              ) -> list[list[np.ndarray]]:
+    """Per step pair from the corpus start, the bigram rows of its 2 x 8 sequences' inputs (step-major) in a table of
+    table_rows rows (#89's by default); files None: seeded random tokens."""
     if files is None:
         g = np.random.default_rng(0)
-        return [list(T.bigram_index(g.integers(0, V, (2 * SEQS, seq_len)), BIGRAM_ROWS)) for _ in range(pairs)]
+        return [list(T.bigram_index(g.integers(0, V, (2 * SEQS, seq_len)), table_rows)) for _ in range(pairs)]
     stream = T.TrainTokenStream(files, seq_len, SEQS, V, lambda _: (seq_len, max_doc_len), epochs=8)
-    return [[T.bigram_index(np.concatenate([stream.tokens[a:b] for a, b in pieces])[:-1], BIGRAM_ROWS)
+    return [[T.bigram_index(np.concatenate([stream.tokens[a:b] for a, b in pieces])[:-1], table_rows)
              for _ in range(2) for pieces in stream.next_step()] for _ in range(pairs)]
 
 
@@ -229,38 +265,52 @@ def rank_rows(pair: list[np.ndarray], rank: int, world_size: int) -> np.ndarray:
     return np.concatenate([rows for k, rows in enumerate(pair) if k % SEQS % world_size == rank])
 
 
-def record89_rows(pairs: list[list[np.ndarray]], world_size: int = 8) -> float:
-    """#89's touched rows in other ranks' shards, mean over the pairs and the ranks."""
-    shard_rows = BIGRAM_ROWS // world_size
+def record89_rows(pairs: list[list[np.ndarray]], world_size: int = 8, table_rows: int = BIGRAM_ROWS) -> float:
+    """#89's touched rows in other ranks' shards (of a table of table_rows rows: #89's by default, upstream's
+    UPSTREAM_ROWS), mean over the pairs and the ranks."""
+    shard_rows = table_rows // world_size
     return float(np.mean([(np.unique(rank_rows(pair, r, world_size)) // shard_rows != r).sum()
                           for pair in pairs for r in range(world_size)]))
 
 
-def stage_rows(pattern: str, pairs: int) -> tuple[dict[int, list[list[np.ndarray]]], str]:
-    """Per stage's tokens per sequence (seq_len), pair_rows, and where they came from."""
+def stage_rows(pattern: str | None, pairs: int) -> tuple[dict[int, dict[int, list[list[np.ndarray]]]], str]:
+    """Per stage's tokens per sequence (seq_len) and per table size (#89's, upstream's, the recipe's rows), pair_rows,
+    and where they came from. pattern None: the proxy
+    corpus where it is, else random tokens; a pattern given: its shards (UsageError where it has none)."""
     cfg = T.Config()
     shapes = zip(T.parse_stages("seq_len_stages", cfg.seq_len_stages),
                  T.parse_stages("doc_len_stages", cfg.doc_len_stages))
+    shape = f"{pairs} step pairs x 8 sequences per stage"
     try:
-        files, source = T.find_shards(pattern), f"measured: {pairs} step pairs x 8 sequences of {pattern}"
+        files = T.find_shards(DEFAULT_FILES if pattern is None else pattern)
+        source = f"{pattern}, {shape}" if pattern is not None else f"{DEFAULT_FILES} (the default corpus), {shape}"
     except T.UsageError:
-        files, source = None, f"no files match {pattern}: seeded random tokens, {pairs} step pairs x 8 sequences"
-    return {seq: pair_rows(files, seq, doc, pairs) for seq, doc in shapes}, source
+        if pattern is not None:  # asked for by name: counting random tokens in its place answers another question
+            raise
+        files, source = None, (f"seeded random tokens ({shape}): no --train_files given and no shards at "
+                               f"{DEFAULT_FILES}")
+    tables = sorted({BIGRAM_ROWS, UPSTREAM_ROWS, cfg.bigram_rows})  # #89's, upstream's, the recipe's row counts
+    return {seq: {n: pair_rows(files, seq, doc, pairs, n) for n in tables} for seq, doc in shapes}, source
 
 # -----------------------------------------------------------------------------
-# The table: per W, each step kind's #89 line and recipe line in MB; #89's touched rows at the step's own shape.
+# The table: per W, each step kind's #89, upstream and recipe lines in MB; touched rows at the step's own shape, each
+# in its own table (#89's 754,560 rows, upstream's 377,280, the recipe's cfg.bigram_rows).
 
 
-def table(rows_at: dict[int, list[list[np.ndarray]]]) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
-    """Per W and step kind, #89's MB and the recipe's, each at the step's own shape; the recipe's mean over its
-    ranks and the step pairs."""
+def table(rows_at: dict[int, dict[int, list[list[np.ndarray]]]]) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+    """Per W and step kind, #89's MB, upstream's and the recipe's (train_gpt.py's model, Config() defaults), each at
+    the step's own shape; the recipe's mean over its ranks and the step pairs."""
     cfg, out, model = T.Config(), {}, recipe_model(T.Config())
-    pairs = {kind: rows_at[s.seq_len] for kind, s in step_rows(cfg).items() if STEP_KINDS[kind][0]}
+    at = lambda n: {kind: rows_at[s.seq_len][n] for kind, s in step_rows(cfg).items()  # noqa: E731
+                    if STEP_KINDS[kind][0]}
+    theirs, upstream, pairs = at(BIGRAM_ROWS), at(UPSTREAM_ROWS), at(cfg.bigram_rows)
     for W in WORLD_SIZES:
         runs = [{kind: by_kind(calls, W) for kind, calls in recipe_calls(
                     cfg, W, {kind: rank_rows(p[i], r, W) for kind, p in pairs.items()}, r, model).items()}
                 for r in range(W) for i in range(len(pairs["Adam tied"]))]
-        out[W] = {kind: {"record #89": record89_bytes(W, kind, record89_rows(pairs[kind]) if kind in pairs else 0.0),
+        out[W] = {kind: {"record #89": record89_bytes(W, kind, record89_rows(theirs[kind]) if kind in pairs else 0.0),
+                         "upstream f411b3d": upstream_bytes(W, kind, record89_rows(upstream[kind], 8, UPSTREAM_ROWS)
+                                                            if kind in pairs else 0.0),
                          "recipe": {k: float(np.mean([run[kind][k] for run in runs])) for k in KINDS}}
                   for kind in STEP_KINDS}
     return out
@@ -268,14 +318,21 @@ def table(rows_at: dict[int, list[list[np.ndarray]]]) -> dict[int, dict[str, dic
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--train_files", default=DEFAULT_FILES, help="corpus for the touched bigram rows")
+    ap.add_argument("--train_files", default=None, help="corpus for the touched bigram rows (default: "
+                    f"{DEFAULT_FILES} where it is, else seeded random tokens)")
     ap.add_argument("--pairs", type=int, default=4, help="step pairs per stage for the touched rows")
     ap.add_argument("--json", default="", help="also write the table here")
     args = ap.parse_args(argv)
-    rows_at, source = stage_rows(args.train_files, args.pairs)
-    counts = {seq: record89_rows(pairs) for seq, pairs in rows_at.items()}
-    print(f"The bigram all-to-all at W = 8 (#89's and the recipe's), rows a rank sends per step pair ({source}):")
-    print("  " + ", ".join(f"{seq:,} tokens: {n:,.0f}" for seq, n in counts.items()))
+    try:
+        rows_at, source = stage_rows(args.train_files, args.pairs)
+    except T.UsageError as e:
+        print(f"error: --train_files: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    counts = {seq: {n: record89_rows(pairs, 8, n) for n, pairs in tables.items()} for seq, tables in rows_at.items()}
+    print(f"Tokens counted: {source}")
+    print("The bigram all-to-all at W = 8, rows a rank sends per step pair (other ranks' shards), per table:")
+    for n in next(iter(counts.values())):
+        print(f"  {n:,} rows: " + ", ".join(f"{seq:,} tokens: {c[n]:,.0f}" for seq, c in counts.items()))
     step_seq = {kind: s.seq_len for kind, s in step_rows(T.Config()).items()}
     print("  used: " + ", ".join(f"{k} at {seq:,} tokens" for k, seq in step_seq.items() if STEP_KINDS[k][0]))
     result = table(rows_at)

@@ -5,7 +5,7 @@ upstream modded-nanogpt logs. A record folder stands for every run log (*.txt) i
 
     python records/compare.py show RUN...
     python records/compare.py diff A B       (first line: the verdict: reproduced, equal on the steps both cover,
-                                              or where the losses part)
+                                              or where the losses part; and the CPU paths where they differ)
     python records/compare.py stats RUN... [--target 3.28] [--baseline RUN...]
     python records/compare.py plot RUN... [-o compare.png]
 
@@ -79,6 +79,7 @@ class Run:
     gpu_names: list[str] = field(default_factory=list)
     cpu_info: str | None = None
     cpu_short: str | None = None  # the CPU's name, vector ISA and bf16 GEMM path: show's narrow column
+    cpu_path: str | None = None  # "record" (the bundled CPU records' arithmetic) or "native": the README's quick start
     world_size: int | None = None
     torch_version: str | None = None
     cuda_version: str | None = None
@@ -115,6 +116,7 @@ STEP_RE = re.compile(r"^step:(\d+)/(\d+)(?:\s+(.*))?$")
 GPUS_RE = re.compile(r"^GPUs:\s*(.+)$")
 CPU_RE = re.compile(r"^CPU run(?: \((.+)\)|: (.+))$")  # older logs: "CPU run (2 cores)"
 GEMM_RE = re.compile(r"^bf16 GEMM path: (\w+)")
+CPU_PATH_RE = re.compile(r"^CPU path: (\w+)")  # logs before it: the path follows from the vector ISA and GEMM path
 SMI_GPU_RE = re.compile(r"^\|\s+\d+\s+(.+?)\s+(?:On|Off)\s+\|")
 TORCH_RE = re.compile(r"^Running PyTorch (\S+) compiled for CUDA (\S+)", re.IGNORECASE)
 MODEL_RE = re.compile(r"^model:.*\bworld size (\d+)")
@@ -172,6 +174,7 @@ def parse_log(text: str, name: str, path: Path) -> Run:
     run = Run(name=name, path=path, code=code)
     steps: list[StepLine] = []
     smi_names: list[str] = []
+    isa = gemm = None  # an older log's CPU path: AVX2 kernels and fp32 GEMMs are the record path
     for raw in rest:
         line = raw.strip()
         step = parse_step_line(line) if line.startswith("step:") else None
@@ -190,11 +193,14 @@ def parse_log(text: str, name: str, path: Path) -> Run:
             run.cpu_info = f"CPU ({m.group(1) or m.group(2)})"
             parts = (m.group(1) or m.group(2)).split(", ")
             named = [p for p in parts[:1] if not p.endswith("cores")]  # the old form names no CPU: "CPU (2 cores)"
-            run.cpu_short = " ".join([*(named or ["CPU"]), *(p[len("vector ISA "):] for p in parts
-                                                              if p.startswith("vector ISA "))])
+            isa = next((p[len("vector ISA "):] for p in parts if p.startswith("vector ISA ")), None)
+            run.cpu_short = " ".join([*(named or ["CPU"]), *([isa] if isa else [])])
         elif (m := GEMM_RE.match(line)) and run.cpu_info:
             run.cpu_info = f"{run.cpu_info[:-1]}, bf16 GEMM path {m.group(1)})"
             run.cpu_short = f"{run.cpu_short}, {m.group(1)} GEMM"
+            gemm = m.group(1)
+        elif m := CPU_PATH_RE.match(line):
+            run.cpu_path = m.group(1)
         elif m := SMI_GPU_RE.match(line):
             smi_names.append(m.group(1).strip())
         elif m := TORCH_RE.match(line):
@@ -209,6 +215,8 @@ def parse_log(text: str, name: str, path: Path) -> Run:
         raise LogError(f"{path}: not a run log: found a line of 100 '=' but no 'step:S/T ...' lines (expected "
                        f"{LOG_SHAPE})")
     run.gpu_names = run.gpu_names or smi_names
+    if run.cpu_path is None and isa and gemm:
+        run.cpu_path = "record" if (isa, gemm) == ("AVX2", "fp32") else "native"
     if run.seed is None and run.config is not None:
         run.seed = _int(run.config.get("seed"))
     _fill_from_steps(run, steps)
@@ -576,7 +584,16 @@ def verdict(a: Run, b: Run) -> str:
     """One line: whether B reproduced A (every train and val loss either logged equal, at the same steps); where one
     covers steps the other does not (a resumed, stopped or running run), whether the losses of the steps both cover
     are equal, and which those are; else the first step where they differ and the largest difference. A loss known
-    only as a log line printed it is compared at that line's precision."""
+    only as a log line printed it is compared at that line's precision. Runs on different CPU paths (record, native)
+    are named so: their losses differ by rounding, and rerunning one on the other's path is what compares them."""
+    line = losses_verdict(a, b)
+    if a.cpu_path and b.cpu_path and a.cpu_path != b.cpu_path:
+        line += f"; {a.name} ran the {a.cpu_path} CPU path, {b.name} the {b.cpu_path} one"
+    return line
+
+
+def losses_verdict(a: Run, b: Run) -> str:
+    """verdict()'s line from the two runs' logged losses alone."""
     la, lb = logged_losses(a), logged_losses(b)
     if not la or not lb:
         return f"verdict: cannot tell: {' and '.join(r.name for r, l in ((a, la), (b, lb)) if not l)} logged no loss"
@@ -788,6 +805,8 @@ def stats_report(runs: Sequence[Run], target: float | None, baseline: Sequence[R
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if args.target is not None and not math.isfinite(args.target):  # argparse's float takes nan and inf
+        raise LogError(f"--target={args.target}: the val loss target must be a finite number (e.g. --target=3.28)")
     runs = load_runs(args.runs)
     baseline = load_runs(args.baseline) if args.baseline else None
     print(stats_report(runs, args.target, baseline))

@@ -9,7 +9,9 @@ first, each under its own time limit:
 
 1. kernels: FA3 (#89's attention, from the kernels package) against FlexAttention at the recipe's shapes first,
    then the Triton kernels in bf16 at the recipe's shapes (autotuned on the GPU) and the FP8 ops (opcheck,
-   saturation, the head at the recipe's shape), through cuBLAS; the CPU suite's FP8 tests.
+   saturation, the head at the recipe's shape), through cuBLAS; the CPU suite's FP8 tests; DC attention's kernels
+   (bf16, 16,384 tokens, 64 cu_seqlens slots) against their torch path, forward and backward, with the measured
+   differences, and two backward runs bit for bit.
 2. model: the rest of tests/test_cuda.py (compiled FlexAttention against dense attention, the prefetch loader
    against a slowed stream, the compiled GPT's graphs, the model's matmuls and attention in bf16, a tiny run
    with checkpoints, the recipe compiled) and the no-host-sync test. Without a GPU the CUDA tests are skipped with
@@ -61,7 +63,9 @@ KERNEL_TESTS = ["tests/test_cuda.py::test_cuda_environment",
                 "tests/test_cuda.py::test_fp8_mlp_at_the_recipes_shape_follows_its_cpu_path_and_the_quantizer_matches",
                 "tests/test_cuda.py::test_fp8_head_matches_bf16_matmul_at_the_recipe_shape_eager_and_compiled",
                 "tests/test_cuda.py::test_polar_express_kernels_at_the_recipes_shapes_follow_the_torch_path",
-                "tests/test_cuda.py::test_transpose_copy_at_the_fp8_heads_shapes_is_an_exact_copy"]
+                "tests/test_cuda.py::test_transpose_copy_at_the_fp8_heads_shapes_is_an_exact_copy",
+                "tests/test_cuda_dc.py::test_dc_attention_kernels_at_the_recipes_shape_follow_the_torch_path_and_their"
+                "_backward_is_deterministic"]
 MODEL_TESTS = ["tests/test_recipe_model.py::test_compiled_flex_attention_with_token_windows_equals_sdpa_with_fa3s_"
                "rule",
                "tests/test_metrics.py::test_no_cuda_sync_on_steady_state_non_logging_steps", "tests/test_cuda.py",

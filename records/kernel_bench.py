@@ -10,7 +10,8 @@ MLP (gpt_kernels.mlp_fp8, the kernel against its torch path) and its down-weight
 768, a delayed-scale call); --fused_head (49,152 x 768 @ 768 x 50,304 with v2's softcap 23 sigmoid((z + 5) / 7.5)
 and three next tokens, FP8 where the GPU has it; and validation's loss alone over one 262,144-token sequence). And
 Polar Express with its momentum on one rank's Muon blocks at 8 GPUs (qk 8 x 256 x 768, vo 3 x 768 x 768, mlp 3 x
-3072 x 768): gpt_kernels' symmetric GEMMs against torch's, both compiled as the optimizer compiles them.
+3072 x 768): gpt_kernels' symmetric GEMMs against torch's, both compiled as the optimizer compiles them. And layer
+10's DC attention (speedrun::dc_attention against train_gpt.dc_attention's, compiled), forward and backward.
 --small runs shapes that Triton's interpreter manages on a CPU (TRITON_INTERPRET=1): that checks the script, its
 times say nothing. The whole step before and after: train_gpt.py --bench with and without the flags, then
 records/compare.py on the two logs.
@@ -104,14 +105,18 @@ def head_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
     targets = torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=g)
     mtp, scales = torch.tensor(MTP, device=device), T.fp8_scales(cfg, 1.0) if fp8 else []
     caps = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temp)
+    # upstream's prefix term (spec 2.7) on both paths: random prefix targets, a quarter of them none (-1)
+    prefix = torch.where(torch.rand(rows, device=device, generator=g) < 0.25, -1, targets.roll(1))
+    prefix = (prefix, torch.full((1,), 0.25, device=device))
 
     def torch_loss() -> torch.Tensor:  # the model's training loss on the logits path (GPT.logits, GPT.forward)
         z = torch.ops.speedrun.fp8_mm(x, w, *scales) if fp8 else x @ w.type_as(x).T
-        return T.SoftcappedMTPLoss.apply(z, targets, mtp, *caps).sum()
+        return T.SoftcappedMTPLoss.apply(z, targets, mtp, *prefix, *caps).sum()
 
     torch_path = compile_(torch_loss)
     return (x, w), {"torch": lambda: torch_path().backward(),
-                    "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, mtp, *caps, scales)[0].backward()}
+                    "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, mtp, *prefix, *caps,
+                                                                      scales)[0].backward()}
 
 
 def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
@@ -121,6 +126,7 @@ def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
     w = 0.05 * torch.randn(cfg.vocab_size, cfg.model_dim, device=device, generator=g)
     targets = torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=g)
     one, caps = torch.ones(1, device=device), (cfg.logit_cap, cfg.logit_shift, cfg.logit_temp)
+    no_prefix = (torch.full_like(targets, -1), torch.zeros(1, device=device))  # validation reads neither
 
     def torch_loss() -> torch.Tensor:  # GPT.forward in eval on the logits path: the softcap in the head's dtype
         z = x @ w.type_as(x).T
@@ -128,7 +134,8 @@ def eval_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.devic
 
     torch_path = compile_(torch_loss)
     return (x, w), {"torch": lambda: torch_path(),
-                    "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, one, *caps, [], False)[0] / rows}
+                    "kernel": lambda: torch.ops.speedrun.softcap_ce(x, w, targets, one, *no_prefix, *caps, [],
+                                                                      False)[0] / rows}
 
 
 def fp8_mlp_state(bank: torch.Tensor) -> list[torch.Tensor]:
@@ -187,6 +194,24 @@ def polar_express_cases(cfg: T.Config, small: bool, device: torch.device, compil
     return (grads[0], bufs[0]), paths
 
 
+def dc_cases(cfg: T.Config, rows: int, dtype: torch.dtype, device: torch.device, compile_: Callable) -> Cases:
+    """Layer 10's DC attention (speedrun::dc_attention, window 112) over one micro-step's tokens in documents of 768
+    (cu_seqlens padded to the stage's 128 slots), forward and backward, against its torch path."""
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (1, rows, cfg.num_heads, cfg.head_dim)
+    q, k, v = (T.norm(torch.randn(shape, device=device, generator=g)).to(dtype).requires_grad_() for _ in range(3))
+    base = torch.randn(shape[1:], device=device, generator=g).to(dtype).requires_grad_()
+    w1 = torch.ones(shape[:3], device=device, dtype=dtype, requires_grad=True)
+    w2 = (0.3 * torch.randn(shape[:3], device=device, generator=g)).to(dtype).requires_grad_()
+    starts = torch.arange(0, rows, 768, device=device)
+    cu = F.pad(starts, (0, max(128, starts.numel() + 1) - starts.numel()), value=rows).to(torch.int32)
+    grad = torch.randn(shape[1:], device=device, generator=g).to(dtype)
+    args = (base, q, k, v, w1, w2, cu, 0.12)
+    torch_path = compile_(lambda: T.dc_attention(*args))
+    return (q, k), {"torch": lambda: torch_path().backward(grad),
+                    "kernel": lambda: torch.ops.speedrun.dc_attention(*args)[0].backward(grad)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
@@ -218,7 +243,8 @@ def main() -> int:
                     ("fp8_mlp_quantize", fp8_quantize_cases(cfg, 2 if opts.small else cfg.num_layers + 1, device))]
     kernels += [("softcap_ce", head_cases(cfg, rows, dtype, device, compile_, fp8)),
                 ("softcap_ce_eval", eval_cases(cfg, val_rows, dtype, device, compile_)),
-                ("polar_express", polar_express_cases(cfg, opts.small, device, compiled=cuda))]
+                ("polar_express", polar_express_cases(cfg, opts.small, device, compiled=cuda)),
+                ("dc_attention", dc_cases(cfg, rows, dtype, device, compile_))]
     for kernel, cases in kernels:
         for path, fn in cases[1].items():
             figures = timed(fn, opts.repeats, device)

@@ -34,7 +34,13 @@ through the next), bf16 RoPE tables of 2 x val_seq_len positions, e4m3 copies of
 the parameters and the optimizer state through a warmup that validates at every step (one validation batch each);
 validation through a plain bf16 head: the (val_seq_len, vocab) bf16 logits exist (the torch path's validation
 graph); training through its FP8 head and CE kernel: bf16 logits and their e5m2 gradient, on top of the recipe's
-trunk. Its table after the main one sets #89's peak against the recipe's, term by term, on 8 GPUs.
+trunk. #89's parameters are stated here (RECORD89_PARAMS), not read from train_gpt.py, whose model is now upstream's.
+And "upstream f411b3d itself": upstream's current code (spec: 377,280 x 768 bigram table, 8192 x 768 sign table, the
+MUDD gate network, the prefix table, DC on layer 10) with the same storage, its parameters read from train_gpt.py's
+model; set beside the peak #85 v3 logged (MuddGatedAndDC/this_pr_v3, 10 logs: 31,765-32,160 MiB on 8xH100), the
+nearest logged code (no log runs f411b3d itself). DC's own buffers: the backward's dS and mixture (dc_workspace); its
+forward's log-sum-exp is a graph output. The table after the main one sets #89's and upstream's peaks against the
+recipe's, term by term, on 8 GPUs.
 A total above 80 GB (10^9 bytes) fails (exit 1): an H100 has 79.6 GiB, and the CUDA context and the allocator's
 fragmentation take a few of them.
 """
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -79,8 +86,10 @@ GiB = 2**30
 def recipe_config(args: list[str]) -> T.Config:
     """A preset's config as a GPU run resolves it (compiled, FP8 head on), at its real shapes."""
     cfg = T.parse_config(args)
-    kernels = {name: getattr(cfg, name) in (None, True) for name in ("relu2_kernel", "fused_head")}  # auto: CUDA's
-    cfg.relu2_kernel = cfg.fused_head = False  # resolve_for_device refuses them without a GPU; their fakes trace
+    names = [n for n in ("relu2_kernel", "fused_head", "dc_kernel") if hasattr(cfg, n)]  # dc_kernel: upstream's DC
+    kernels = {name: getattr(cfg, name) in (None, True) for name in names}  # auto: CUDA's
+    for name in names:  # resolve_for_device refuses them without a GPU; their fakes trace
+        setattr(cfg, name, False)
     T.resolve_for_device(cfg, cuda=False)
     cfg.compile, cfg.fp8_head = True, True
     if hasattr(cfg, "fp8_mlp"):  # the FP8 MLP (#89; a snapshot's trainer may predate it): on, as CUDA resolves it
@@ -240,11 +249,21 @@ def mlp_fp8_workspace(node: torch.fx.Node) -> int:
     """The FP8 MLP's own buffers while it runs (gpt_kernels.mlp_fp8_forward, mlp_backward): in the forward the
     e4m3 copies of x (M, d) and of relu(pre)^2 (M, hidden), 1 byte each; in the backward dpre, bf16 (M, hidden),
     and on the torch path (kernel=False) g W_proj^T before it (the ReLU^2 GEMM's epilogue never writes that one).
-    Its outputs and saved pre/post are the graph's own (the bf16 MLP's mlp_relu2_forward: all of its buffers)."""
+    Its outputs and saved post are the graph's own (the bf16 MLP's mlp_relu2_forward: all of its buffers)."""
     forward = node.target._opname == "mlp_fp8_forward"
     x, w_fc = (node.args[i].meta["val"] for i in ((0, 1) if forward else (1, 2)))  # backward: (g, x, w_fc, ...)
     m, d, hidden = x.shape[0], x.shape[-1], w_fc.shape[0]
     return m * d + m * hidden if forward else (1 if node.args[-1] else 2) * 2 * m * hidden
+
+
+def dc_workspace(node: torch.fx.Node) -> int:
+    """DC attention's backward's own buffers (gpt_kernels.dc_attention's backward, layer 10): dS_h[t, t - j] (T, H,
+    window) in q's dtype and the mixture A[t, t - j] (T, window) fp32. Its forward writes only its outputs (out and
+    the (T, H) fp32 log-sum-exp it saves): the graph's own."""
+    q = node.args[1].meta["val"]  # (grad, q, k, v, w1, w2, cu_seqlens, lse, scale, window)
+    window = node.args[9] if len(node.args) > 9 else node.kwargs["window"]
+    T, H = q.shape[1], q.shape[2]
+    return T * window * (H * q.element_size() + 4)
 
 
 def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
@@ -288,6 +307,8 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
             name = getattr(node.target, "_opname", None)
             if name == "softcap_ce":
                 return size
+            if name == "dc_attention_backward":
+                return dc_workspace(node)
             return mlp_fp8_workspace(node) if name in ("mlp_fp8_forward", "mlp_backward") else 0
         return workspace
 
@@ -334,70 +355,129 @@ def estimate(name: str, args: list[str]) -> list[dict]:
     return rows
 
 
-def record89_static(cfg: T.Config, world_size: int) -> tuple[dict[str, int], int]:
-    """#89's long-lived tensors on one rank, from this model's parameter shapes with #89's storage (its GPT and
-    NorMuonAndAdam): parameters in their dtype (the banks bf16: no fp32 masters), the Q/K and V/O banks padded to a
-    multiple of the world size (60 -> 64, 20 -> 24 on 8), the MLP bank to 12 layers (22 -> 24 matrices); per bank
-    the rank's share with an fp32 momentum, a uint16 mantissa (the fp32 master's low half) and an fp32 second moment
-    (per row of a tall or square matrix, per column of a wide one); fp32 Adam moments, sharded over the ranks for the
-    vocabulary-sized tables (embed, lm_head, value and bigram embeddings), whole for the small rest. Gradients are
+BF16, FP32 = torch.bfloat16, torch.float32
+# Record #89's parameters as its train_gpt.py builds them (record89_spec.md §4.1): name, shape, dtype, optimizer. Stated
+# here, not read from train_gpt.py: the repository's model is upstream's current one (f411b3d), and the snapshot
+# records/2026-11-28_record89/ still runs #89.
+RECORD89_PARAMS = (
+    ("qk_bank", (60, 256, 768), BF16, "muon"), ("vo_bank", (20, 768, 768), BF16, "muon"),
+    ("mlp_bank", (11, 2, 3072, 768), BF16, "muon"),
+    ("embed.weight", (50304, 768), BF16, "adam"), ("lm_head.weight", (50304, 768), BF16, "adam"),
+    ("value_embeds", (5, 50304, 768), BF16, "adam"), ("bigram_embed.weight", (754_560, 192), BF16, "adam"),
+    ("attn_gate_bank", (10, 6, 12), BF16, "adam"), ("ve_gate_bank", (5, 6, 12), BF16, "adam"),
+    ("smear_gate.weight", (1, 12), BF16, "adam"), ("skip_gate.weight", (1, 12), BF16, "adam"),
+    ("mudd_w1", (2, 64, 768), BF16, "adam"), ("mudd_w2", (2, 14, 64), BF16, "adam"), ("mudd_b2", (2, 14), BF16, "adam"),
+    ("scalars", (24,), FP32, "adam"), ("resid_lambdas", (11, 2), FP32, "adam"), ("post_lambdas", (11, 2), FP32, "adam"),
+    ("x0_lambdas", (11,), FP32, "adam"), ("bigram_lambdas", (11,), FP32, "adam"), ("xsa_alphas", (11, 6), FP32, "adam"))
+RECORD89_SIGNS = (8192, 192)  # its bigram sign table, bf16
+RECORD89_VAL_SEQ_LEN, RECORD89_HEAD_DIM, RECORD89_VOCAB = 262_144, 128, 50304  # its RoPE tables' rows; Adam sharding
+UPSTREAM = "upstream f411b3d itself"  # upstream's current code with its own storage (#89's, spec §2.10: same class)
+# Peaks torch.cuda.max_memory_allocated logged on 8xH100 ("peak memory allocated: N MiB", each log's last line), MiB
+LOGGED_MIB = {
+    RECORD89: ("#89, FP8DownProjection/this_pr, 13 logs", 30_220, 30_935),
+    # the nearest logged code to upstream f411b3d (spec §1.3): #85 v3, records/track_1_short/2026-05-27-MuddGatedAndDC/
+    # this_pr_v3/*.txt, 10 logs: 31,765 (5 logs), 32,027, 32,077 (2), 32,160 (2); reserved 47,310-47,530
+    UPSTREAM: ("#85 v3, MuddGatedAndDC/this_pr_v3, 10 logs", 31_765, 32_160)}
+
+
+def model_params(cfg: T.Config) -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
+    """The repository model's parameters (upstream's current ones) in RECORD89_PARAMS' form, from its optimizer table."""
+    model = meta_model(cfg)
+    return [(name, tuple(p.shape), p.dtype, group.kind) for group in T.build_param_groups(model, cfg)
+            for name, p in zip(group.names, group.params)]
+
+
+def storage_static(params, signs: int, rope: int, vocab: int, world_size: int) -> dict[str, int]:
+    """#89's storage (its GPT and NorMuonAndAdam; upstream's current code keeps it) of a parameter list on one rank:
+    parameters in their dtype (the banks bf16: no fp32 masters), the Q/K and V/O banks padded to a multiple of the
+    world size (60 -> 64, 20 -> 24 on 8), the MLP bank to 12 layers (22 -> 24 matrices); per bank the rank's share
+    with an fp32 momentum, a uint16 mantissa (the fp32 master's low half) and an fp32 second moment (per row of a tall
+    or square matrix, per column of a wide one); fp32 Adam moments, sharded over the ranks for the vocabulary-sized
+    tables (embed, lm_head, value and bigram embeddings), whole for the small rest (a 0-d scale too). Gradients are
     autograd's, one per parameter in its dtype: the Adam ones live from an even step through the next (Adam steps on
     odd steps and frees them then; a validation in between sees them), the Muon ones from backward to the optimizer
-    step (muon_gradients). Tables: bf16 cos and sin of 2 x val_seq_len positions (its per-rank validation length),
-    the paired layout's of 2 head_dim columns; the e4m3 copies of W_fc and W_proj^T of the 12 MLP layers; the bigram
-    sign table. And the bytes its warmup's deep copy of model.state_dict() holds besides the parameters (the sign
-    table; the FP8 scale vectors, 144 bytes, left out)."""
-    model = meta_model(cfg)
+    step (muon_gradients). Tables: the RoPE tables (rope bytes), the e4m3 copies of W_fc and W_proj^T of the 12 MLP
+    layers, the bigram sign table (signs bytes)."""
     out = dict.fromkeys(("parameters", "gradients", "optimizer", "muon_gradients"), 0)
     mlp_rows, mlp_cols = 0, 0
-    for group in T.build_param_groups(model, cfg):
-        for name, p in zip(group.names, group.params):
-            if group.kind == "muon":
-                rows, cols = p.shape[-2:]
-                multiple = RECORD89_MLP_MATRICES if name == "mlp_bank" else world_size
-                padded = -(-(p.numel() // (rows * cols)) // multiple) * multiple
-                share = padded // world_size
-                out["parameters"] += padded * rows * cols * 2
-                out["muon_gradients"] += padded * rows * cols * 2
-                out["optimizer"] += share * rows * cols * (4 + 2) + 4 * share * (rows if rows >= cols else cols)
-                if name == "mlp_bank":
-                    mlp_rows, mlp_cols = rows, cols
-                continue
-            size = p.numel() * p.element_size()
-            out["parameters"] += size
-            out["gradients"] += size
-            out["optimizer"] += 2 * 4 * p.numel() // (world_size if max(p.shape) >= cfg.vocab_size else 1)
-    widths = 1 + (2 if T.paired_layers(cfg) else 0)  # head_dim columns: the normal tables, the paired ones
+    for name, shape, dtype, kind in params:
+        numel, size = math.prod(shape), math.prod(shape) * dtype.itemsize
+        if kind == "muon":
+            rows, cols = shape[-2:]
+            multiple = RECORD89_MLP_MATRICES if name == "mlp_bank" else world_size
+            padded = -(-(numel // (rows * cols)) // multiple) * multiple
+            share = padded // world_size
+            out["parameters"] += padded * rows * cols * 2
+            out["muon_gradients"] += padded * rows * cols * 2
+            out["optimizer"] += share * rows * cols * (4 + 2) + 4 * share * (rows if rows >= cols else cols)
+            if name == "mlp_bank":
+                mlp_rows, mlp_cols = rows, cols
+            continue
+        out["parameters"] += size
+        out["gradients"] += size
+        out["optimizer"] += 2 * 4 * numel // (world_size if max(shape, default=1) >= vocab else 1)
+    out["tables"] = rope + RECORD89_MLP_MATRICES * mlp_rows * mlp_cols + signs
+    return out
+
+
+def record89_static(cfg: T.Config, world_size: int) -> tuple[dict[str, int], int]:
+    """#89's long-lived tensors on one rank (storage_static of RECORD89_PARAMS: #89's own shapes, not this model's),
+    its tables bf16 cos and sin of 2 x val_seq_len positions (its per-rank validation length), the paired layout's of
+    2 head_dim columns, and its 8192 x 192 sign table; and the bytes its warmup's deep copy of model.state_dict()
+    holds besides the parameters (the sign table; the FP8 scale vectors, 144 bytes, left out). cfg: unused (#89's
+    numbers are stated), kept for the callers."""
+    signs = math.prod(RECORD89_SIGNS) * 2
+    rope = 2 * (2 * RECORD89_VAL_SEQ_LEN) * RECORD89_HEAD_DIM * 3 * 2  # cos and sin; normal and paired columns
+    return storage_static(RECORD89_PARAMS, signs, rope, RECORD89_VOCAB, world_size), signs
+
+
+def upstream_static(cfg: T.Config, world_size: int) -> tuple[dict[str, int], int]:
+    """Upstream f411b3d's long-lived tensors on one rank: storage_static of this model's parameters (upstream's:
+    spec §2.2), RoPE as #89's at cfg's val_seq_len, this model's sign table (8192 x 768) and its prefix table (50304
+    int64, not persistent: the warmup's copy leaves it out); and the sign table's bytes (the warmup copies it)."""
+    model = meta_model(cfg)
     signs = nbytes(model.bigram_sign_table)
-    out["tables"] = (2 * (2 * cfg.val_seq_len) * cfg.head_dim * widths * 2 + RECORD89_MLP_MATRICES * mlp_rows * mlp_cols
-                     + signs)
+    rope = 2 * (2 * cfg.val_seq_len) * cfg.head_dim * (1 + (2 if T.paired_layers(cfg) else 0)) * 2
+    out = storage_static(model_params(cfg), signs, rope, cfg.vocab_size, world_size)
+    out["tables"] += nbytes(model.prefix_table)
     return out, signs
 
 
-def record89_rows(cfg: T.Config, fused: dict, plain: dict) -> list[dict]:
-    """#89's own peak per rank: record89_static, the warmup's deep copies of its parameters, sign table and optimizer
-    state (#89's warmup runs a validation batch at every step: they are there for both phases), and the larger of
-    its validation (the torch path's graph: a plain bf16 head over val_seq_len tokens, softcap and CE fused behind
-    the GEMM) and its training: the recipe's trunk (the fused-head traces without their workspace; the FP8 MLP's
-    saved x, W_fc, W_proj, pre and post are #89's) plus its head: in the forward 3 bytes a logit (the FP8 GEMM's bf16
-    logits and the e5m2 gradient its CE kernel writes and saves), in the backward 2 (that gradient and the
-    transposed copy the dW GEMM reads). The traced backward already holds every gradient it outputs (the banks'
-    in fp32 here, bf16 in #89): nothing more is added for them, an upper bound. fused, plain: rows of the recipe and
-    of its torch path (their traces' figures)."""
+def own_rows(preset: str, static_of: Callable, cfg: T.Config, fused: dict, plain: dict) -> list[dict]:
+    """A record's own peak per rank (#89's storage): static_of(cfg, W), the warmup's deep copies of its parameters,
+    sign table and optimizer state (its warmup runs a validation batch at every step: they are there for both phases),
+    and the larger of its validation (the torch path's graph: a plain bf16 head over val_seq_len tokens, softcap and
+    CE fused behind the GEMM) and its training: the recipe's trunk (the fused-head traces without their workspace; the
+    FP8 MLP's saved x, W_fc, W_proj, pre and post are #89's) plus its head: in the forward 3 bytes a logit (the FP8
+    GEMM's bf16 logits and the e5m2 gradient its CE kernel writes and saves), in the backward 2 (that gradient and the
+    transposed copy the dW GEMM reads). The traced backward already holds every gradient it outputs (the banks' in
+    fp32 here, bf16 in #89): nothing more is added for them, an upper bound. The trunk is this repository's model
+    (upstream's: DC on layer 10, 768-wide bigram rows) for #89 too: the activations at #89's peak are its validation
+    logits. fused, plain: rows of the recipe and of its torch path (their traces' figures)."""
     seq_len = int(fused["seq_len"])
     logits = seq_len * cfg.vocab_size
     dynamic = {"seq_len": seq_len, "saved": int(fused["saved"]) + logits,
                "validation_peak": plain["validation_peak"], "validation_peak_at": plain["validation_peak_at"],
-               "train_peak_at": f"forward, #89's head: bf16 logits and their e5m2 gradient {seq_len}x{cfg.vocab_size}"}
+               "train_peak_at": f"forward, its head: bf16 logits and their e5m2 gradient {seq_len}x{cfg.vocab_size}"}
     train = max(int(fused["forward_trunk_peak"]) + 3 * logits, int(fused["backward_peak"]) + 2 * logits)
     rows = []
     for world_size in (1, 8):
-        static, signs = record89_static(cfg, world_size)
+        static, signs = static_of(cfg, world_size)
         static.pop("muon_gradients")
-        rows.append(peak_row(RECORD89, world_size, 8 // world_size, static,
+        rows.append(peak_row(preset, world_size, 8 // world_size, static,
                              static["parameters"] + signs + static["optimizer"], {**dynamic, "train_peak": train},
                              True))
     return rows
+
+
+def record89_rows(cfg: T.Config, fused: dict, plain: dict) -> list[dict]:
+    """#89's own peak per rank (own_rows of record89_static)."""
+    return own_rows(RECORD89, record89_static, cfg, fused, plain)
+
+
+def upstream_rows(cfg: T.Config, fused: dict, plain: dict) -> list[dict]:
+    """Upstream f411b3d's own peak per rank (own_rows of upstream_static): set beside #85 v3's logged peak."""
+    return own_rows(UPSTREAM, upstream_static, cfg, fused, plain)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -412,22 +492,39 @@ def markdown(rows: list[dict]) -> str:
                      f"**{g(r['total'])}** ({r['peak_phase']}) |")
     by = {(r["preset"], r["gpus"]): r for r in rows}
     text = "\n".join(lines) + ("\n\nGiB per rank; total = static + the larger of train peak + warmup snapshot and "
-                               "validation peak" + (" (+ the snapshot where the warmup validates: #89)." if
+                               "validation peak" + (" (+ the snapshot where the warmup validates: #89, upstream)." if
                                                     (RECORD89, 8) in by else "."))
+    logged = logged_lines(by)
+    if logged:
+        text += "\n\n" + logged
     if (RECORD89, 8) in by and ("recipe", 8) in by:
-        text += "\n\n" + comparison(by[RECORD89, 8], by["recipe", 8])
+        text += "\n\n" + comparison([(p, by[p, 8]) for p in (RECORD89, UPSTREAM, "recipe") if (p, 8) in by])
     return text
 
 
-def comparison(theirs: dict, ours: dict) -> str:
-    """#89's peak against the recipe's on 8 GPUs, term by term: what each holds at the moment of its peak."""
+def logged_lines(by: dict) -> str:
+    """Each own-storage estimate on 8 GPUs beside the peaks logged on 8xH100 (LOGGED_MIB), in MiB."""
+    lines = []
+    for preset, (what, low, high) in LOGGED_MIB.items():
+        if (preset, 8) in by:
+            total = by[preset, 8]["total"] / 2**20
+            lines.append(f"- {preset}, 8 GPUs: estimate {total:,.0f} MiB per rank; logged ({what}): peak memory "
+                         f"allocated {low:,}-{high:,} MiB (estimate / logged low: {total / low:.3f})")
+    return "\n".join(lines)
+
+
+def comparison(columns: list[tuple[str, dict]]) -> str:
+    """The own-storage peaks against the recipe's on 8 GPUs, term by term: what each holds at the moment of its peak;
+    the last column the recipe minus the one before it."""
     g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
-    lines = [f"| 8 GPUs, GiB per rank at the peak | #89 itself ({theirs['peak_phase']}) | recipe ({ours['peak_phase']})"
-             " | recipe - #89 |", "|---|---:|---:|---:|"]
+    (_, theirs), (_, ours) = columns[-2], columns[-1]
+    lines = ["| 8 GPUs, GiB per rank at the peak | " + " | ".join(f"{p} ({r['peak_phase']})" for p, r in columns)
+             + f" | recipe - {columns[-2][0]} |", "|---|" + "---:|" * (len(columns) + 1)]
     for name, field in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer"),
-                        ("buffers (RoPE, FP8 copies)", "tables"), ("warmup snapshot", "peak_snapshot"),
+                        ("buffers (RoPE, FP8 copies, sign table)", "tables"), ("warmup snapshot", "peak_snapshot"),
                         ("activations at the peak", "peak_activations"), ("total", "total")):
-        lines.append(f"| {name} | {g(theirs[field])} | {g(ours[field])} | {g(ours[field] - theirs[field])} |")
+        lines.append(f"| {name} | " + " | ".join(g(r[field]) for _, r in columns)
+                     + f" | {g(ours[field] - theirs[field])} |")
     return "\n".join(lines)
 
 
@@ -438,7 +535,9 @@ def main() -> int:
     rows = [row for name, preset in PRESETS.items() for row in estimate(name, preset)]
     if "recipe torch path" in PRESETS:  # the repository's trainer: #89 ran this recipe
         one = {r["preset"]: r for r in rows if r["gpus"] == 1}
-        rows += record89_rows(recipe_config(PRESETS["recipe"]), one["recipe"], one["recipe torch path"])
+        cfg = recipe_config(PRESETS["recipe"])
+        rows += record89_rows(cfg, one["recipe"], one["recipe torch path"])
+        rows += upstream_rows(cfg, one["recipe"], one["recipe torch path"])
     print(markdown(rows))
     for r in rows:
         if not r["ok"]:

@@ -7,10 +7,11 @@ the MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel) in i
 and hidden 3072 over each stage's rows per micro-step (16,384, 32,768, 49,152): the FP8 forward and the backward
 in training, the bf16 forward in validation (262,144 rows) and in training without FP8; the FP8 MLP's down-weight
 quantizer over the 12 x 3072 x 768 bank and its scale reduction; the softcapped multi-token cross-entropy
-(--fused_head, #89's numerics) over the 50,304-column vocabulary with 1 to 3 loss weights (padded to 2 or 4): with
-its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone (validation); Polar Express's
-symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x 768, mlp 3072 x 768; a rank's count of blocks, 8/3/3 on
-8 GPUs or 64/24/24 on one, is the grid's, not the compiled kernel's) and the FP8 head backward's transposes, each
+(--fused_head, #89's numerics and upstream's prefix term) over the 50,304-column vocabulary with 1 to 3 loss
+weights (padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone
+(validation); Polar Express's symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x 768, mlp 3072 x 768; a
+rank's count of blocks, 8/3/3 on 8 GPUs or 64/24/24 on one, is the grid's, not the compiled kernel's) and the FP8
+head backward's transposes, each
 with the specialization Triton's JIT gives the real launch (TMA descriptors: their dtype and block shape). For each:
 shared memory, registers per thread and spilled bytes (from cuobjdump, which ships with Triton). A compile error,
 shared memory above sm90's 227 KB per block, or any spill fails it (exit 1).
@@ -70,7 +71,8 @@ def mlp_gemm_cases(dim: int, hidden: int, val_rows: int) -> list[tuple[str, obje
         half = [K.MLP_BLOCK_M, K.MLP_BLOCK_N // 2]
         args = (descriptor(a_dtype, rows, dim, [K.MLP_BLOCK_M, block_k]),
                 descriptor(a_dtype, hidden, dim, [K.MLP_BLOCK_N, block_k]), descriptor(bf16, rows, hidden, half),
-                descriptor(bf16, rows, hidden, half), descriptor(e4m3, rows, hidden, half) if fp8 else None,
+                None if mode != "backward" else descriptor(bf16, rows, hidden, half),  # aux: post, backward only
+                descriptor(e4m3, rows, hidden, half) if fp8 else None,
                 *((f32, f32, f32) if fp8 else (None, None, None)), rows, hidden, dim)
         cases.append((f"linear_relu_square {mode} M={rows}", kernel, args,
                       {"BLOCK_M": K.MLP_BLOCK_M, "BLOCK_N": K.MLP_BLOCK_N, "BLOCK_K": block_k, "NUM_SMS": H100_SMS,
@@ -98,14 +100,16 @@ def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, d
                                                           "num_stages": 1}))
     ce = K.softcap_ce_launcher().kernel  # one HEAD_CHUNK_ROWS chunk of logits, its first row at row0
     targets, losses, e5m2 = torch.empty(8, dtype=torch.int64), torch.empty(8), torch.empty(8, dtype=torch.float8_e5m2)
-    # training with the FP8 head (e5m2 codes, grad_s #89's), with the bf16 head (in place), validation (loss alone)
+    # training with the FP8 head (e5m2 codes, grad_s #89's), with the bf16 head (in place), validation (loss alone);
+    # the prefix targets (int64, one per row) and weight (fp32, one) after the MTP weights
     modes = (("loss+grad e5m2", e5m2, 0.75 / 448, True), ("loss+grad bf16", bf16, 1.0, True),
              ("loss", bf16, 1.0, False))
     for k in (2, 4):  # 1 or 2 weights pad to 2, 3 to 4 (softcap_ce)
         for mode, grad, grad_s, with_grad in modes:
             out.append((f"softcap_ce bf16 K={k} {mode}", ce,
-                        (bf16, vocab, grad, vocab, targets, torch.empty(k), losses, K.HEAD_CHUNK_ROWS, rows, 23.0, 5.0,
-                         7.5, grad_s), {"V": vocab, "K": k, "BLOCK_V": 1024, "GRAD": with_grad, **DEFAULTS}))
+                        (bf16, vocab, grad, vocab, targets, torch.empty(k), targets, torch.empty(1), losses,
+                         K.HEAD_CHUNK_ROWS, rows, 23.0, 5.0, 7.5, grad_s),
+                        {"V": vocab, "K": k, "BLOCK_V": 1024, "GRAD": with_grad, **DEFAULTS}))
     gram, (block, block_k, warps, stages) = K.gram_launcher().kernel, K.GRAM_CONFIG
     tiles = {"BLOCK": block, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
     a, b, c = T.POLAR_EXPRESS[0]
@@ -124,7 +128,33 @@ def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, d
     for name, codes, cols in (("e4m3", e4m3, dim), ("e5m2", e5m2, vocab)):
         out.append((f"transpose_copy {name} {rows}x{cols}", transpose, (codes, codes, rows, cols, cols, 1, rows, 1),
                     {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}))
-    return out
+    return out + dc_cases(cfg, *DC_LAUNCHES[-1])
+
+
+# DC attention on layer 10 (gpt_kernels.dc_attention_launcher): T and the cu_seqlens entries' count are runtime
+# arguments (T a multiple of 16 at every stage: one specialization), so validation's launch stands for all four.
+DC_LAUNCHES = ((16_384, 64), (32_768, 96), (49_152, 128), (262_144, 896))  # (T, cu_seqlens entries): stages, val
+
+
+def dc_cases(cfg: T.Config, T_: int, entries: int) -> list[tuple[str, object, tuple, dict]]:
+    """speedrun::dc_attention's three kernels in bf16 at (T_, entries): the forward and the backward's query-major
+    and key-major kernels, arguments as the launcher passes them."""
+    forward, backward = K.dc_attention_launcher()
+    queries, keys = backward.kernels
+    bf16, f32, i32 = torch.empty(8, dtype=torch.bfloat16), torch.empty(8), torch.empty(8, dtype=torch.int32)
+    window, n_docs = 112, entries - 1
+    runtime = (T_, n_docs, max(1, n_docs.bit_length()), 0.12)
+    shared = {"H": cfg.num_heads, "D": cfg.head_dim, "WINDOW": window, "PRECISION": "tf32",
+              "num_warps": K.DC_NUM_WARPS, "num_stages": 1}
+    slots = K.dc_slots(window, K.DC_BLOCK_M)
+    name = f"bf16 H={cfg.num_heads} D={cfg.head_dim} window={window}"
+    return [(f"dc_attention forward {name}", forward.kernel, (bf16,) * 6 + (i32, bf16, f32) + runtime,
+             {**shared, "BLOCK_M": K.DC_BLOCK_M, "SLOTS": slots}),
+            (f"dc_attention backward queries {name}", queries,
+             (bf16,) * 6 + (i32, f32, bf16, bf16, bf16, bf16, f32) + runtime,
+             {**shared, "BLOCK_M": K.DC_BLOCK_M, "SLOTS": slots}),
+            (f"dc_attention backward keys {name}", keys, (bf16, bf16, bf16, bf16, f32, bf16, bf16, T_, 0.12),
+             {**shared, "BLOCK_N": K.DC_BLOCK_N, "SLOTS": K.dc_slots(window, K.DC_BLOCK_N)})]
 
 
 def source(kernel, args: tuple, keywords: dict) -> tuple[ASTSource, dict]:

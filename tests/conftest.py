@@ -28,7 +28,8 @@ def pytest_configure(config):
 # The recipe at the tiny preset's shape in one stage, no extension and Adam every step: a run of any length from
 # one step that can checkpoint at any step. The stages, the untie and the extension are tests/test_recipe.py's.
 ONE_STAGE = dict(train_seq_len=128, seq_len_stages="128", window_stages="1/2", lr_stages="1", doc_len_stages="2048",
-                 mtp_stages="1/0.5", final_val_windows="1/2", extension_steps=0, untie_stage=1, adam_every=1)
+                 mtp_stages="1/0.5", prefix_stages="0.25/0", final_val_windows="1/2", extension_steps=0,
+                 untie_stage=1, adam_every=1)
 
 
 def tiny_args(tmp_path: Path, **overrides: object) -> list[str]:

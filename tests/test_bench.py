@@ -20,12 +20,12 @@ import trace_report as TR  # noqa: E402
 def test_recipe_matmul_weights():
     with torch.device("meta"):
         model = T.GPT(T.Config(), use_flex=True, fp8_head=True)
-    # The recipe's N: 10 attention layers (4 x 768^2 + 6 x 12 head gates), 5 VE gates (6 x 12), 11 MLPs
-    # (2 x 768 x 3072), the skip's and smear's gates (12 each), MUDD's two MLPs (64 x 768 + 14 x 64 each) and the LM
-    # head (50304 x 768).
-    assert T.matmul_weights(model) == (10 * (4 * 768**2 + 72) + 5 * 72 + 11 * 2 * 768 * 3072 + 24
-                                       + 2 * (64 * 768 + 14 * 64) + 50304 * 768)
-    assert T.matmul_weights(model) == 114_232_144
+    # The recipe's N: 10 attention layers (4 x 768^2), 5 VE gates (6 x 12), 11 MLPs (2 x 768 x 3072), the smear's
+    # gate (12), MUDD's two MLPs (64 x 768 + 14 x 64 each), the gate network's two (64 x 768 + 41 x 64 each) and the
+    # LM head (50304 x 768).
+    assert T.matmul_weights(model) == (10 * 4 * 768**2 + 5 * 72 + 11 * 2 * 768 * 3072 + 12
+                                       + 2 * (64 * 768 + 14 * 64) + 2 * (64 * 768 + 41 * 64) + 50304 * 768)
+    assert T.matmul_weights(model) == 114_334_964
 
 
 # -----------------------------------------------------------------------------

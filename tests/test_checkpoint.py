@@ -20,7 +20,7 @@ from conftest import REPO, SAMPLE_TRAIN, SMALL, main_in_process, run_world, tiny
 K = 3
 # Schedules that do not depend on --num_steps (no lr or momentum cooldown, one next-token weight, fixed windows), so
 # a K-step run resumed with --num_steps=2K continues exactly as the 2K-step run.
-STEADY = dict(cooldown_frac=0.0, muon_momentum_cooldown_steps=0, mtp_stages="1", val_every=K)
+STEADY = dict(cooldown_frac=0.0, muon_momentum_cooldown_steps=0, mtp_stages="1", prefix_stages="0.25/0.25", val_every=K)
 
 
 def args(tmp_path: Path, run_id: str, **overrides: object) -> list[str]:
@@ -69,7 +69,8 @@ def test_a_resume_with_other_stage_lengths_continues_the_stream_where_the_checkp
     # The checkpoint saves the stream's exact position: new stage lengths apply to the data still to come, no
     # token is trained twice (re-deriving the position from the new lengths lands ~5k tokens back).
     staged = dict(train_seq_len=512, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", lr_stages="1,1,1",
-                  doc_len_stages="2048,2048,2048", mtp_stages="1,1,1", num_steps=6, val_every=0, **SMALL)
+                  doc_len_stages="2048,2048,2048", mtp_stages="1,1,1", prefix_stages="0.25/0.25,0.25/0,0/0", num_steps=6,
+                  val_every=0, **SMALL)
     T.run(tiny_args(tmp_path, run_id="first", save_every=2, **staged))
     meta = T.read_checkpoint_meta(ckpt(tmp_path, "first", 2))
 

@@ -34,6 +34,26 @@ def test_record89_lines_at_8_ranks_are_issue_49s(kind, total):
 def test_record89_has_no_sparse_bigram_below_8_ranks_and_no_comms_on_one():
     assert sum(C.record89_bytes(1, "Adam untied", 1e5).values()) == 0
     assert C.record89_bytes(4, "Adam untied", 1e5)["all-to-all"] == 0
+    assert sum(C.upstream_bytes(1, "Adam untied", 1e5).values()) == 0
+    assert C.upstream_bytes(4, "Adam untied", 1e5)["all-to-all"] == 0
+
+
+@pytest.mark.parametrize("kind", ["Muon-only", "Adam tied", "Adam untied"])
+def test_upstream_line_at_8_ranks_is_record89s_with_its_768_wide_table_and_gate_network(kind):
+    # Counted by hand from upstream_head_spec.md §2.2, §2.8, §2.10: the Muon banks as #89's; the bigram table
+    # 377,280 x 768 bf16 all-gathered (7/8 of it) in place of 754,560 x 192, its sparse rows 768 bf16 + a 4-byte id;
+    # all-reduced (2 x 7/8): skip_gate 12 + attn_gate_bank 720 bf16, x0 and bigram lambdas 11 + 11, XSA 66 fp32 gone;
+    # mudd_gate_w1 2x64x768, w2 2x41x64, b2 2x41 bf16 and the 0-d fp32 scale added.
+    rows = 30_000.0
+    got, theirs = C.upstream_bytes(8, kind, rows), C.record89_bytes(8, kind, rows)
+    adam = kind != "Muon-only"
+    gathered = 7 / 8 * 2 * (377_280 * 768 - 754_560 * 192)
+    reduced = 2 * 7 / 8 * ((2 * 64 * 768 + 2 * 41 * 64 + 2 * 41) * 2 + 4 - (12 + 720) * 2 - (11 + 11 + 66) * 4)
+    want = {"reduce-scatter": theirs["reduce-scatter"], "all-reduce": theirs["all-reduce"] + adam * reduced,
+            "all-gather": theirs["all-gather"] + adam * gathered, "all-to-all": adam * rows * (768 * 2 + 4)}
+    assert got == pytest.approx(want, rel=1e-12)
+    if not adam:
+        assert sum(got.values()) / MB == pytest.approx(291.8, abs=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +65,8 @@ def test_recipe_count_at_8_ranks_is_every_updated_bucket_reduced_and_gathered_th
     # Rank 3 touched every 7th row (some twice): it sends those outside its shard, each once, with its row id, after
     # the rows' counts. The bigram table's bucket is not reduce-scattered, it is all-gathered as every other.
     cfg, W, rank = T.Config(), 8, 3
-    touched = np.concatenate([np.arange(0, C.BIGRAM_ROWS, 7), np.arange(0, 1000, 7)])
-    shard = C.BIGRAM_ROWS // W
+    touched = np.concatenate([np.arange(0, cfg.bigram_rows, 7), np.arange(0, 1000, 7)])
+    shard = cfg.bigram_rows // W
     sent = int((np.unique(touched) // shard != rank).sum())
     buckets = C.recipe_optimizer(cfg, W, rank, recipe_model).buckets
     calls = C.recipe_calls(cfg, W, {"Adam tied": touched, "Adam untied": touched}, rank, recipe_model)
@@ -56,20 +76,22 @@ def test_recipe_count_at_8_ranks_is_every_updated_bucket_reduced_and_gathered_th
         got = C.by_kind(calls[kind], W)
         assert got["all-gather"] == pytest.approx(size(updated))
         assert got["reduce-scatter"] == pytest.approx(size([b for b in updated if b.names != [T.BIGRAM_TABLE]]))
-        assert got["all-to-all"] == (W * 8 + sent * (4 + 2 * cfg.bigram_dim) if adam else 0)
+        assert got["all-to-all"] == (W * 8 + sent * (4 + 2 * cfg.model_dim) if adam else 0)
         assert got["all-reduce"] == 0
 
 
-def test_recipe_adam_lines_at_8_ranks_are_record89s_and_its_counts(recipe_model):
+def test_recipe_adam_lines_at_8_ranks_are_upstreams_and_its_counts(recipe_model):
+    # The recipe's model is upstream's current one: its bigram table's shape is upstream's (not #89's).
     # The same rows on either side (random tokens, one step pair at 2,048 tokens per sequence): the recipe sends what
-    # #89 sends, plus the counts' W int64 (which #89's line leaves out), mean over the ranks; in all, the same to 0.1 MB
-    # (#89 all-reduces its replicated parameters, the recipe shards them; #89's banks pad otherwise).
+    # upstream sends, plus the counts' W int64 (which upstream's line leaves out), mean over the ranks; in all, the same
+    # to 0.1 MB (upstream all-reduces its replicated parameters, the recipe shards them; its banks pad otherwise).
     cfg, W = T.Config(), 8
-    pairs = C.pair_rows(None, 2048, 2048, 1)
+    assert (cfg.bigram_rows, cfg.model_dim) == (C.UPSTREAM_ROWS, C.UPSTREAM_DIM) == (377_280, 768)
+    pairs = C.pair_rows(None, 2048, 2048, 1, cfg.bigram_rows)
     for kind in ("Adam tied", "Adam untied"):
         got = [C.by_kind(C.recipe_calls(cfg, W, {kind: C.rank_rows(pairs[0], r, W)}, r, recipe_model)[kind], W)
                for r in range(W)]
-        want = C.record89_bytes(W, kind, C.record89_rows(pairs))
+        want = C.upstream_bytes(W, kind, C.record89_rows(pairs, W, cfg.bigram_rows))
         assert np.mean([g["all-to-all"] for g in got]) == pytest.approx(want["all-to-all"] + W * 8, rel=1e-12)
         assert np.mean([sum(g.values()) for g in got]) / MB == pytest.approx(sum(want.values()) / MB, abs=0.05)
 
@@ -78,7 +100,7 @@ def small_config() -> T.Config:
     """The recipe's layout at toy widths, buckets small enough to split groups (tests/test_sharded_optim.py's)."""
     fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
                   train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, bigram_rows=1032,
-                  bigram_dim=16, mudd_dim=8, bucket_mb=0.05)
+                  mudd_dim=8, bucket_mb=0.05)
     return T.parse_config([f"--{k}={v}" for k, v in fields.items()])
 
 
@@ -128,3 +150,25 @@ def test_two_gloo_ranks_issue_exactly_the_planned_collectives(tmp_path):
                            ("Adam tied", {"reduce-scatter": every - 1, "all-to-all": 3, "all-gather": every})):
             assert Counter(c.kind for c in calls[kind]) == want, kind
             assert Counter(calls[kind]) == Counter(counted[kind]), kind
+
+
+def test_a_train_files_glob_that_matches_nothing_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    with pytest.raises(SystemExit) as exit_info:
+        C.main([f"--train_files={tmp_path}/nope/*.bin", f"--json={out}"])
+    stdout, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and stdout == "" and not out.exists(), err
+    lines = err.splitlines()  # the trainer's own line for a glob without shards, after the flag it concerns
+    assert len(lines) == 1 and lines[0].startswith(f"error: --train_files: no files match '{tmp_path}/nope/*.bin'")
+
+
+def test_without_train_files_the_first_line_says_which_tokens_were_counted(monkeypatch, capsys):
+    monkeypatch.setattr(C, "table", lambda rows_at: {})  # the per-W table: not this test's
+    monkeypatch.setattr(C, "DEFAULT_FILES", "/nowhere/proxy_train_*.bin")  # a checkout without the proxy corpus
+    C.main(["--pairs=1"])
+    assert capsys.readouterr().out.splitlines()[0] == ("Tokens counted: seeded random tokens (1 step pairs x 8 "
+                                                       "sequences per stage): no --train_files given and no shards "
+                                                       "at /nowhere/proxy_train_*.bin")
+    C.main(["--pairs=1", f"--train_files={REPO}/data/sample/sample_train_*.bin"])
+    assert capsys.readouterr().out.splitlines()[0] == (f"Tokens counted: {REPO}/data/sample/sample_train_*.bin, 1 "
+                                                       f"step pairs x 8 sequences per stage")

@@ -89,6 +89,26 @@ def test_auto_takes_fp32_where_the_cpu_has_no_native_bf16_gemm():
         T.resolve_for_device(T.parse_config(["--cpu_bf16_gemm=fp32"]), cuda=True)
 
 
+def test_the_log_says_record_path_only_where_the_run_computes_the_records_arithmetic(monkeypatch):
+    def path(isa: str, gemm: str, avx512: bool, env: dict[str, str]) -> str:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+        for name in T.RECORD_PATH_ENV:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return T.cpu_path(gemm)
+
+    assert T.RECORD_PATH_ENV == AVX2_ONLY  # what this file's AVX2 runs set, run.sh's record path too
+    assert path("AVX2", "fp32", True, AVX2_ONLY) == "record"  # run.sh's default on an AVX-512 CPU
+    assert path("AVX2", "fp32", False, {}) == "record"  # an AVX2-only CPU, as the bundled records' was
+    assert path("AVX2", "fp32", True, dict(AVX2_ONLY, MKL_ENABLE_INSTRUCTIONS="AVX512")) == "native"  # MKL's GEMMs
+    assert path("AVX2", "native", False, {}) == "native"
+    assert path("AVX512", "fp32", True, {}) == "native"
+    path("AVX2", "fp32", True, AVX2_ONLY)
+    assert f"\nCPU path: {T.CPU_PATHS['record']}" in T.environment_report(torch.device("cpu"), "fp32")
+
+
 @pytest.mark.slow
 def test_an_avx2_only_cpu_runs_the_fp32_path_and_says_so(tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import train_gpt as T; "
@@ -99,7 +119,7 @@ def test_an_avx2_only_cpu_runs_the_fp32_path_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = (tmp_path / "logs" / "avx2.txt").read_text()
     assert "vector ISA AVX2, native bf16 GEMM no" in log
-    assert "bf16 GEMM path: fp32 (" in log
+    assert "bf16 GEMM path: fp32 (" in log and "\nCPU path: record (" in log  # the bundled records' arithmetic
     config = json.loads(next(line for line in log.splitlines() if line.startswith("config: "))[len("config: "):])
     assert config["cpu_bf16_gemm"] == "fp32"
 

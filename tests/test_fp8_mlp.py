@@ -133,11 +133,12 @@ def selection_weights() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def run(*args):
-    """(out, post_amax, pre, post): mlp_fp8's outputs on the torch path and the activations its backward keeps."""
-    out, amax, pre, post = torch.ops.speedrun.mlp_fp8_forward(*args, False)
+    """(out, post_amax, post): mlp_fp8's outputs on the torch path and the activation its backward keeps (post alone:
+    upstream's #87 never keeps pre)."""
+    out, amax, post = torch.ops.speedrun.mlp_fp8_forward(*args, False)
     public = torch.ops.speedrun.mlp_fp8(*args, False)
     assert len(public) == 2 and torch.equal(public[0], out) and torch.equal(public[1], amax)
-    return out, amax, pre, post
+    return out, amax, post
 
 
 def test_every_rounding_of_the_forward_is_the_specs_on_single_term_products():
@@ -145,13 +146,12 @@ def test_every_rounding_of_the_forward_is_the_specs_on_single_term_products():
     w8_fc, w8_proj_t, c = selection_weights()
     s_up, s_act = scalar(0.3), scalar(2.0 ** -6)  # s_act a power of two: out / s_act shows post8 exactly
     weights = bank(layers=1)[0]
-    out, amax, pre, post = run(x, weights[0], weights[1], w8_fc, s_up, w8_proj_t, scalar(1.0), s_act)
+    out, amax, post = run(x, weights[0], weights[1], w8_fc, s_up, w8_proj_t, scalar(1.0), s_act)
     a = x.abs().max().float()
     x8 = (x.float() * (448 / a)).to(E4M3)  # current scale, fp32 product, one rounding
     dq = s_up * a / 448  # fp32: s_up times the amax, then over 448
     want_pre = (x8.float()[:, torch.arange(HIDDEN) % D] * c * dq).to(BF16)  # the one product, times dq, to bf16
-    assert torch.equal(pre, want_pre)
-    want_post = pre.float().relu().square().to(BF16)
+    want_post = want_pre.float().relu().square().to(BF16)  # post from the spec's pre: every rounding shows in it
     assert torch.equal(post, want_post) and amax == want_post.float().max() and amax.dtype == torch.float32
     post8 = (want_post.float() * (1 / s_act)).clamp(max=448).to(E4M3)
     assert torch.equal(out, (post8.float()[:, :D] * s_act).to(BF16))
@@ -164,14 +164,16 @@ def test_the_forward_with_quantized_weights_follows_the_spec_within_fp32_accumul
     q = quantized(bank())
     s_act = scalar(0.37)
     args = (q["w8_fc"][1], q["up_scales"][1], q["w8_proj_t"][1], q["used_scales"][1], s_act)
-    out, amax, pre, post = run(x, weights[0], weights[1], *args)
+    out, amax, post = run(x, weights[0], weights[1], *args)
     a = x.abs().max().double()
     x8 = (x.float() * (448 / a.float())).to(E4M3)
     dq = (q["up_scales"][1] * a.float() / 448).double()
-    exact_pre = dq * (x8.double() @ q["w8_fc"][1].double().T)
-    ulp = torch.finfo(BF16).eps * exact_pre.abs().clamp(min=1e-30)
-    assert ((pre.double() - exact_pre).abs() <= ulp).all()  # within one bf16 step of the exact product
-    assert (pre.double() == exact_pre.to(BF16).double()).float().mean() > 0.99  # and the nearest almost always
+    exact_post = (dq * (x8.double() @ q["w8_fc"][1].double().T)).relu().square()
+    # pre within one bf16 step (2^-7 relative) of the exact product, so its square within two, and post's rounding
+    # half a step more; and post is the nearest pre's square, rounded, almost always
+    assert ((post.double() - exact_post).abs() <= 2.5 * torch.finfo(BF16).eps * exact_post).all()
+    nearest = (dq * (x8.double() @ q["w8_fc"][1].double().T)).to(BF16).float().relu().square().to(BF16)
+    assert (post == nearest).float().mean() > 0.99
     post8 = (post.float() * (1 / s_act)).clamp(max=448).to(E4M3)
     exact_out = s_act.double() * q["used_scales"][1].double() * (post8.double() @ q["w8_proj_t"][1].double().T)
     err = (out.double() - exact_out).abs()
@@ -187,15 +189,14 @@ def test_the_forward_matches_the_independent_reference():
     q = quantized(weights)
     for layer, s_act in ((0, 1.0), (2, 1e-4)):  # step 0's scale 1, and a delayed one that saturates
         args = (q["w8_fc"][layer], q["up_scales"][layer], q["w8_proj_t"][layer], q["used_scales"][layer])
-        out, amax, pre, post = run(x, weights[layer, 0], weights[layer, 1], *args, scalar(s_act))
+        out, amax, post = run(x, weights[layer, 0], weights[layer, 1], *args, scalar(s_act))
         assert (post.float() / s_act > 448).any() == (s_act < 1)
         r_pre, r_post, r_out, r_amax = R.mlp_fp8_forward89(x, args[0], args[1], args[2].T, args[3], s_act)
-        for got, want in ((pre, r_pre), (out, r_out)):
-            step = torch.finfo(BF16).eps * want.double().abs()
-            assert ((got.double() - want.double()).abs() <= step + 1e-6 * want.double().abs().max()).all()
-        assert torch.equal(post, pre.float().relu().square().to(BF16)) and amax == post.float().max()
-        same = pre == r_pre  # post follows pre exactly; pre is the reference's nearly everywhere
-        assert torch.equal(post[same], r_post[same]) and same.float().mean() > 0.99
+        step = torch.finfo(BF16).eps * r_out.double().abs()
+        assert ((out.double() - r_out.double()).abs() <= step + 1e-6 * r_out.double().abs().max()).all()
+        # pre is the reference's nearly everywhere, else a bf16 step off: post the same or within 2.5 steps
+        assert (post == r_post).float().mean() > 0.99 and amax == post.float().max()
+        assert ((post.double() - r_post.double()).abs() <= 2.5 * torch.finfo(BF16).eps * r_post.double()).all()
         assert abs(amax.item() - r_amax) <= torch.finfo(BF16).eps * r_amax
 
 
@@ -206,19 +207,23 @@ def test_the_backward_is_the_bf16_mlps_from_the_saved_activations():
     q = quantized(weights)
     w_fc, w_proj = weights[0, 0].clone().requires_grad_(), weights[0, 1].clone().requires_grad_()
     xs = x.clone().requires_grad_()
-    out, amax, pre, post = run(xs, w_fc, w_proj, q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0],
-                               q["used_scales"][0], scalar(0.5))
+    out, amax, post = run(xs, w_fc, w_proj, q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0], q["used_scales"][0],
+                          scalar(0.5))
     g = torch.randn(M, D, generator=torch.Generator().manual_seed(7)).to(BF16)
     out.backward(g)
     assert xs.grad.dtype == w_fc.grad.dtype == w_proj.grad.dtype == BF16
-    # the spec's formulas in float64, rounded to bf16 where #89 rounds (each GEMM's output, dpre's product)
+    # the spec's formulas in float64, rounded to bf16 where upstream rounds (each GEMM's output, dpre's product):
+    # relu(pre) as sqrt(post) (#87, spec 2.9)
     h = (g.double() @ w_proj.detach().double().T).to(BF16)
-    d_pre = (2 * h.double() * pre.double().relu()).to(BF16)
+    d_pre = (2 * h.double() * post.double().sqrt()).to(BF16)
     want = ((d_pre.double() @ w_fc.detach().double()), (d_pre.double().T @ x.double()), (post.double().T @ g.double()))
     for got, exact in zip((xs.grad, w_fc.grad, w_proj.grad), want):
         err = (got.double() - exact).abs()
         assert (err <= 2 * torch.finfo(BF16).eps * exact.abs() + 1e-3 * exact.abs().max()).all()
-    for got, ref in zip((xs.grad, w_fc.grad, w_proj.grad), R.mlp_backward89(x, w_fc, w_proj, pre, post, g)):
+    # #89's backward from its own pre (relu(pre), not sqrt(post)): an eighth of dpre a bf16 step apart, measured
+    # 2.9e-3 relative at most (grad_x; grad_w_proj = post^T g equal); bound 1e-2
+    r_pre = R.mlp_fp8_forward89(x, q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0].T, q["used_scales"][0], 0.5)[0]
+    for got, ref in zip((xs.grad, w_fc.grad, w_proj.grad), R.mlp_backward89(x, w_fc, w_proj, r_pre, post, g)):
         assert ((got.double() - ref.double()).norm() / ref.double().norm()) < 1e-2
 
 
@@ -279,6 +284,6 @@ def test_the_mlp_ops_bodies_serve_several_row_counts(shape):
     x = activations(rows=shape[0])
     weights = bank()
     q = quantized(weights)
-    out, amax, pre, post = run(x, weights[0, 0], weights[0, 1], q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0],
-                               q["used_scales"][0], scalar(1.0))
-    assert out.shape == shape and pre.shape == post.shape == (shape[0], HIDDEN) and amax.shape == (1,)
+    out, amax, post = run(x, weights[0, 0], weights[0, 1], q["w8_fc"][0], q["up_scales"][0], q["w8_proj_t"][0],
+                          q["used_scales"][0], scalar(1.0))
+    assert out.shape == shape and post.shape == (shape[0], HIDDEN) and amax.shape == (1,)

@@ -19,6 +19,8 @@ import memory_estimate as M  # noqa: E402
 
 RECORD28_ALLOCATED_MIB = (33_860, 34_761)  # record #28's logged peak allocated per GPU, 8xH100
 RECORD89_ALLOCATED_MIB = 30_220  # record #89's, its README's log (its 13 logs: 30,220-30,935 MiB; 8xH100)
+# #85 v3's (MuddGatedAndDC/this_pr_v3, 10 logs, 8xH100): the nearest logged code to upstream f411b3d (spec §1.3)
+V3_ALLOCATED_MIB = (31_765, 32_160)
 
 
 def test_liveness_counts_gemm_outputs_and_what_they_read_not_fused_pointwise_chains():
@@ -34,7 +36,8 @@ def test_liveness_counts_gemm_outputs_and_what_they_read_not_fused_pointwise_cha
 
 
 def test_record89s_static_tensors_are_the_ones_its_source_allocates():
-    """Counted here from #89's own shapes (its train_gpt.py; spec 4.1, 5): the tool derives them from this model."""
+    """Counted here from #89's own shapes (its train_gpt.py; spec 4.1, 5): the tool states them (RECORD89_PARAMS),
+    whatever model train_gpt.py holds."""
     V, d, bigram = 50304, 768, 754_560 * 192
     tables = [V * d, d * V, 5 * V * d, bigram]  # embed, lm_head, value embeddings, bigram: bf16, sharded Adam
     gates = 10 * 6 * 12 + 5 * 6 * 12 + 12 + 12  # attention and VE gate banks, smear and skip gates: bf16, Adam
@@ -60,6 +63,30 @@ def test_record89s_static_tensors_are_the_ones_its_source_allocates():
     assert got == expected, {k: got[k] - expected[k] for k in expected}
 
 
+def test_upstreams_static_tensors_are_its_parameter_table_with_89s_storage():
+    """Counted here from upstream f411b3d's shapes (upstream_head_spec.md §2.2): #89's five gate/lambda tensors gone,
+    the MUDD gate network added, the bigram table 377,280 x 768, the sign table 8192 x 768, the prefix table."""
+    V, d, bigram = 50304, 768, 377_280 * 768
+    tables = [V * d, d * V, 5 * V * d, bigram]
+    gates = 5 * 6 * 12 + 12  # VE gate bank, smear gate: bf16
+    mudd = 2 * (2 * 64 * 768) + 2 * 14 * 64 + 2 * 14 + 2 * 41 * 64 + 2 * 41  # mudd_w1/w2/b2, mudd_gate_w1/w2/b2: bf16
+    fp32 = 24 + 11 * 2 + 11 * 2 + 1  # scalars, resid and post lambdas, the 0-d _mudd_gate_scale
+    qk, vo, mlp = (64, 256, 768), (24, 768, 768), (24, 3072, 768)
+    matrices = sum(n * r * c for n, r, c in (qk, vo, mlp))
+    bf16 = sum(tables) + gates + mudd
+    got, signs = M.upstream_static(M.recipe_config([]), 8)
+    expected = {
+        "parameters": 2 * (bf16 + matrices) + 4 * fp32,
+        "gradients": 2 * bf16 + 4 * fp32,
+        "muon_gradients": 2 * matrices,
+        "optimizer": sum(tables) + 8 * (gates + mudd + fp32) + 6 * (8 * 256 * 768 + 3 * 768 * 768 + 3 * 3072 * 768)
+        + 4 * (8 * 768 + 3 * 768 + 3 * 3072),
+        "tables": 2 * 2 * (2 * 262_144) * (128 + 256) + 24 * 3072 * 768 + 2 * 8192 * 768 + 8 * 50304,
+    }
+    assert signs == 2 * 8192 * 768
+    assert got == expected, {k: got[k] - expected[k] for k in expected}
+
+
 @pytest.fixture(scope="module")
 def repo_rows(tmp_path_factory) -> list[dict]:
     return estimate_rows(tmp_path_factory.mktemp("memory"))
@@ -80,7 +107,7 @@ def estimate_rows(tmp_path, trainer: str | None = None) -> list[dict]:
 
 
 def test_the_recipe_fits_an_80_gb_gpu_and_its_kernels_cut_the_peak(repo_rows):
-    presets = {*M.PRESETS, M.RECORD89}
+    presets = {*M.PRESETS, M.RECORD89, M.UPSTREAM}
     assert {(r["preset"], r["gpus"]) for r in repo_rows} == {(p, g) for p in presets for g in (1, 8)}
     by = {(r["preset"], r["gpus"]): r for r in repo_rows}
     assert by["recipe", 1]["optimizer"] > 4 * by["recipe", 8]["optimizer"]  # sharded over 8 ranks
@@ -88,7 +115,7 @@ def test_the_recipe_fits_an_80_gb_gpu_and_its_kernels_cut_the_peak(repo_rows):
     assert by["recipe", 8]["train_peak"] < 0.6 * by["recipe torch path", 8]["train_peak"]
     # The warmup trains (never validates) holding clones of the parameters, the optimizer state and the persistent
     # buffers (the FP8 MLP's codes and scales, the sign table): on top of the train peak, where the recipe peaks.
-    persistent = 2 * 11 * 3072 * 768 + 4 * 11 * 4 + 2 * 8192 * 192  # e4m3 W_fc, W_proj^T; 4 scale vectors; signs
+    persistent = 2 * 11 * 3072 * 768 + 4 * 11 * 4 + 2 * 8192 * 768  # e4m3 W_fc, W_proj^T; 4 scale vectors; signs
     for gpus in (1, 8):
         r = by["recipe", gpus]
         assert r["warmup_snapshot"] == r["parameters"] + r["optimizer"] + persistent and r["peak_phase"] == "train", r
@@ -108,9 +135,23 @@ def test_the_estimate_of_record89s_own_memory_is_near_the_peak_record89_logged(r
     assert r89["total"] - r89["peak_snapshot"] < 0.97 * logged
     # #89's training (bf16 logits and their e5m2 gradient) stays below its validation; ours holds no logits at all.
     assert r89["train_peak"] < r89["validation_peak"] and ours["total"] < 0.75 * r89["total"]
-    # Term by term (the tool's second table) the two differ by under 1 GiB outside the activations at the peak:
-    # the gap is #89's validation logits against the recipe's training activations.
-    assert abs((r89["total"] - ours["total"]) - (r89["peak_activations"] - ours["peak_activations"])) < 2**30
+    # Term by term (the tool's second table) upstream's storage of the same parameters and the recipe's differ by under
+    # 1 GiB outside the activations at the peak: the gap is upstream's validation logits against the recipe's training.
+    up = by[M.UPSTREAM, 8]
+    assert abs((up["total"] - ours["total"]) - (up["peak_activations"] - ours["peak_activations"])) < 2**30
+
+
+def test_the_estimate_of_upstreams_own_memory_is_near_the_peak_85_v3_logged(repo_rows):
+    # #85 v3 is the nearest logged code (spec §1.3); its peak, like #89's, is a warmup validation batch's logits.
+    by = {(r["preset"], r["gpus"]): r for r in repo_rows}
+    up, r89 = by[M.UPSTREAM, 8], by[M.RECORD89, 8]
+    low, high = (m * 2**20 for m in V3_ALLOCATED_MIB)
+    assert 0.97 * low <= up["total"] <= 1.03 * high, up["total"] / low
+    assert up["peak_phase"] == "validation" and up["peak_activations"] == r89["peak_activations"]
+    # The 768-wide bigram table (bf16 parameter and gradient, sharded fp32 moments, the warmup's copies) is most of
+    # what upstream holds above #89: 377,280 x 768 - 754,560 x 192 = 144,875,520 more values.
+    more = 144_875_520 * (2 + 2 + 8 / 8 + 2 + 8 / 8)
+    assert 0.9 * more < up["total"] - r89["total"] < 1.1 * more + 2**27, (up["total"] - r89["total"]) / more
 
 
 def test_the_estimate_of_record28s_snapshot_is_near_the_peak_record28_logged(tmp_path):

@@ -43,10 +43,10 @@ def test_forward_backward_shapes_and_dtypes():
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
         assert torch.isfinite(p.grad.float()).all(), name
-    # #89's dtypes (spec 5.1): fp32 for the scalars and the per-layer lambdas, bf16 for everything else (the Muon
-    # banks too: their fp32 masters' low halves are optimizer state)
+    # Upstream's dtypes: fp32 for the scalars, the per-layer lambdas and the gates' shared scale, bf16 for everything
+    # else (the Muon banks too: their fp32 masters' low halves are optimizer state)
     fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
-    assert fp32 == {"scalars", "post_lambdas", "resid_lambdas", "x0_lambdas", "bigram_lambdas", "xsa_alphas"}, fp32
+    assert fp32 == {"scalars", "post_lambdas", "resid_lambdas", "_mudd_gate_scale"}, fp32
     L, H, D, d = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.model_dim
     attention_layers = L - cfg.attn_pattern.count("-")
     assert model.qk_bank.shape == (attention_layers * H, 2 * D, d)  # Q and K in head pairs (#80)

@@ -21,7 +21,7 @@ SMALL_STAGES = dict(extension_steps=2, muon_momentum_cooldown_steps=3, window_st
                     adam_every=2)
 # The recipe's model at a test's scale: five layers shaped like the spec's eleven (tests/test_recipe_model.py).
 SMALL_MODEL = dict(num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2", attn_input_layer=3,
-                   bigram_rows=4099, paired_layers="0,3")
+                   bigram_rows=4099, paired_layers="0,3", xsa_layers="1")
 
 # Polar Express (Amsel et al. 2025; record #38): per-iteration (a, b, c), safety factor 1.02.
 PE_COEFFS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -280,7 +280,7 @@ def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
     (["--mtp_stages=1/0.5,0/1"], "each stage's first weight"),
     (["--lr_stages=1,1e300,1"], r"--lr_stages expects a multiplier in \(0, 100\] per stage, .*, got '1,1e300,1'"),
     (["--lr_stages=1,0,1"], r"--lr_stages expects a multiplier in \(0, 100\]"),
-    (["--num_steps=12"], "3 stages need at least as many scheduled steps"),
+    (["--num_steps=17"], "3 stages need at least as many scheduled steps"),
     (["--num_steps=5", "--extension_steps=3", "--window_stages=0/1,1/2,1/3,1/3"], "3 stages need at least"),
     (["--window_stages=3/1,1/2"], r"the short window exceeds the long one in 3/1"),
     (["--final_val_windows=9/4"], r"--final_val_windows=9/4: the short window exceeds the long one"),

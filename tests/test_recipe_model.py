@@ -17,8 +17,8 @@ from test_model import block_mask_as_dense, mask_tokens, saturated
 # layers, paired short layers).
 SHAPE = ["--preset=tiny", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--train_seq_len=256",
          "--seq_len_stages=256,256,256", "--block_size=32", "--num_layers=5", "--attn_pattern=SL-SL",
-         "--value_embeds=0--12", "--skip=1:2", "--attn_input_layer=3", "--bigram_rows=4099", "--bigram_dim=16",
-         "--paired_layers=0,3"]
+         "--value_embeds=0--12", "--skip=1:2", "--attn_input_layer=3", "--bigram_rows=4099",
+         "--paired_layers=0,3", "--xsa_layers=1"]
 WINDOWS = (3, 1)  # long, short in blocks
 
 
@@ -50,18 +50,18 @@ def config(*flags: str) -> T.Config:
 
 
 def test_the_recipes_layout_places_windows_value_embeddings_skip_pairs_and_xsa():
-    cfg = T.parse_config(["--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--bigram_rows=64",
-                          "--bigram_dim=16"])
+    cfg = T.parse_config(["--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--bigram_rows=64"])
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     plans = model.plans
-    # Spec §2.2: 11 layers, short 0-2, 4, 5, 7-9, long 3 and 10, none at 6; VEs 0-4 on 1, 2, 8, 9, 10; XSA on the
-    # unpaired attention layers; the skip 3 -> 6; layers 8-10 attend over layer 7's output
+    # Spec §2.2: 11 layers, short 0-2, 4, 5, 7-9, long 3 and 10, none at 6; VEs 0-4 on 1, 2, 8, 9, 10; XSA on 1, 3,
+    # 4, 7 and head gates on 3, 10 (upstream's spec §2.3); the skip 3 -> 6; layers 8-10 attend over layer 7's output
     assert [p.window or None for p in plans] == ["short"] * 3 + ["long"] + ["short"] * 2 + [None] + ["short"] * 3 + [
         "long"]
     assert [p.ve_table for p in plans] == [None, 0, 1, None, None, None, None, None, 2, 3, 4]
     assert [p.ve_gate for p in plans] == [None, 0, 1, None, None, None, None, None, 2, 3, 4]
     assert [i for i, p in enumerate(plans) if p.paired] == [0, 2, 5, 9]
-    assert [i for i, p in enumerate(plans) if p.xsa] == [1, 3, 4, 7, 8, 10]
+    assert [i for i, p in enumerate(plans) if p.xsa] == [1, 3, 4, 7]
+    assert [i for i, p in enumerate(plans) if p.attn_gate] == [3, 10]
     assert [p.attn for p in plans] == [0, 1, 2, 3, 4, 5, None, 6, 7, 8, 9]
     assert (model.skip_from, model.skip_to, cfg.attn_input_layer) == (3, 6, 7)
 
@@ -97,17 +97,20 @@ def test_compiled_flex_attention_with_token_windows_equals_sdpa_with_fa3s_rule()
 
 
 def test_flops_per_token_counts_the_recipes_shape():
-    """6N counts the 10 attention layers' Q, K, V, O and head gates, the 11 MLPs, the five VE gates, the skip's and
-    the smear's gates, MUDD's two MLPs and the head (the embedding, value and bigram tables are lookups); the
-    attention term counts the 10 attention layers at their windows."""
+    """6N counts the 10 attention layers' Q, K, V, O, the 11 MLPs, the five VE gates, the smear's gate, MUDD's two
+    MLPs, the gate network's two and the head (the embedding, value and bigram tables are lookups); the attention term
+    counts the 10 attention layers at their windows and the last one's DC attention over its 112 keys."""
     dims = ["--vocab_size=256", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--bigram_rows=64",
-            "--bigram_dim=16", "--mudd_dim=8"]
+            "--mudd_dim=8"]
     cfg = T.parse_config(dims)
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     d, H, g, V = 64, 2, cfg.gate_channels, 256
-    gates = 10 * H * g + 5 * H * g + 2 * g  # the head gates, five VE gates, the skip's and the smear's
+    gates = 5 * H * g + g  # five VE gates and the smear's
     mudd = 2 * (8 * d + 14 * 8)
-    assert T.matmul_weights(model) == 10 * 4 * d * d + 11 * 8 * d * d + gates + mudd + d * V
+    # the gate network's widest block, upstream's post block at 2 heads: XSA 4, 7 and the head gate 10 (H each),
+    # five (x0, bigram) pairs, the skip, DC's w1 and w2 (H each)
+    gate_network = 2 * (8 * d + (3 * H + 10 + 1 + 2 * H) * 8)
+    assert T.matmul_weights(model) == 10 * 4 * d * d + 11 * 8 * d * d + gates + mudd + gate_network + d * V
     s = T.schedule(0, cfg)
     attention = T.flops_per_token(model, s) - 6 * T.matmul_weights(model)
     def keys(w: int, n: int) -> float:
@@ -115,7 +118,8 @@ def test_flops_per_token_counts_the_recipes_shape():
     # 2 long layers, 4 short ones, and 4 paired ones (0, 2, 5, 9): H/2 heads over 2T positions, the short window
     long, short, paired = keys(s.long_window, s.seq_len), keys(s.short_window, s.seq_len), keys(s.short_window,
                                                                                                   2 * s.seq_len)
-    assert attention == pytest.approx(12 * H * 32 * (2 * long + 4 * short + 4 * paired))
+    dc = T.mean_keys_per_query(112, s.seq_len)
+    assert attention == pytest.approx(12 * H * 32 * (2 * long + 4 * short + 4 * paired + dc))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -128,8 +132,7 @@ def test_flops_per_token_counts_the_recipes_shape():
     (["--attn_input_layer=10"], "--attn_input_layer=10 must be a layer other than the skip's source, before the last"),
     (["--attn_input_layer=3"], "--attn_input_layer=3 must be a layer other than the skip's source"),
     (["--attn_input_layer=0"], "--attn_input_layer must be > 0"),
-    (["--attn_pattern=SSSLSSLSSS-", "--skip=3:10"], "the last layer needs attention"),
-    (["--bigram_dim=1000"], "--bigram_dim=1000 exceeds --model_dim=768"),
+    (["--attn_pattern=SSSLSSLSSS-", "--skip=3:10"], "the first and last layers need attention"),
     (["--gate_channels=7"], "the VE gates read half of --gate_channels=7"),
     (["--bigram_rows=1"], "--bigram_rows=1: the table needs at least 2 rows"),
     (["--paired_layers=3"], "--paired_layers='3' must list short-window"),

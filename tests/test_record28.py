@@ -18,7 +18,7 @@ RECORD = REPO / "records" / "2026-11-25_record28"
 def test_the_snapshot_reproduces_its_tiny_record_bit_for_bit(tmp_path):
     rerun_tiny_record(RECORD, RECORD / "record28_tiny_w1.txt", tmp_path, "r28")
     # Today's tiny run against #28's: the recipe change, config and code.
-    today = REPO / "records" / "2026-11-27_tiny_cpu_89" / "tiny_cpu_w1.txt"
+    today = REPO / "records" / "2026-11-28_tiny_cpu_head" / "tiny_cpu_w1.txt"
     diff = subprocess.run([sys.executable, "records/compare.py", "diff", str(RECORD / "record28_tiny_w1.txt"),
                            str(today)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert diff.returncode == 0, diff.stderr

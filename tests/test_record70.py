@@ -15,7 +15,7 @@ from snapshot_checks import rerun_tiny_record, run_own_tests
 RECORD = REPO / "records" / "2026-11-26_record70"
 TINY_RECORD = RECORD / "tiny_cpu_w1"  # the snapshot's tiny preset at W=1: .txt, .json, .jsonl
 # Today's file's tiny record, against which the diff shows the recipe change from #70.
-TODAY = REPO / "records" / "2026-11-27_tiny_cpu_89" / "tiny_cpu_w1.txt"
+TODAY = REPO / "records" / "2026-11-28_tiny_cpu_head" / "tiny_cpu_w1.txt"
 
 
 def sections(report: str) -> dict[str, list[str]]:

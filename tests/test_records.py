@@ -533,3 +533,31 @@ def test_runs_of_different_lengths_are_named_once(tmp_path, capsys):
             for n in (10, 20)]
     compare.stats_report(runs, 3.3)
     assert "warning: the runs end at different steps (10, 20); computing anyway" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["nan", "inf", "-inf"])
+def test_stats_refuses_a_target_that_is_not_a_finite_number(tmp_path, target):
+    result = run_cli("stats", str(make_log(tmp_path / "a.txt", curve(3.28))), f"--target={target}")
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.splitlines() == [f"error: --target={float(target)}: the val loss target must be a finite "
+                                          f"number (e.g. --target=3.28)"]
+
+
+def test_diff_names_the_cpu_paths_of_two_runs_that_ran_different_ones(tmp_path, capsys):
+    def cpu_log(name: str, isa: str, gemm: str, path: str | None) -> Path:
+        log = make_log(tmp_path / f"{name}.txt", curve(3.28), gpus=0)
+        header = (f"CPU run: AMD EPYC, 2 cores, 2 torch threads, vector ISA {isa}, native bf16 GEMM no\n"
+                  f"bf16 GEMM path: {gemm} (...)\n{f'CPU path: {path} (...)' + chr(10) if path else ''}config:")
+        log.write_text(log.read_text().replace("config:", header))
+        return log
+
+    record = cpu_log("record", "AVX2", "fp32", None)  # a log from before the CPU path line: AVX2 and fp32 GEMMs
+    rerun = cpu_log("rerun", "AVX2", "fp32", "record")
+    native = cpu_log("native", "AVX512", "native", "native")
+    half = cpu_log("half", "AVX2", "fp32", "native")  # aten held to AVX2, MKL not: the line says what ran
+    lines = {log.stem: run_main(capsys, "diff", str(record), str(log))[1].splitlines()[0]
+             for log in (rerun, native, half)}
+    assert lines["rerun"] == ("verdict: reproduced: all 3 logged losses equal (0 train, 3 val; 3 to the 4 decimals "
+                              "a log line prints)")
+    assert lines["native"].endswith("; record ran the record CPU path, native the native one")
+    assert lines["half"].endswith("; record ran the record CPU path, half the native one")

@@ -20,7 +20,7 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
 @pytest.mark.parametrize("args, message", [
     (["--model_dim=1048576", "--head_dim=524288"], "the model needs at least"),  # parameters beyond any memory
     (["--vocab_size=100000000000"], "GB for its parameters, their gradients and tables"),
-    (["--bigram_rows=10000000000"], "bigram_embed.weight: 1,280.0 GB"),
+    (["--bigram_rows=10000000000"], "bigram_embed.weight: 5,120.0 GB"),
     (["--vocab_size=1e11"], "--vocab_size expects int, got '1e11'"),
     (["--muon_lr=1e30"], "--muon_lr must be in (0, 10], got 1e+30"),
     (["--embed_wd_mul=1e300"], "--embed_wd_mul must be in [0, 1000], got 1e+300"),
@@ -48,6 +48,9 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
     (["--log_every"], "--log_every needs a value: --log_every=VALUE"),
     (["--seed", "--log_every=2"], "--seed needs a value: --seed=VALUE"),
     (["--save_final", "maybe"], "unexpected argument 'maybe'"),
+    # A long window of 0 blocks (tiny_args' one stage); a short one of 0 stays allowed (the tiny preset's).
+    (["--window_stages=0/0"], "--window_stages=0/0: a long window must be at least 1 block"),
+    (["--final_val_windows=0/0"], "--final_val_windows=0/0: a long window must be at least 1 block"),
 ])
 def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
     work = tmp_path / "work"  # the run's folder: --log_dir is work/logs; ../escape would land in work/

@@ -13,7 +13,7 @@ from conftest import REPO, SMALL, tiny_args
 
 # Two stages of two steps: the embedding unties after step 2 and YaRN rescales at step 2, before the final checkpoint.
 STAGES = dict(seq_len_stages="128,128", window_stages="1/2,1/3", lr_stages="1,1", doc_len_stages="2048,2048",
-              mtp_stages="1/0.5,1")
+              mtp_stages="1/0.5,1", prefix_stages="0.25/0.25,0.25/0")
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +70,15 @@ def test_sampling_is_reproducible_and_greedy_is_top_1(checkpoint, capsys):
     (["--top_k=-1"], "--top_k must be >= 0, got -1"),
     (["--top_k=50305"], "--top_k must be at most this model's vocabulary, 50304 tokens (0: all of them), got 50305"),
     (["--tokens=100000"], "this model takes at most 1024"),
+    (["--device=cuda"], "--device=cuda but no CUDA GPU is visible; use --device=cpu (or auto)"),
 ])
-def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, flags, message):
+def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without CUDA, GPU or not
     target = str(tmp_path / "nope") if not flags else str(checkpoint)
     with pytest.raises(SystemExit) as exit_info:
         sample.main([target, *flags])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err, err
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err and out == "", err
 
 
 def corrupt(folder):  # model.pt's first bytes overwritten: the same size, another checksum

@@ -54,7 +54,7 @@ def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
     fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
                   train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, normuon_beta2=0.9,
                   num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2", attn_input_layer=3,
-                  bigram_rows=1028, bigram_dim=16, mudd_dim=8, paired_layers="0,3")
+                  bigram_rows=1028, mudd_dim=8, paired_layers="0,3", xsa_layers="1")
     if variant == "fp32":
         # Adam's step does not shrink with the gradient, so an element whose gradient nearly cancels
         # turns summation-order noise into a visible step; a larger eps bounds that gain.
@@ -180,7 +180,7 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
     events, sent = [], None
     for step in range(STEPS):
         opt.set_step(T.StepSchedule(LR_MULT[step], MOMENTUM[step], 1, 0, (step + 1) % cfg.adam_every == 0,
-                                    cfg.train_seq_len, 2048, (1,), (1.0,), True))
+                                    cfg.train_seq_len, 2048, (1,), (1.0,), 0.0, True))
         opt.wait_for_params()
         opt.begin_step(None if batch_rows is None else batch_rows(data[step, rank::world_size].numpy()))
         events.append(("begin", counter.take()))
@@ -475,7 +475,7 @@ def test_a_step_reduces_in_89s_table_order_and_updates_in_its_work_order(monkeyp
     monkeypatch.setattr(T, "_reduce_scatter", lambda out, inp: calls.append(("reduce", names[id(inp)])) or Done())
     monkeypatch.setattr(T, "all_gather_into", lambda out, inp, async_op=False: calls.append(
         ("gather", names[id(out)])) or Done())
-    opt.set_step(T.StepSchedule(1.0, 0.9, 1, 0, True, cfg.train_seq_len, 2048, (1,), (1.0,), tied))
+    opt.set_step(T.StepSchedule(1.0, 0.9, 1, 0, True, cfg.train_seq_len, 2048, (1,), (1.0,), 0.0, tied))
     loss(model, make_data(cfg)[0, 0]).backward()
     opt.step()
     last = [max(T.SCATTER_ORDER.index(n) for n in b.names) for b in opt.buckets]  # a group's bucket: its last
@@ -509,5 +509,5 @@ def test_the_bigram_rows_exchange_needs_whole_rows_per_rank():
         table = next(b for b in opt.buckets if b.names == [T.BIGRAM_TABLE])
         assert isinstance(table, T.RowBucket) == exchanged and (opt.batch_rows() is None) != exchanged
         if exchanged:  # this rank's own rows of its local gradient are its shard's
-            assert table.grad_shard.shape == ((rows // world_size) * cfg.bigram_dim,)
+            assert table.grad_shard.shape == ((rows // world_size) * cfg.model_dim,)
             assert table.grad_shard.data_ptr() == table.grad.data_ptr()

@@ -26,7 +26,8 @@ def test_every_recipe_launch_compiles_for_sm90_within_shared_memory_and_without_
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     rows = json.loads((tmp_path / "sm90.json").read_text())
     assert {r["kernel"].split()[0] for r in rows} == {"linear_relu_square", "quantize_mlp_down", "amax_scales",
-                                                      "softcap_ce", "xxt", "xtx", "ba_plus_caa", "transpose_copy"}
+                                                      "softcap_ce", "xxt", "xtx", "ba_plus_caa", "transpose_copy",
+                                                      "dc_attention"}
     gemm = {r["kernel"] for r in rows if r["kernel"].startswith("linear_relu_square")}  # #89's three modes
     assert gemm == {f"linear_relu_square {mode} M={m}" for mode, ms in (
         ("fp8 forward", (16384, 32768, 49152)), ("backward", (16384, 32768, 49152)),
@@ -39,7 +40,9 @@ def test_every_recipe_launch_compiles_for_sm90_within_shared_memory_and_without_
     assert {r["kernel"] for r in rows if r["kernel"].split()[0] in ("xxt", "xtx", "ba_plus_caa", "transpose_copy")} == {
         "xxt bf16 256x768 (qk)", "xxt bf16 768x768 (vo)", "xtx bf16 3072x768 (mlp)", "ba_plus_caa bf16 256x256 (qk)",
         "ba_plus_caa bf16 768x768 (vo, mlp)", "transpose_copy e4m3 49152x768", "transpose_copy e5m2 49152x50304"}
-    assert len(rows) == 10 + 2 + 6 + 5 + 2
+    assert {r["kernel"] for r in rows if r["kernel"].startswith("dc_attention")} == {
+        f"dc_attention {k} bf16 H=6 D=128 window=112" for k in ("forward", "backward queries", "backward keys")}
+    assert len(rows) == 10 + 2 + 6 + 5 + 2 + 3
     for r in rows:
         assert r["ok"] and 0 < r["registers"] <= 255 and r["shared_bytes"] <= 227 * 1024, r
 
@@ -59,13 +62,15 @@ def test_the_sm90_check_compiles_the_specialization_triton_launches():
         a = "fp8e4nv" if fp8 else "bf16"
         assert src.signature["a_desc"] == f"tensordesc<{a}[128, {128 if fp8 else 64}]>", src.signature
         assert src.signature["b_desc"] == f"tensordesc<{a}[256, {128 if fp8 else 64}]>", src.signature
-        assert src.signature["c_desc"] == src.signature["aux_desc"] == "tensordesc<bf16[128, 128]>", src.signature
+        assert src.signature["c_desc"] == "tensordesc<bf16[128, 128]>", src.signature
         assert {"NUM_SMS": 132, "FORWARD": fp8, "FP8": fp8}.items() <= constants.items(), constants
         pointers = {"amax_ptr", "dequant_ptr", "act_scale_ptr"}
         if fp8:  # the scales' pointers unhinted (do_not_specialize_on_alignment): one compile for every layer
             assert src.signature["post8_desc"] == "tensordesc<fp8e4nv[128, 128]>", src.signature
             assert "amax_ptr" in hinted and not {"dequant_ptr", "act_scale_ptr"} & hinted, hinted
-        else:
+            assert constants["aux_desc"] is None, constants  # the forward stores post alone (#87), reads no aux
+        else:  # the backward reads post (aux) in c's tiles
+            assert src.signature["aux_desc"] == "tensordesc<bf16[128, 128]>", src.signature
             assert all(constants[p] is None for p in (*pointers, "post8_desc")), constants
         assert {"M", "N", "K"} <= hinted, hinted
         assert options == {"num_warps": keywords["num_warps"], "num_stages": keywords["num_stages"]}
@@ -103,6 +108,14 @@ def test_the_cross_entropys_e5m2_rounding_survives_the_compiler():
 
 
 @pytest.mark.slow
+def test_the_relu2_backwards_root_is_ieee_as_the_torch_paths():
+    # dpre = 2 h sqrt(post): sqrt.rn (tl.sqrt_rn), the correctly rounded root torch's fallback takes, so the kernel's
+    # dpre is _mlp_grads' bit for bit on the GPU as under the interpreter; tl.sqrt would be sqrt.approx.
+    ptx = compiled_ptx("linear_relu_square backward")
+    assert "sqrt.rn.f32" in ptx and "sqrt.approx" not in ptx
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", ["linear_relu_square fp8 forward", "quantize_mlp_down"])
 def test_the_fp8_mlps_e4m3_codes_are_the_torch_paths_roundings_on_sm90(launch):
     # post / s_act and W_proj / s_next: one IEEE division (the torch path's), then the nearest-even saturating cast;
@@ -130,3 +143,16 @@ def test_the_bf16_gemms_round_their_outputs_to_nearest_even_as_the_interpreter_s
         casts = set(re.findall(r"cvt\.[a-z0-9.]+", ptx))
         assert any(c.startswith("cvt.rn.bf16") for c in casts) and not any(".rz" in c for c in casts), (name, casts)
         assert "wgmma" in ptx, name
+
+
+def test_one_dc_attention_compile_serves_every_stage_and_validation():
+    # T and the cu_seqlens entries are runtime arguments: the four launches (three stages, validation) specialize
+    # alike (sizes divisible by 16, no constant), so the row compiled at validation's shape is each stage's kernel.
+    sys.path.insert(0, str(TOOL.parent))
+    import sm90_kernels as S
+    compiled = [[S.source(kernel, args, keywords) for _, kernel, args, keywords in S.dc_cases(T.Config(), *launch)]
+                for launch in S.DC_LAUNCHES]
+    for sources in compiled[:-1]:
+        for (src, options), (last, last_options) in zip(sources, compiled[-1]):
+            assert (src.signature, src.constants, src.attrs, options) == (last.signature, last.constants, last.attrs,
+                                                                          last_options)

@@ -203,7 +203,7 @@ def test_help_describes_every_field_in_its_group_and_the_presets(monkeypatch, ca
         line = next(x for x in out.splitlines() if x.startswith(f"  --{f.name}="))
         described = line.split(maxsplit=1)[1:] or [out.splitlines()[out.splitlines().index(line) + 1].strip()]
         assert described[0], f.name  # its comment, on the line or the next one
-    assert "  --num_steps=1390" in out and "  --compile=auto" in out
+    assert "  --num_steps=1285" in out and "  --compile=auto" in out
     assert "  tiny: --seed=1337, --train_files=data/sample/sample_train_*.bin" in out
 
 
