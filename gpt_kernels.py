@@ -5,7 +5,8 @@ the softcapped cross-entropy, the tiled transpose and the symmetric GEMMs of its
 Each is a torch.library op under torch.ops.speedrun with a fake kernel (what torch.compile traces) and an
 autograd rule; the torch path each one replaces stays in train_gpt.py's model as the reference. Importing this
 module registers the ops and nothing else: triton is imported when a kernel is first launched, and the FP8
-bodies are compiled on first call. records/sm90_kernels.py compiles the Triton kernels for the H100 offline.
+bodies are compiled on first call. tools/sm90_kernels.py compiles the Triton kernels offline for each GPU generation
+(RUNS_ON: what runs where).
 """
 
 from __future__ import annotations
@@ -17,6 +18,37 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+# What runs where, the facts train_gpt's `auto` (resolve_for_device) and tools/sm90_kernels.py's compile matrix both
+# read. The GPU generations measured, by compute capability: A100 (sm80), L40S and RTX 4090 (sm89), H100 and H200
+# (sm90), B200 (sm100); a capability not here is not measured and takes the torch paths, flex attention and no FP8.
+TARGETS = {"sm80": (8, 0), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0)}
+FP8_MIN = (8, 9)  # FP8 tensor cores and torch._scaled_mm: Ada (sm89) and later
+# Each path's Triton kernels (the compile matrix's groups: launch_group). The FP8 modes of the ReLU^2 GEMM and of the
+# cross-entropy run only with --fp8_mlp and --fp8_head: their own rows ("relu2_kernel+fp8_mlp", ...).
+PATH_KERNELS = {"fp8_head": ("transpose_copy",), "fp8_mlp": ("quantize_mlp_down", "amax_scales"),
+                "relu2_kernel": ("linear_relu_square bf16",), "relu2_kernel+fp8_mlp": ("linear_relu_square fp8",),
+                "fused_head": ("softcap_ce",), "fused_head+fp8_head": ("softcap_ce e5m2",),
+                "dc_kernel": ("dc_attention",), "polar_express": ("xxt", "xtx", "ba_plus_caa")}
+# Where every launch of each path's kernels compiles within the target's shared memory per block and without spills,
+# as measured offline by `python tools/sm90_kernels.py --targets=all` (Triton 3.6.0's compiler and ptxas; it exits 1
+# where this table claims a target on which a launch fails); the FP8 paths also need FP8_MIN.
+SM80, SM89, SM90, SM100 = TARGETS.values()
+RUNS_ON: dict[str, frozenset[tuple[int, int]]] = {
+    "fp8_head": frozenset({SM89, SM90, SM100}), "fp8_mlp": frozenset({SM89, SM90, SM100}),  # sm80: no e4m3
+    "relu2_kernel": frozenset({SM90, SM100}),  # sm80, sm89: 255 registers and spills
+    "relu2_kernel+fp8_mlp": frozenset({SM90}),  # sm89: spills; sm100: does not compile (PassManager::run failed)
+    "fused_head": frozenset({SM80, SM89, SM90, SM100}), "fused_head+fp8_head": frozenset({SM89, SM90, SM100}),
+    "dc_kernel": frozenset({SM80, SM89, SM90, SM100}), "polar_express": frozenset({SM80, SM89, SM90, SM100})}
+
+
+def launch_group(name: str) -> str:
+    """The compile matrix's kernel (a PATH_KERNELS entry) of one of its launches, by the launch's name."""
+    words = name.split()
+    if words[0] == "linear_relu_square":
+        return f"linear_relu_square {'fp8' if words[1] == 'fp8' else 'bf16'}"
+    return "softcap_ce e5m2" if words[0] == "softcap_ce" and "e5m2" in words else words[0]
+
 
 # FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
 # bf16; backward casts the output gradient to float8_e5m2. The scales are train_gpt.py's Config fields (#51/#55's:
@@ -147,7 +179,7 @@ fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 # first use (triton imported then); with TRITON_INTERPRET=1 it runs on CPU tensors, which is how the tests check it.
 MLP_BLOCK_M, MLP_BLOCK_N = 128, 256
 # (BLOCK_K, num_stages) of each mode, #89's: K blocks of 128 bytes; fewer stages where the epilogue's stores (post,
-# post8) or the backward's read of post need shared memory too (records/sm90_kernels.py: each within sm90's).
+# post8) or the backward's read of post need shared memory too (tools/sm90_kernels.py: each within sm90's).
 MLP_GEMM_MODES = {"fp8 forward": (128, 3), "bf16 forward": (64, 4), "backward": (64, 3)}
 MLP_PROGRAMS_OFF_GPU = 4  # the persistent grid off a GPU (the interpreter): small, so that programs loop over tiles
 
@@ -251,7 +283,7 @@ def linear_relu_square_launcher() -> Callable:
                             num_warps=8, num_stages=stages)
         return (c, post8, amax) if fp8 else (c,)
 
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    launch.kernel = kernel  # tools/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -281,7 +313,7 @@ def transpose_launcher() -> Callable:
         kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](src, dst, M, N, *src.stride(), *dst.stride(), BLOCK_M=bm,
                                                          BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    launch.kernel = kernel  # tools/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -355,7 +387,7 @@ def gram_launcher() -> Callable:
                                            0.0 if beta is None else beta, BLOCK=block, BLOCK_K=block_k,
                                            ADD=beta is not None, num_warps=warps, num_stages=stages)
 
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    launch.kernel = kernel  # tools/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -520,7 +552,7 @@ def softcap_ce_launcher() -> Callable:
                              losses, row0, targets.numel(), cap, shift, temp, grad_s, V=z.size(1), K=weights.numel(),
                              BLOCK_V=block_v, GRAD=grad is not None)
 
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    launch.kernel = kernel  # tools/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -760,7 +792,7 @@ def amax_scales_launcher() -> Callable:
         kernel[(layers,)](maxima, scales, maxima.stride(0), COUNT=count, HEADROOM=headroom,
                           BLOCK=triton.next_power_of_2(count), num_warps=4, num_stages=1)
 
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    launch.kernel = kernel  # tools/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -806,7 +838,7 @@ def quantize_mlp_down_launcher() -> Callable:
                                 num_stages=1)
         reduce(maxima, next_scales, headroom)
 
-    launch.kernel = kernel  # records/sm90_kernels.py compiles it for the H100 offline
+    launch.kernel = kernel  # tools/sm90_kernels.py compiles it for the H100 offline
     return launch
 
 
@@ -849,7 +881,7 @@ def quantize_mlp_weights_(bank: Tensor, w8_fc: Tensor, up_scales: Tensor, w8_pro
 # precision (the fp32 tests), 16-bit ones exactly with fp32 accumulation, as upstream's tf32 dots do.
 DC_BLOCK_M, DC_BLOCK_N = 16, 16  # queries per forward / first backward program; keys per second backward program
 # 8 warps, and the heads in a loop the compiler keeps (range, not static_range): unrolled, the six heads' loads were
-# hoisted together and the backward kernels spilled at 4 or 8 warps (records/sm90_kernels.py)
+# hoisted together and the backward kernels spilled at 4 or 8 warps (tools/sm90_kernels.py)
 DC_NUM_WARPS = 8
 
 
@@ -1040,7 +1072,7 @@ def dc_attention_launcher() -> Callable:
             **opts)
         return dq, dk, dv, dw1, dw2
 
-    # records/sm90_kernels.py compiles these for the H100 offline
+    # tools/sm90_kernels.py compiles these for the H100 offline
     forward.kernel, backward.kernels = forward_kernel, (backward_queries_kernel, backward_keys_kernel)
     return forward, backward
 

@@ -65,6 +65,9 @@ except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for
         raise
     gpt_kernels = None
 
+if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) are 3.11's
+    raise SystemExit(f"error: train_gpt.py needs Python 3.11 or newer (this is {platform.python_version()})")
+
 class UsageError(Exception):
     """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
 
@@ -77,7 +80,7 @@ class RankLost(Exception):
 # Upstream's current code (modded-nanogpt f411b3d, 2026-08-01: record #89 with #85 v3's MUDD gates and DC attention,
 # #86's XSA, #87's ReLU^2 backward, #88's prefix-token loss) on 8xH100. One dataclass holds every number a user tunes
 # and every systems switch, each overridable as --field=value; a recipe change is an edit here and in the model.
-# Earlier recipes run from their snapshots under records/ (#28, #70, #89: records/*_record28/, _record70/, _record89/).
+# Earlier recipes run from their snapshots in records/snapshots/ (#28, #70, #89: *_record28/, _record70/, _record89/).
 
 @dataclass
 class Config:
@@ -1173,8 +1176,10 @@ class UpdateSteps:
 EAGER_STEPS = UpdateSteps()
 
 def polar_express_kernels(device: torch.device) -> bool:
-    """Whether Polar Express runs gpt_kernels' Triton GEMMs: on CUDA, with gpt_kernels.py and triton there."""
-    return device.type == "cuda" and gpt_kernels is not None and importlib.util.find_spec("triton") is not None
+    """Whether Polar Express runs gpt_kernels' Triton GEMMs: on CUDA, with gpt_kernels.py and triton there, where
+    they compile cleanly for the GPU (gpu_runs)."""
+    return device.type == "cuda" and gpt_kernels is not None and importlib.util.find_spec("triton") is not None \
+        and gpu_runs("polar_express", gpu_capability(True))[0] is True
 
 def update_steps(compiled: bool, kernels: bool) -> UpdateSteps:
     """Each function compiled as #89 compiles it (fullgraph, static shapes; the scalars that change per step are
@@ -1638,7 +1643,7 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 BOS_ID = 50256
 DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
-HERE = Path(__file__).resolve().parent  # the repository: where data/ and records/ are
+HERE = Path(__file__).resolve().parent  # the repository: where data/ and tools/ are
 
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
@@ -2424,6 +2429,7 @@ class Runtime:
     local_rank: int
     device: torch.device
     attention: str = ""
+    gpu: str = ""  # on CUDA: the GPU and each path resolve_for_device took there (gpu_report)
 
 FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
@@ -2457,6 +2463,59 @@ def resolve_attention(cfg: Config, cuda: bool) -> str:
         return "flex (on the CPU: SDPA with the same masks, dense; FlexAttention has no CPU backward)"
     return "flex (FlexAttention block masks)" + (f"; FA3 not taken: {why}" if why else "")
 
+def gpu_capability(cuda: bool) -> tuple[int, int] | None:
+    """The CUDA device's compute capability; None on the CPU. A CUDA resolution without a visible GPU (the tests' and
+    tools' traces of the GPU path) resolves as on the recipe's GPU, the H100 (sm90)."""
+    if not cuda:
+        return None
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else (9, 0)
+
+def gpu_runs(path: str, capability: tuple[int, int] | None) -> tuple[bool | None, str]:
+    """Whether a path (a gpt_kernels.RUNS_ON key) runs on a GPU of this capability, and if not why: True; False where
+    it cannot (no FP8 before sm89, or its Triton kernels fail or spill there: the compile matrix's facts); None where
+    the capability was not measured (auto takes the torch path, an explicit true is the user's call)."""
+    if capability is None or gpt_kernels is None:
+        return True, ""
+    target = f"sm{capability[0]}{capability[1]}"
+    if "fp8" in path and capability < gpt_kernels.FP8_MIN:
+        return False, f"{target} has no FP8 tensor cores (torch._scaled_mm: sm89 and later)"
+    if capability not in gpt_kernels.TARGETS.values():
+        return None, f"{target} is not in the compile matrix (tools/sm90_kernels.py: {', '.join(gpt_kernels.TARGETS)})"
+    if capability not in gpt_kernels.RUNS_ON[path]:
+        return False, (f"its Triton kernels ({', '.join(gpt_kernels.PATH_KERNELS[path])}) do not compile for {target} "
+                       f"within its shared memory and without spills (tools/sm90_kernels.py)")
+    return True, ""
+
+KERNEL_FLAGS = (("relu2_kernel", "fp8_mlp"), ("fused_head", "fp8_head"), ("dc_kernel", None))  # (flag, FP8 mode's)
+
+def kernel_runs(cfg: Config, name: str, fp8: str | None, capability: tuple[int, int] | None) -> tuple[bool | None, str]:
+    """gpu_runs for a Triton kernel's flag, with its FP8 mode's kernels where that FP8 path is on."""
+    runs, why = gpu_runs(name, capability)
+    if runs and fp8 and getattr(cfg, fp8):
+        runs, why = gpu_runs(f"{name}+{fp8}", capability)
+        why = why and f"{why} (its FP8 mode, with --{fp8})"
+    return runs, why
+
+def gpu_report(cfg: Config) -> str:
+    """The log's line on the GPU: its name, capability and memory, and each path auto resolved (or was given), and
+    why one is off."""
+    capability = gpu_capability(True)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties()
+        name, memory = props.name, f", {props.total_memory / 2**30:.0f} GiB"
+    else:
+        name, memory = "no GPU visible (resolved as the H100's)", ""
+    items = []
+    for flag, fp8 in (("fp8_head", None), ("fp8_mlp", None), *KERNEL_FLAGS, ("polar_express", None)):
+        on = getattr(cfg, flag) if flag != "polar_express" else polar_express_kernels(torch.device("cuda"))
+        runs, why = kernel_runs(cfg, flag, fp8, capability)
+        if not on and runs and "fp8" in flag and os.environ.get("DISABLE_FP8"):
+            why = "DISABLE_FP8"
+        items.append(f"{flag} {'on' if on else 'off'}" + ("" if on or not (why or runs) else
+                                                          f" ({why or 'given false'})"))
+    return (f"gpu: {name} (sm{capability[0]}{capability[1]}{memory}): {'; '.join(items)}; attention {cfg.attention} "
+            f"(FA3 on sm90 only)")
+
 def resolve_for_device(cfg: Config, cuda: bool) -> str:
     """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
     apply DISABLE_FP8, so that from here on the config (and its copy in the log) says what the run does; then check
@@ -2468,16 +2527,22 @@ def resolve_for_device(cfg: Config, cuda: bool) -> str:
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
                          "drop it (or use --device=cpu)")
     cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
-    kernels = gpt_kernels is not None
-    for name in ("fp8_head", "fp8_mlp"):
-        on = cuda and kernels if getattr(cfg, name) is None else getattr(cfg, name)
+    kernels, capability = gpt_kernels is not None, gpu_capability(cuda)
+    for name in ("fp8_head", "fp8_mlp"):  # auto: where the GPU runs it (gpu_runs: gpt_kernels.RUNS_ON)
+        runs, why = gpu_runs(name, capability)
+        if getattr(cfg, name) and runs is False:
+            raise UsageError(f"--{name}=true: {why}; use --{name}=false (or auto)")
+        on = cuda and kernels and bool(runs) if getattr(cfg, name) is None else getattr(cfg, name)
         setattr(cfg, name, on and not os.environ.get("DISABLE_FP8"))
         if getattr(cfg, name) and not kernels:
             raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
                              f"--{name}=false")
-    for name in ("relu2_kernel", "fused_head", "dc_kernel"):
-        if getattr(cfg, name) is None:  # auto: the GPU's kernels, the torch path elsewhere
-            setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None)
+    for name, fp8 in KERNEL_FLAGS:
+        runs, why = kernel_runs(cfg, name, fp8, capability)
+        if getattr(cfg, name) and runs is False:
+            raise UsageError(f"--{name}=true: {why}; use --{name}=false (or auto)")
+        if getattr(cfg, name) is None:  # auto: the GPU's kernels where they compile cleanly, the torch path elsewhere
+            setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None and bool(runs))
         if getattr(cfg, name) and (not kernels or importlib.util.find_spec("triton") is None or
                                    not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
             raise UsageError(f"--{name} runs a Triton kernel: it needs gpt_kernels.py beside train_gpt.py, triton "
@@ -2922,7 +2987,7 @@ def git_commit(directory: Path) -> str | None:
 
 def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
                 gpu_names: list[str], schedules: list[StepSchedule]) -> dict[str, object]:
-    """The end-of-run summary, logs/<run_id>.json (records/compare.py reads these keys)."""
+    """The end-of-run summary, logs/<run_id>.json (tools/compare.py reads these keys)."""
     tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedules[:cfg.num_steps])
     return {
         "run_id": cfg.run_id,
@@ -2952,17 +3017,17 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
 # -----------------------------------------------------------------------------
 # Profiler
 # Only what must run inside training: torch.profiler around the chosen steps (--profile), the timings of a
-# --bench, and each rank's raw figures. records/trace_report.py turns traces and figures into the report
+# --bench, and each rank's raw figures. tools/trace_report.py turns traces and figures into the report
 # (medians, MFU, GPU idle, copy and NCCL overlap); --bench runs it at its end.
 
 STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
-TRACE_REPORT = Path(__file__).resolve().parent / "records" / "trace_report.py"
+TRACE_REPORT = Path(__file__).resolve().parent / "tools" / "trace_report.py"
 
 def trace_report(folder: Path, log: RunLog) -> dict | None:
-    """records/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
+    """tools/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
     this file (a copied train_gpt.py), a line saying where the raw figures are."""
     if not TRACE_REPORT.exists():
-        log(f"bench: raw figures in {folder}/bench_rank<R>.json; records/trace_report.py reports on them")
+        log(f"bench: raw figures in {folder}/bench_rank<R>.json; tools/trace_report.py reports on them")
         return None
     spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
     module = importlib.util.module_from_spec(spec)
@@ -3058,7 +3123,7 @@ class StepProfiler:
             return None
         if not self.cfg.bench:
             log(f"profile: steps {self.traced.start}..{self.traced.stop - 1} traced to {self.folder}/"
-                f"trace_rank<R>.json.gz ({self.rt.world_size} file(s)); python records/trace_report.py {self.folder}")
+                f"trace_rank<R>.json.gz ({self.rt.world_size} file(s)); python tools/trace_report.py {self.folder}")
             return None
         synchronize(self.rt.device)
         cfg, rt = self.cfg, self.rt
@@ -3554,6 +3619,8 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
         log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
+    if rt.gpu:
+        log(rt.gpu)
     log(attention_report(rt, knobs))
     if cfg.compile:  # dynamo refuses a function's graph past its limit (8 by default, a hard error): size it
         graphs = compiled_graphs(cfg, optimizer)
@@ -3906,7 +3973,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         if len(set(paths)) > 1:  # auto found FA3 on some ranks only: they would call different collectives' graphs
             raise UsageError(f"--attention=auto resolved differently across ranks ({', '.join(map(str, paths))}): "
                              f"give --attention=fa3 or --attention=flex")
-    return Runtime(rank, world_size, local_rank, device, attention)
+    return Runtime(rank, world_size, local_rank, device, attention, gpu_report(cfg) if cuda else "")
 
 def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
     """Rank 0 draws the seed and run id when they are not given; every rank uses rank 0's."""

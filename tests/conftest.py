@@ -5,6 +5,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if TYPE_CHECKING:  # the annotations' name; the tests import the file themselves, after this conftest
+    import train_gpt as T
 
 SAMPLE_TRAIN = str(REPO / "data" / "sample" / "sample_train_*.bin")
 SAMPLE_VAL = str(REPO / "data" / "sample" / "sample_val_*.bin")
@@ -22,7 +25,8 @@ SMALL = dict(global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, va
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: spawns processes or compiles; `pytest -m 'not slow'` is the quick loop")
+    config.addinivalue_line("markers", "slow: spawns processes or compiles a model or a kernel; `pytest -m 'not slow'` is the quick "
+                            "loop (where 4 tests compile a small function)")
 
 
 # The recipe at the tiny preset's shape in one stage, no extension and Adam every step: a run of any length from

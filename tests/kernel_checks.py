@@ -689,7 +689,7 @@ def test_a_run_with_the_fused_head_follows_the_torch_path(tmp_path, monkeypatch)
 
 
 def test_the_kernel_benchmark_runs_and_reports_both_paths_of_each_kernel(tmp_path, monkeypatch):
-    sys.path.insert(0, str(T.HERE / "records"))
+    sys.path.insert(0, str(T.HERE / "tools"))
     import kernel_bench as bench
     out = tmp_path / "kernels.json"
     monkeypatch.setattr("sys.argv", ["kernel_bench.py", "--small", "--repeats=1", f"--out={out}"])
@@ -705,7 +705,7 @@ def test_the_benchmarks_fp8_mlp_runs_89s_fp8_mlp_on_both_paths():
     # Its two paths must do the same work: the FP8 MLP through the kernel and through torch (the same gradients up
     # to the kernel's accumulation order), both within FP8's error of the bf16 MLP (the relu2_mlp case's torch path:
     # the same x, weights and gradient) and really in FP8 (bf16's own is ~0.4%).
-    sys.path.insert(0, str(T.HERE / "records"))
+    sys.path.insert(0, str(T.HERE / "tools"))
     import kernel_bench as bench
     cfg = T.parse_config(["--model_dim=64", "--head_dim=32"])
     grads = {}

@@ -1,8 +1,9 @@
-"""What every record snapshot under records/ must show (tests/test_record28.py, tests/test_record70.py): its tiny
-preset reproduces its tiny record, and its own tests pass against it, each in a process of its own where
-`import train_gpt` finds the snapshot."""
+"""What every record snapshot under records/snapshots/ must show (tests/test_record28.py, test_record70.py,
+test_record89.py): its tiny preset's first steps equal its tiny record's (bit for bit on the record's kind of CPU),
+and its own tests pass against it, each in a process of its own where `import train_gpt` finds the snapshot."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,11 +48,14 @@ def rerun_tiny_record(snapshot: Path, record: Path, tmp_path: Path, run_id: str,
     return same_cpu
 
 
-def run_own_tests(snapshot: Path) -> str:
+def run_own_tests(snapshot: Path) -> dict[str, int]:
     """The snapshot's tests/ in its own process (the snapshot is `train_gpt` there, and registers the same
-    torch.ops.speedrun ops); pytest's output, after checking that they passed."""
+    torch.ops.speedrun ops), after checking that pytest exited 0: the counts of its summary line, e.g.
+    {"passed": 52} or {"passed": 50, "skipped": 2} (no "failed", "error" or "xpassed" key where it passed)."""
     run = subprocess.run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider"], cwd=snapshot,
                          env=ENV, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
-    return run.stdout
+    summary = run.stdout.strip().splitlines()[-1]  # "52 passed in 40.1s", "50 passed, 2 skipped in ..."
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary.split(" in ")[0])}
+    assert counts.get("passed", 0) > 0 and not {"failed", "error", "errors"} & counts.keys(), summary
+    return counts

@@ -12,7 +12,7 @@ import torch
 import train_gpt as T
 from conftest import REPO, main_in_process, tiny_args
 
-sys.path.insert(0, str(REPO / "records"))
+sys.path.insert(0, str(REPO / "tools"))
 import load_balance as LB  # noqa: E402
 import trace_report as TR  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""records/comm_bytes.py: #89's lines pinned to issue 49's figures; the recipe's count against the bucket buffers it
+"""tools/comm_bytes.py: #89's lines pinned to issue 49's figures; the recipe's count against the bucket buffers it
 must see; and, on two gloo ranks, the collectives two real optimizer steps issue, pinned to the bucket plan and
 equal to what the tool's stand-ins count for the same model."""
 
@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import train_gpt as T
 from conftest import REPO, free_port
 
-sys.path.insert(0, str(REPO / "records"))
+sys.path.insert(0, str(REPO / "tools"))
 import comm_bytes as C  # noqa: E402
 
 MB = 1e6

@@ -10,7 +10,11 @@ import torch
 
 import train_gpt as T
 from conftest import tiny_args
-from test_compiled import REHEARSAL, _fresh_dynamo_after, model_graphs, pytestmark  # noqa: F401  (fixture, mark)
+import test_compiled
+from test_compiled import REHEARSAL, model_graphs
+
+pytestmark = test_compiled.pytestmark
+_fresh_dynamo_after = test_compiled._fresh_dynamo_after  # the fixture, here too
 
 
 @pytest.mark.skipif(os.environ.get("SPEEDRUN_SLOW_COMPILES") != "1",

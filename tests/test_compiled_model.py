@@ -6,7 +6,11 @@ import pytest
 import torch
 
 import train_gpt as T
-from test_compiled import _fresh_dynamo_after, model_graphs, pytestmark  # noqa: F401  (the fixture, the mark)
+import test_compiled
+from test_compiled import model_graphs
+
+pytestmark = test_compiled.pytestmark
+_fresh_dynamo_after = test_compiled._fresh_dynamo_after  # the fixture, here too
 
 CFG = T.parse_config(["--preset=tiny", "--num_heads=4", "--head_dim=32", "--fp8_mlp=true"])
 WINDOWS = torch.tensor([[1, 0], [2, 1], [3, 1]], dtype=torch.int32)  # (long, short) per call

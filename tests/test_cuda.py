@@ -1,5 +1,5 @@
 """The GPU path where the CPU rehearsal (test_compiled.py) cannot reach: FlexAttention's CUDA kernels, the FP8
-head through cuBLAS, the copy stream, CUDA events. Skipped without a GPU. records/gpu_check.py runs these first
+head through cuBLAS, the copy stream, CUDA events. Skipped without a GPU. tools/gpu_check.py runs these first
 on a new GPU machine, then a benchmark; each test records its figures with record_property (the junit XML and
 the check's table show them)."""
 
@@ -410,10 +410,10 @@ def test_fp8_mlp_at_the_recipes_shape_follows_its_cpu_path_and_the_quantizer_mat
 @fp8
 def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logits_memory(record_property):
     # --fused_head against the FP8 head + compiled softcapped MTP cross-entropy at one micro-step's shapes (the
-    # rescale, three next tokens), and validation's loss over one val sequence, from records/kernel_bench.py: the
+    # rescale, three next tokens), and validation's loss over one val sequence, from tools/kernel_bench.py: the
     # gradients and the loss, and peak memory above the inputs, which must fall by at least the bf16 logits the
     # fused head never holds whole (times: the benchmark's).
-    sys.path.insert(0, str(T.HERE / "records"))
+    sys.path.insert(0, str(T.HERE / "tools"))
     import kernel_bench as bench
     cfg = T.parse_config([])
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)  # noqa: E731

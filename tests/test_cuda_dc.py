@@ -1,13 +1,15 @@
 """DC attention's Triton kernels (speedrun::dc_attention) on a CUDA GPU at the recipe's first-stage shape, against the
-torch path (train_gpt.dc_attention): forward and backward differences recorded (records/gpu_check.py's kernels stage
+torch path (train_gpt.dc_attention): forward and backward differences recorded (tools/gpu_check.py's kernels stage
 prints them), and the backward's bits the same from run to run (no atomics). Skipped without a GPU; the same
 comparisons at small shapes run under Triton's interpreter in tests/dc_kernel_checks.py."""
+
+import importlib
 
 import pytest
 import torch
 
 import train_gpt as DC
-import gpt_kernels  # noqa: F401  (registers torch.ops.speedrun.dc_attention)
+importlib.import_module("gpt_kernels")  # registers torch.ops.speedrun.dc_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

@@ -1,5 +1,5 @@
-"""records/gpu_check.py: its table reads pytest's junit XML (outcomes, reasons, recorded figures) and its stages
-survive a failing or hanging step. The whole check on the CPU is `python records/gpu_check.py` (about two
+"""tools/gpu_check.py: its table reads pytest's junit XML (outcomes, reasons, recorded figures) and its stages
+survive a failing or hanging step. The whole check on the CPU is `python tools/gpu_check.py` (about two
 minutes); here its parts run on small inputs."""
 
 import subprocess
@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "records"))
+sys.path.insert(0, str(REPO / "tools"))
 import gpu_check  # noqa: E402
 
 SAMPLE_TESTS = '''

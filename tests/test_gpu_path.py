@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import train_gpt as T
 from conftest import MATMULS, REPO
 
-sys.path.insert(0, str(REPO / "records"))
+sys.path.insert(0, str(REPO / "tools"))
 import memory_estimate as M  # noqa: E402  (its recipe_config: the config a GPU run resolves, real shapes)
 
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",

@@ -1,7 +1,7 @@
 """The recipe (upstream's current code, f411b3d) item by item against tests/reference_head.py, an independent
 reference written from its spec without reading this port (float64 model, hashes, gate layout, DC attention,
 prefix table, loss, schedule, optimizer table). Each test fails on record #89's file this port replaced (other
-parameters, gates, schedule and loss): records/2026-11-28_record89/ keeps that one with its own exactness tests."""
+parameters, gates, schedule and loss): records/snapshots/2026-11-28_record89/ keeps that one with its own exactness tests."""
 
 import math
 

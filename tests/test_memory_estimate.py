@@ -1,4 +1,4 @@
-"""records/memory_estimate.py: GPU memory per rank at the real shapes from traces on fake tensors. The recipe fits an
+"""tools/memory_estimate.py: GPU memory per rank at the real shapes from traces on fake tensors. The recipe fits an
 80 GB H100 on 1 GPU and on 8; the estimate of record #28's snapshot lands near the memory record #28 logged on
 8xH100, and the tool's model of record #89's own storage near the memory #89 logged; the liveness walk counts what
 inductor materializes, not fused intermediates."""
@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "records"))
+sys.path.insert(0, str(REPO / "tools"))
 import memory_estimate as M  # noqa: E402
 
 RECORD28_ALLOCATED_MIB = (33_860, 34_761)  # record #28's logged peak allocated per GPU, 8xH100
@@ -94,7 +94,7 @@ def repo_rows(tmp_path_factory) -> list[dict]:
 
 def estimate_rows(tmp_path, trainer: str | None = None) -> list[dict]:
     env = {**os.environ, **({"SPEEDRUN_TRAINER": trainer} if trainer else {})}
-    run = subprocess.run([sys.executable, str(REPO / "records" / "memory_estimate.py"), "--json",
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "memory_estimate.py"), "--json",
                           str(tmp_path / "memory.json")], capture_output=True, text=True, timeout=900, env=env)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -155,7 +155,7 @@ def test_the_estimate_of_upstreams_own_memory_is_near_the_peak_85_v3_logged(repo
 
 
 def test_the_estimate_of_record28s_snapshot_is_near_the_peak_record28_logged(tmp_path):
-    rows = estimate_rows(tmp_path, str(REPO / "records" / "2026-11-25_record28" / "train_gpt.py"))
+    rows = estimate_rows(tmp_path, str(REPO / "records" / "snapshots" / "2026-11-25_record28" / "train_gpt.py"))
     by = {r["gpus"]: r for r in rows}
     assert {r["preset"] for r in rows} == {"2026-11-25_record28"}
     logged = RECORD28_ALLOCATED_MIB[0] * 2**20

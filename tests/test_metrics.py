@@ -4,6 +4,8 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import subprocess
 import threading
 import sys
 from pathlib import Path
@@ -22,9 +24,9 @@ SUMMARY_KEYS = {"run_id", "final_val_loss", "train_time_ms", "steps", "step_avg_
 
 
 def load_compare():
-    """records/compare.py, imported the way tests/test_records.py does."""
-    if str(REPO / "records") not in sys.path:
-        sys.path.insert(0, str(REPO / "records"))
+    """tools/compare.py, imported the way tests/test_records.py does."""
+    if str(REPO / "tools") not in sys.path:
+        sys.path.insert(0, str(REPO / "tools"))
     import compare
     return compare
 
@@ -92,7 +94,7 @@ def test_packed_gather_matches_separate_all_reduces_and_runs_once_per_logging_st
     tied = sum(T.schedule(k, T.parse_config(args)).tied for k in range(4))  # steps the embedding's bucket sits out
     assert tied == 4 and result["gathers_in_training"] == 4 * buckets - tied + 2
     assert torch.allclose(torch.tensor(result["packed"]), torch.tensor(result["separate"]), rtol=1e-12, atol=0)
-    sys.path.insert(0, str(REPO / "records"))
+    sys.path.insert(0, str(REPO / "tools"))
     import trace_report
     for r in range(2):
         trace = trace_report.load_trace(tmp_path / "logs" / "gather" / f"trace_rank{r}.json.gz")
@@ -266,8 +268,10 @@ def test_run_writes_step_lines_jsonl_and_summary(tmp_path):
     assert summary["val_losses"][-1][2] == summary["train_time_ms"] == result.train_time_ms
     assert summary["gpu_names"] == [] and summary["seed"] == 1 and summary["config"]["log_every"] == 1
     assert summary["torch_version"] == torch.__version__
-    commit = summary["git_commit"]
-    assert commit is None or (len(commit) == 40 and int(commit, 16) >= 0)
+    # The checkout's HEAD, as git names it here; None only where this is no git checkout (or git is missing).
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True) \
+        if shutil.which("git") else None
+    assert summary["git_commit"] == (head.stdout.strip() if head is not None and head.returncode == 0 else None)
 
     run = load_compare().load_run(logs / "r1.txt")
     assert run.has_summary and run.final_val_loss == summary["final_val_loss"] and run.tokens_per_s > 0
@@ -276,6 +280,19 @@ def test_run_writes_step_lines_jsonl_and_summary(tmp_path):
 def test_git_commit_is_none_outside_a_checkout(tmp_path):
     assert T.git_commit(tmp_path) is None
     assert T.git_commit(tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_commit_is_the_checkouts_head(tmp_path):
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert len(head.stdout.strip()) == 40 and T.git_commit(tmp_path) == head.stdout.strip()
+    (tmp_path / "sub").mkdir()  # any folder inside the checkout names the same commit
+    assert T.git_commit(tmp_path / "sub") == head.stdout.strip()
 
 
 # -- pieces ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests for records/compare.py on fixture logs written here, in this project's and upstream's format."""
+"""Tests for tools/compare.py on fixture logs written here, in this project's and upstream's format."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "records"))
+sys.path.insert(0, str(REPO / "tools"))
 import compare  # noqa: E402
 
 SEP = "=" * 100
@@ -86,7 +86,7 @@ def curve(final: float, num_steps: int = 20) -> dict[int, float]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, str(REPO / "tools" / "compare.py"), *args], capture_output=True,
                           text=True, timeout=60)
 
 

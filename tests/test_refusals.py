@@ -21,6 +21,10 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
     (["--model_dim=1048576", "--head_dim=524288"], "the model needs at least"),  # parameters beyond any memory
     (["--vocab_size=100000000000"], "GB for its parameters, their gradients and tables"),
     (["--bigram_rows=10000000000"], "bigram_embed.weight: 5,120.0 GB"),
+    # the prefix-token loss's vocabulary: missing, or not a BPE rank file
+    (["--vocab_file=nowhere/gpt2.tiktoken"], "--vocab_file=nowhere/gpt2.tiktoken: cannot read GPT-2's BPE tokens"),
+    (["--vocab_file=README.md"], "--vocab_file=README.md: cannot read GPT-2's BPE tokens"),
+    (["--vocab_file=data/sample/README.md"], "--vocab_file=data/sample/README.md: cannot read GPT-2's BPE tokens"),
     (["--vocab_size=1e11"], "--vocab_size expects int, got '1e11'"),
     (["--muon_lr=1e30"], "--muon_lr must be in (0, 10], got 1e+30"),
     (["--embed_wd_mul=1e300"], "--embed_wd_mul must be in [0, 1000], got 1e+300"),
@@ -186,3 +190,12 @@ def test_the_interrupt_prints_the_command_that_resumes_it_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     summary = re.search(r"^summary: (\S+)$", resumed.stdout, re.M).group(1)
     assert json.loads((tmp_path / summary).read_text())["final_val_loss"] == full.val_losses[-1][1]  # bit for bit
+
+
+def test_an_older_python_is_refused_in_one_line():
+    # The file calls BaseException.add_note (3.11): on 3.10 it says so at import, before anything else runs.
+    code = ("import platform, runpy, sys; sys.version_info = (3, 10, 14, 'final', 0); "
+            "platform.python_version = lambda: '3.10.14'; runpy.run_path('train_gpt.py', run_name='old')")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.strip() == "error: train_gpt.py needs Python 3.11 or newer (this is 3.10.14)"

@@ -1,5 +1,5 @@
 """The Triton kernels compiled for the H100 (sm90) offline by Triton's own compiler and ptxas, no GPU needed:
-every launch the recipe makes compiles, within sm90's shared memory and without spills (records/sm90_kernels.py);
+every launch the recipe makes compiles, within sm90's shared memory and without spills (tools/sm90_kernels.py);
 the cross-entropy's e5m2 codes are the GPU's own rounding (cvt.rn.satfinite) of values its bit-level rounding put
 on e5m2's grid, which the compiler keeps (no fast-math folding of (a + 128) - 128); the FP8 MLP's e4m3 codes come
 from an IEEE division (div.rn: Triton's / is approximate) and the saturating nearest-even cast."""
@@ -15,7 +15,7 @@ import train_gpt as T
 from conftest import REPO
 
 pytest.importorskip("triton")
-TOOL = REPO / "records" / "sm90_kernels.py"
+TOOL = REPO / "tools" / "sm90_kernels.py"
 
 
 @pytest.mark.slow
@@ -82,7 +82,7 @@ def test_the_sm90_check_fails_a_launch_beyond_shared_memory():
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import sm90_kernels as S, train_gpt as T; "
             "name, kernel, args, kw = S.cases(T.Config())[0]; "
             "print(json.dumps(S.check(name, kernel, args, dict(kw, num_stages=4))))")
-    run = subprocess.run([sys.executable, "-c", code, str(REPO / "records")], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", code, str(REPO / "tools")], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(run.stdout.strip().splitlines()[-1])
@@ -156,3 +156,22 @@ def test_one_dc_attention_compile_serves_every_stage_and_validation():
         for (src, options), (last, last_options) in zip(sources, compiled[-1]):
             assert (src.signature, src.constants, src.attrs, options) == (last.signature, last.constants, last.attrs,
                                                                           last_options)
+
+
+def test_the_compile_matrix_refuses_a_table_that_claims_a_failing_launch():
+    # tools/sm90_kernels.py --targets=all measures sm80, sm89 and sm100 in its own run (minutes); here its check of
+    # gpt_kernels.RUNS_ON (what train_gpt's auto reads) on made-up rows: a failing launch on a claimed target is an
+    # error, every launch of a path passing on an unclaimed one a note.
+    sys.path.insert(0, str(TOOL.parent))
+    import sm90_kernels as S
+    assert set(S.TARGETS) == set(S.K.TARGETS) and S.TARGETS["sm90"] == (S.H100, 227 * 1024)
+    assert {t: limit // 1024 for t, (_, limit) in S.TARGETS.items()} == {"sm80": 163, "sm89": 99, "sm90": 227,
+                                                                         "sm100": 227}
+    rows = [{"kernel": "linear_relu_square bf16 forward M=16384", "target": t, "ok": t == "sm90",
+             "status": "pass" if t == "sm90" else "spill"} for t in ("sm89", "sm90")]
+    rows += [{"kernel": "xxt bf16 256x768 (qk)", "target": "sm89", "ok": False, "status": "shared memory"}]
+    table, wrong = S.matrix(rows, ["sm89", "sm90"])
+    assert table[2:] == ["| linear_relu_square bf16 | spill (1 of 1) | pass (1) |",
+                         "| xxt | shared memory (1 of 1) | - |"], table
+    assert "gpt_kernels.RUNS_ON['polar_express'] has sm89, where xxt bf16 256x768 (qk) fails" in wrong, wrong
+    assert not any("relu2_kernel'] has" in w for w in wrong), wrong

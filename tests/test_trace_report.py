@@ -1,4 +1,4 @@
-"""records/trace_report.py: interval arithmetic and trace summaries on synthetic Kineto-style traces, and its
+"""tools/trace_report.py: interval arithmetic and trace summaries on synthetic Kineto-style traces, and its
 command line on a run folder. --bench runs it at its end (test_bench.py)."""
 
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "records"))
+sys.path.insert(0, str(REPO / "tools"))
 import trace_report as TR  # noqa: E402
 
 

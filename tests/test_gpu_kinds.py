@@ -1,0 +1,128 @@
+"""`auto` on each GPU generation, without a GPU: torch.cuda's device queries faked (capability, name, memory), the
+resolution reads gpt_kernels.RUNS_ON (the compile matrix's facts, tools/sm90_kernels.py): FP8 from sm89 on, each
+Triton kernel where it compiles cleanly, FA3 on sm90 only; an explicit flag the GPU cannot run is one `error:` line
+before any work; the CPU's resolution is untouched."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import gpt_kernels as K
+import train_gpt as T
+from conftest import main_in_process, tiny_args
+
+GPUS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 80), (8, 6): ("NVIDIA GeForce RTX 3090", 24),
+        (8, 9): ("NVIDIA L40S", 48), (9, 0): ("NVIDIA H100 80GB HBM3", 80), (10, 0): ("NVIDIA B200", 180),
+        (12, 0): ("NVIDIA GeForce RTX 5090", 32)}
+FLAGS = ("fp8_head", "fp8_mlp", "relu2_kernel", "fused_head", "dc_kernel", "polar_express", "attention")
+# What auto takes on each: (fp8_head, fp8_mlp, relu2_kernel, fused_head, dc_kernel, Polar Express kernels, attention)
+EXPECTED = {
+    (8, 0): (False, False, False, True, True, True, "flex"),  # A100: no FP8; the ReLU^2 GEMM spills
+    (8, 6): (False, False, False, False, False, False, "flex"),  # not in the matrix: the torch paths
+    (8, 9): (True, True, False, True, True, True, "flex"),  # L40S / 4090: the ReLU^2 GEMM spills
+    (9, 0): (True, True, True, True, True, True, "fa3"),  # H100 / H200: as before
+    (10, 0): (True, True, False, True, True, True, "flex"),  # B200: the GEMM's FP8 forward does not compile
+    (12, 0): (False, False, False, False, False, False, "flex"),
+}
+
+
+def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
+    name, gib = GPUS[capability]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(name=name, total_memory=gib * 2**30))
+    fa3 = (lambda *args, **kwargs: None, "") if capability == (9, 0) else (None, "FA3 runs on Hopper GPUs (sm90) only")
+    monkeypatch.setattr(T, "load_fa3", lambda: fa3)  # the hub kernel itself is not here: its loading, faked
+    monkeypatch.delenv("DISABLE_FP8", raising=False)
+
+
+def resolved(*args: str) -> T.Config:
+    cfg = T.parse_config(list(args))
+    T.resolve_for_device(cfg, cuda=True)
+    return cfg
+
+
+def taken(cfg: T.Config) -> tuple:
+    return (*(getattr(cfg, f) for f in FLAGS[:5]), T.polar_express_kernels(torch.device("cuda")), cfg.attention)
+
+
+@pytest.mark.parametrize("capability", EXPECTED, ids=[f"sm{a}{b}" for a, b in EXPECTED])
+def test_auto_takes_each_path_where_the_gpu_runs_it(monkeypatch, capability):
+    fake_gpu(monkeypatch, capability)
+    cfg = resolved()
+    assert taken(cfg) == EXPECTED[capability]
+    line = T.gpu_report(cfg)  # one line: the GPU, and each path with why where it is off
+    name, gib = GPUS[capability]
+    assert "\n" not in line and line.startswith(f"gpu: {name} (sm{capability[0]}{capability[1]}, {gib} GiB): "), line
+    for flag, on in zip(FLAGS, EXPECTED[capability]):
+        assert (f"{flag} {'on' if on else 'off'}" if flag != "attention" else f"attention {on}") in line, line
+    if capability == (8, 0):
+        assert "fp8_mlp off (sm80 has no FP8 tensor cores" in line, line
+        assert "relu2_kernel off (its Triton kernels (linear_relu_square bf16) do not compile for sm80" in line, line
+    if capability == (12, 0):
+        assert "sm120 is not in the compile matrix" in line, line
+
+
+def test_every_measured_target_is_a_row_of_the_table_and_sm90_runs_everything():
+    assert set(K.RUNS_ON) == set(K.PATH_KERNELS)
+    assert all(K.TARGETS["sm90"] in targets for targets in K.RUNS_ON.values())  # nothing changes on the H100
+    assert all(set(targets) <= set(K.TARGETS.values()) for targets in K.RUNS_ON.values())
+    assert not any(c < K.FP8_MIN for path, targets in K.RUNS_ON.items() if "fp8" in path for c in targets)
+
+
+def test_without_fp8_the_b200_takes_the_relu2_kernels_bf16_modes(monkeypatch):
+    fake_gpu(monkeypatch, (10, 0))
+    monkeypatch.setenv("DISABLE_FP8", "1")
+    cfg = resolved()
+    assert (cfg.fp8_mlp, cfg.relu2_kernel) == (False, True)
+    assert "fp8_mlp off (DISABLE_FP8)" in T.gpu_report(cfg)
+    fake_gpu(monkeypatch, (10, 0))
+    assert resolved("--fp8_mlp=false").relu2_kernel is True
+
+
+@pytest.mark.parametrize("capability, args, message", [
+    ((8, 0), ["--fp8_mlp=true"], "--fp8_mlp=true: sm80 has no FP8 tensor cores"),
+    ((8, 0), ["--fp8_head=true"], "--fp8_head=true: sm80 has no FP8 tensor cores"),
+    ((8, 6), ["--fp8_mlp=true"], "--fp8_mlp=true: sm86 has no FP8 tensor cores"),
+    ((8, 9), ["--relu2_kernel=true"], "--relu2_kernel=true: its Triton kernels (linear_relu_square bf16) do not "
+                                      "compile for sm89 within its shared memory and without spills"),
+    ((8, 0), ["--relu2_kernel=true"], "(linear_relu_square bf16) do not compile for sm80"),
+    ((10, 0), ["--relu2_kernel=true"], "(linear_relu_square fp8) do not compile for sm100 within its shared memory "
+                                       "and without spills (tools/sm90_kernels.py) (its FP8 mode, with --fp8_mlp); use "
+                                       "--relu2_kernel=false (or auto)"),
+])
+def test_an_explicit_flag_the_gpu_cannot_run_is_refused(monkeypatch, capability, args, message):
+    fake_gpu(monkeypatch, capability)
+    with pytest.raises(T.UsageError) as refused:
+        resolved(*args)
+    assert message in str(refused.value) and str(refused.value).startswith(f"{args[0]}: "), refused.value
+
+
+def test_explicit_flags_are_the_users_on_a_gpu_not_measured_and_on_the_cpu(monkeypatch):
+    fake_gpu(monkeypatch, (12, 0))  # FP8 hardware, not in the matrix: auto leaves it off, a given true runs
+    assert resolved("--fp8_mlp=true", "--fused_head=true").fp8_mlp is True
+    fake_gpu(monkeypatch, (8, 0))  # a CPU rehearsal of the GPU path on a machine with an A100: not refused
+    cfg = T.parse_config(["--preset=tiny", "--fp8_head=true"])
+    T.resolve_for_device(cfg, cuda=False)
+    assert (cfg.fp8_head, cfg.fp8_mlp, cfg.relu2_kernel, cfg.fused_head, cfg.dc_kernel) == (True, False, False,
+                                                                                            False, False)
+
+
+def test_an_fp8_flag_on_an_a100_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # setup_runtime's setdefault: restored after
+    fake_gpu(monkeypatch, (8, 0))
+    args = [a for a in tiny_args(work, run_id="r") if not a.startswith("--device")] + ["--device=cuda",
+                                                                                       "--fp8_mlp=true"]
+    code, out, err = main_in_process(args, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: --fp8_mlp=true: sm80 has no FP8 tensor cores (torch._scaled_mm: sm89 and "
+                               "later); use --fp8_mlp=false (or auto)"), err
+    assert out == "" and list(tmp_path.rglob("*")) == [work], list(tmp_path.rglob("*"))
