@@ -386,26 +386,35 @@ MUDD_COEFS = (14, 5)  # block 0 (at the last layer's input) and block 1 (after t
 DC_WINDOW = 112  # DC attention's keys per query: itself and the 111 before it in its document (#85)
 
 def dc_attention(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
-                 scale: float | Tensor, window: int = DC_WINDOW) -> Tensor:
+                 scale: float | Tensor, window: int = DC_WINDOW, block: int = 64) -> Tensor:
     """DC attention's correction added to attention's output base (T, H, D) (#85): per token t and head h, a fresh
     softmax P_h of scale q_t.k_j over the keys j of its window in its document (cu_seqlens: FA3's, padded with T),
     the heads' mix A = sum_h w1_h P_h, and out_h = base_h + sum_j bf16(w2_h A_j) v_j; fp32 sums, one rounding at the
-    end. q, k, v: (1, T, H, D); w1, w2: (1, T, H). One key offset at a time, so the memory is T x window per head
-    (validation's T is 262,144). The torch path of gpt_kernels' dc_attention op."""
-    T, acc = base.size(0), torch.promote_types(base.dtype, torch.float32)  # fp32 sums (float64 in the tests)
-    q, k, v, w1, w2 = (t[0].to(acc) for t in (q, k, v, w1, w2))
-    pos = torch.arange(T, device=base.device)
-    doc_start = cu_seqlens[torch.searchsorted(cu_seqlens[:-1], pos.to(cu_seqlens.dtype), right=True) - 1]
-    offsets = range(min(window, T))
-    scores = torch.stack([F.pad(torch.where((pos[o:] - o >= doc_start[o:])[:, None],
-                                            (q[o:] * k[: T - o]).sum(-1) * scale, -torch.inf), (0, 0, o, 0),
-                                value=-torch.inf) for o in offsets], -1)  # (T, H, offsets): key t - o
-    mix = (w1[..., None] * scores.softmax(-1)).sum(1)  # (T, offsets)
-    weights = w2[..., None] * mix[:, None]
+    end. q, k, v: (1, T, H, D); w1, w2: (1, T, H). By blocks of queries against the block + window - 1 keys they can
+    reach: memory T x (block + window) per head, never T x T (validation's T is 262,144), and a few batched matmuls,
+    which torch.compile takes quickly. The torch path of gpt_kernels' dc_attention op."""
+    T, H, D = base.shape
+    acc = torch.promote_types(base.dtype, torch.float32)  # fp32 sums (float64 in the tests)
+    n, keys = -(-T // block), block + window - 1
+    pos = torch.arange(n * block, device=base.device)
+    start = cu_seqlens[torch.searchsorted(cu_seqlens[:-1], pos[:T].to(cu_seqlens.dtype), right=True) - 1]
+    start = torch.cat([start.long(), pos[T:]])  # the padding's queries see only themselves
+
+    def queries(x: Tensor) -> Tensor:  # (1, T, ...) -> (n, block, ...), zero-padded
+        return F.pad(x[0].to(acc), (0, 0) * (x.dim() - 2) + (0, n * block - T)).unflatten(0, (n, block))
+
+    def reach(x: Tensor) -> Tensor:  # (1, T, H, D) -> (n, H, D, keys): block b's keys b block - window + 1 onwards
+        return F.pad(x[0].to(acc), (0, 0, 0, 0, window - 1, n * block - T)).unfold(0, keys, block)
+
+    key_pos = pos.view(n, block)[:, :1] - (window - 1) + torch.arange(keys, device=base.device)  # (n, keys)
+    back = pos.view(n, block, 1) - key_pos[:, None]  # (n, block, keys): how far back each key lies
+    valid = (back >= 0) & (back < window) & (key_pos[:, None] >= start.view(n, block, 1))
+    scores = torch.einsum("bqhd,bhdk->bhqk", queries(q), reach(k)) * scale
+    probs = scores.masked_fill(~valid[:, None], -torch.inf).softmax(-1)  # (n, H, block, keys)
+    mix = torch.einsum("bqh,bhqk->bqk", queries(w1), probs)
+    weights = queries(w2).transpose(1, 2)[..., None] * mix[:, None]
     weights = weights + (weights.to(base.dtype).to(acc) - weights).detach()  # rounded as the kernel's, fp32 gradient
-    correction = torch.zeros_like(q)
-    for o in offsets:
-        correction[o:] += weights[o:, :, o, None] * v[: T - o]
+    correction = torch.einsum("bhqk,bhdk->bqhd", weights, reach(v)).flatten(0, 1)[:T]
     return (base.to(acc) + correction).to(base.dtype)
 
 @dataclass(frozen=True)

@@ -55,10 +55,13 @@ def test_compiled_model_equals_eager_across_windows_and_yarn_with_one_graph():
         loss_c = compiled(tokens[:-1], tokens[1:].long(), *knobs)
         assert loss_c.item() == pytest.approx(loss_e.item(), rel=3e-4)
         for (name, a), b in zip(twin.named_parameters(), eager.parameters()):
-            if not name.endswith(("scalars", "lambdas", "xsa_alphas")):  # sums of cancelling terms: relative error
-                # means little there. The one-row gates (skip, smear) and MUDD's small MLPs sum over every position
-                # too, through the FP8 head's e5m2 gradient: 20% (measured up to 10.5% with bf16 activations).
-                tol = 0.2 if name.startswith(("skip_gate", "smear_gate", "mudd_")) else 0.05
+            if not name.endswith(("scalars", "lambdas", "_mudd_gate_scale")):  # sums of cancelling terms (the gates'
+                # shared scale: over every gate of every token): relative error means little there. The smear's
+                # one-row gate and the MUDD MLPs (the gate network's too) sum over every position too, through the
+                # FP8 head's e5m2 gradient: 20% (measured up to 10.5% with bf16 activations).
+                # The gate network's biases: 26% measured, from the x0 gates' slots, each a sum over every token and
+                # channel of the gradient times x0 (#89's x0 lambdas, excluded above, were the same sum).
+                tol = 0.35 if name == "mudd_gate_b2" else 0.2 if name.startswith(("smear_gate", "mudd_")) else 0.05
                 assert (a.grad.float() - b.grad.float()).norm() <= tol * b.grad.float().norm(), name  # tied: 0
     assert model_graphs() == 1  # windows, YaRN, MTP weights, the tie: tensors, no recompile (eval: the run's test)
 

@@ -142,9 +142,11 @@ def test_memory_autograd_saves_grows_with_T_times_the_window_not_T_squared():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         out = DC.dc_attention(*tensors, cu, SCALE, window)
     out.float().sum().backward()  # and it still differentiates
-    # A few fp32 (T, H, window) maps (scores, probabilities, the weights), the fp32 q, k, v and the masks: T x window
-    # per head, where a dense path's scores alone are T x T.
-    per_map, per_qkv = T * H * window * 4, T * H * D * 4
-    assert sum(storages.values()) <= 8 * per_map + 4 * per_qkv + 4 * T * window, sum(storages.values())
+    # A few fp32 (T, H, block + window) maps (scores, probabilities, the weights), q, k, v in fp32 (k and v as the
+    # blocks' reach: (block + window) / block of their size) and the masks: T x (block + window) per head, where a
+    # dense path's scores alone are T x T.
+    keys = 64 + window - 1
+    per_map, per_qkv = T * H * keys * 4, T * H * D * 4 * keys / 64
+    assert sum(storages.values()) <= 6 * per_map + 4 * per_qkv + T * keys, sum(storages.values())
     assert sum(storages.values()) < T * T * H * 4 / 5
     assert tensors[1].grad is not None and tensors[1].grad.abs().max() > 0
