@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute ea
 # micro-steps per step: the graphs are the same as with eight, at a quarter of the compute.
 REHEARSAL = dict(compile="true", fp8_head="true", fp8_mlp="true", train_seq_len=512, seq_len_stages="256,512,512",
                  window_stages="0/1,1/2,1/3", lr_stages="1,1.5,1.7", doc_len_stages="2048,2048,2048",
-                 mtp_stages="1/0.5/0.25,1/0.5,1", num_steps=6, global_batch_seqs=2, val_every=3, warmup_steps=1,
+                 mtp_stages="1/0.5/0.25,1/0.5,1", prefix_stages="0.25/0.25,0.25/0,0/0", num_steps=6, global_batch_seqs=2, val_every=3, warmup_steps=1,
                  val_tokens=2048)
 
 

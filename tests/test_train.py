@@ -263,9 +263,10 @@ def test_threads_that_touch_the_device_bind_to_it_first(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_file_alone_trains_on_the_torch_path_and_refuses_the_kernels_it_lacks(tmp_path):
-    # train_gpt.py copied without gpt_kernels.py: auto takes the torch path, an explicit kernel is one line.
+    # train_gpt.py copied without gpt_kernels.py (with the BPE file its prefix table reads): auto takes the torch
+    # path, an explicit kernel is one line.
     alone = tmp_path / "alone"
-    alone.mkdir()
+    shutil.copytree(REPO / "data" / "tokenizer", alone / "data" / "tokenizer")
     shutil.copy(REPO / "train_gpt.py", alone)
     args = tiny_args(tmp_path, num_steps=2, val_every=2, **SMALL)
     run = subprocess.run([sys.executable, "train_gpt.py", *args, "--run_id=alone"], cwd=alone, capture_output=True,
