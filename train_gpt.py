@@ -107,7 +107,7 @@ class Config:
     attn_input_layer: int = 7  # later layers attend over this layer's normed output (#77); the MUDD mixes read it
     xsa_layers: str = "1,3,4,7"  # unpaired attention layers that subtract a gated share of their output along v (#82)
     attn_gate_layers: str = "3,10"  # attention layers whose heads' outputs a MUDD gate scales (#85)
-    bigram_rows: int = 50304 * 15 // 2  # rows of the bigram hash embedding added at every layer (#62; model_dim wide, #85)
+    bigram_rows: int = 50304 * 15 // 2  # rows of the bigram hash embedding added at every layer (#62; #85: d wide)
     bigram_sign_rows: int = 8192  # rows of the +-1 table its rows are multiplied by, per token pair (#83)
     mudd_dim: int = 64  # hidden width of the MUDD coefficient MLPs and of the MUDD gate network (#81/#85)
     attn_scale: float = 0.1  # attention logit scale (in place of 1/sqrt(head_dim))
@@ -561,7 +561,8 @@ def read_vocabulary(cfg: Config) -> list[bytes]:
         tokens = {int(rank): base64.b64decode(token, validate=True) for token, rank in pairs}
     except (OSError, ValueError, binascii.Error) as e:
         raise UsageError(f"--vocab_file={cfg.vocab_file}: cannot read GPT-2's BPE tokens ({e}); the prefix-token loss "
-                         f"needs them: `git checkout data/tokenizer`, or point it at tiktoken's r50k_base file") from None
+                         f"needs them: `git checkout data/tokenizer`, or point it at tiktoken's r50k_base file"
+                         ) from None
     if sorted(tokens) != list(range(len(tokens))) or len(tokens) > cfg.vocab_size:
         raise UsageError(f"--vocab_file={cfg.vocab_file}: not a BPE rank file of ids 0..N-1 with N <= --vocab_size="
                          f"{cfg.vocab_size} (tiktoken's r50k_base file has 50,256)")
@@ -711,14 +712,12 @@ class GPT(nn.Module):
         return (F.linear(h, self.mudd_gate_w2[block, :n]) + self.mudd_gate_b2[block, :n]) * \
             self._mudd_gate_scale.type_as(x)
 
-    def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> dict[str, Attend]:
+    def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan, cu: Tensor) -> dict[str, Attend]:
         """Per window kind (long, short, paired: the short window over 2T positions), attention over q, k, v of shape
-        (1, positions, heads, D), same shape out: FA3's varlen call (windows: a VarlenPlan of tokens), else the
-        masks of may_attend (windows: (long, short) blocks, a tensor: a new size never recompiles) with YaRN's
-        gain on q, by FlexAttention (CUDA) or SDPA with a dense mask (CPU)."""
+        (1, positions, heads, D), same shape out: FA3's varlen call (windows: a VarlenPlan of tokens; cu: the
+        sequence's cu_seqlens), else the masks of may_attend (windows: (long, short) blocks, a tensor: a new size
+        never recompiles) with YaRN's gain on q, by FlexAttention (CUDA) or SDPA with a dense mask (CPU)."""
         if self.fa3 is not None:
-            cu = cu_seqlens(input_seq, windows.slots)
-
             def varlen(window: int, paired: bool) -> Attend:
                 n = 1 + paired  # paired: every position twice, so are the offsets and the longest document
                 return lambda q, k, v: self.fa3(q[0], k[0], v[0], n * cu, n * cu, n * windows.max_seqlen,
@@ -742,11 +741,10 @@ class GPT(nn.Module):
             del kinds["paired"]
         return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
 
-    def dc_attention(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Callable[..., Tensor]:
-        """DC attention (dc_attention's arguments after base, q, k, v, w1, w2) at the attention's softmax scale: FA3's
-        plan's, else YaRN's gain on q (as attend applies it); the Triton kernels with --dc_kernel."""
-        cu = cu_seqlens(input_seq, windows.slots if self.fa3 is not None else input_seq.numel() + 1)
-
+    def dc_attention(self, windows: Tensor | VarlenPlan, cu: Tensor) -> Callable[..., Tensor]:
+        """DC attention (dc_attention's arguments after base, q, k, v, w1, w2) over the documents of cu (cu_seqlens) at
+        the attention's softmax scale: FA3's plan's, else YaRN's gain on q (as attend applies it); the Triton kernels
+        with --dc_kernel."""
         def dc(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
             q, scale = (q, windows.scale) if self.fa3 is not None else (q * self.q_gain, self.cfg.attn_scale)
             if self.cfg.dc_kernel:
@@ -813,7 +811,9 @@ class GPT(nn.Module):
         with FA3 a VarlenPlan (attention_kernels)."""
         cfg, L, H, D = self.cfg, self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim
         T, last, half = input_seq.numel(), self.cfg.num_layers - 1, self.cfg.gate_channels // 2
-        attend = self.attention_kernels(input_seq, windows)
+        # The documents as FA3's cu_seqlens, once per sequence: FA3's calls and DC attention read them.
+        cu = cu_seqlens(input_seq, windows.slots if self.fa3 is not None else T + 1)
+        attend = self.attention_kernels(input_seq, windows, cu)
         # Both lookups, weighted by the tie flag: the same graph tied and untied.
         e = self.embed(input_seq)
         e = self.embed_tied * F.embedding(input_seq, self.lm_head.weight) + (1 - self.embed_tied) * e
@@ -856,7 +856,7 @@ class GPT(nn.Module):
                     gate_in = torch.cat([u[..., :half], ve.flatten(-2)[..., :half]], dim=-1)
                     aux_v = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[plan.ve_gate]))[..., None] * ve
                 out = self.attention(u, i, aux_v, attend, qk, vo, gates.get(i, {}),
-                                     self.dc_attention(input_seq, windows) if i == last else None)
+                                     self.dc_attention(windows, cu) if i == last else None)
                 if mu is not None:
                     x = mu[8] * x + mu[9] * out + mu[10] * stream0 + mu[11] * bigram
                 else:

@@ -13,6 +13,10 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# Record #89's references, written from its spec, live with its snapshot (and are pinned by its own tests there); the
+# FP8 MLP, the kernels and upstream's reference still compare with them, from there.
+RECORD89_TESTS = REPO / "records" / "snapshots" / "2026-11-28_record89" / "tests"
+sys.path.append(str(RECORD89_TESTS))
 if TYPE_CHECKING:  # the annotations' name; the tests import the file themselves, after this conftest
     import train_gpt as T
 
@@ -25,8 +29,8 @@ SMALL = dict(global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, va
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: spawns processes or compiles a model or a kernel; `pytest -m 'not slow'` is the quick "
-                            "loop (where 4 tests compile a small function)")
+    config.addinivalue_line("markers", "slow: spawns processes or compiles a model or a kernel; `pytest -m 'not slow'` "
+                            "is the quick loop (where 4 tests compile a small function)")
 
 
 # The recipe at the tiny preset's shape in one stage, no extension and Adam every step: a run of any length from

@@ -4,9 +4,10 @@ torch.compile'd code does), made to compute as sm90 does (tests/interpreter_sm90
 casts rounded to nearest even): values and gradients at sizes that do not divide the blocks (masked tails),
 negative pre-activations (the ReLU's zero side), persistent grids narrower and wider than the tiles, saturated
 softcaps and FP8 codes, #89's cross-entropy numerics (the bf16 sigmoid, the tail quirk, the e5m2 codes, against
-tests/reference89_optim.py too), Polar Express's symmetric GEMMs (tiles, mirrors, tails; wide, square and tall), the
-tiled transpose, and the ops' registration. Bit for bit where only the accumulation order could differ and the
-operands make every sum exact; elsewhere within a measured bf16 step. Not collected on its own (no test_ prefix)."""
+#89's reference89_optim.py too, with its snapshot), Polar Express's symmetric GEMMs (tiles, mirrors, tails; wide,
+square and tall), the tiled transpose, and the ops' registration. Bit for bit where only the accumulation order could
+differ and the operands make every sum exact; elsewhere within a measured bf16 step. Not collected on its own (no
+test_ prefix)."""
 import functools
 import json
 import os

@@ -3,7 +3,7 @@ forward (MUDD gate network, per-token gates, #86 XSA, DC attention on layer 10),
 schedule (1270 + 15), optimizer table.
 
 Written from /work/shared/upstream_head_spec.md (HEAD relative to record #89) on top of the independent #89
-reference (records/snapshots/2026-11-28_record89/tests/reference89.py, tests/reference89_optim.py), whose helpers (RoPE,
+reference (records/snapshots/2026-11-28_record89/tests/reference89.py and reference89_optim.py), whose helpers (RoPE,
 YaRN, dense FA3-style attention, #89 schedule formulas, #89 optimizer rows, softcap CE) are re-used unchanged.
 Where the spec was unclear, upstream's own train_gpt.py / triton_kernels.py / dc_triton_kernels.py at f411b3d
 decided ("head.py:NNN" below); no code was copied from them nor from this project's train_gpt.py / gpt_kernels.py.
@@ -66,8 +66,9 @@ def _load(name: str, path: Path):
     return mod
 
 
-R89 = _load("reference89", _REPO / "records" / "snapshots" / "2026-11-28_record89" / "tests" / "reference89.py")
-O89 = _load("reference89_optim", _HERE / "reference89_optim.py")
+_RECORD89 = _REPO / "records" / "snapshots" / "2026-11-28_record89" / "tests"  # #89's references, with its snapshot
+R89 = _load("reference89", _RECORD89 / "reference89.py")
+O89 = _load("reference89_optim", _RECORD89 / "reference89_optim.py")
 
 __all__ = [
     "R89", "O89", "BOS", "VOCAB", "BIGRAM_ROWS_HEAD", "wrap32", "bigram_hash_head", "sign_index",

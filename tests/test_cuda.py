@@ -63,8 +63,10 @@ def test_fa3_follows_flex_attention_at_the_recipes_shapes(record_property):
               "fa3": T.GPT(cfg, use_flex=False, fp8_head=False, fa3=fa3).to(CUDA)}
     for model in models.values():
         model.apply_yarn(s.yarn_windows)
-    attend = {"flex": models["flex"].attention_kernels(tokens, knobs.windows[0]),
-              "fa3": models["fa3"].attention_kernels(tokens, knobs.plan(0, training=True))}
+    plan = knobs.plan(0, training=True)
+    every_token = T.cu_seqlens(tokens, tokens.numel() + 1)
+    attend = {"flex": models["flex"].attention_kernels(tokens, knobs.windows[0], every_token),
+              "fa3": models["fa3"].attention_kernels(tokens, plan, T.cu_seqlens(tokens, plan.slots))}
     for kind, positions, heads in (("long", s.seq_len, 6), ("short", s.seq_len, 6), ("paired", 2 * s.seq_len, 3)):
         q, k, v = (T.norm(torch.randn(1, positions, heads, 128, device=CUDA, generator=g)).bfloat16() for _ in "qkv")
         grad = torch.randn(1, positions, heads, 128, device=CUDA, generator=g).bfloat16()

@@ -1,8 +1,9 @@
 """Record #89's FP8 MLP (gpt_kernels.mlp_fp8) and its weight quantizer (gpt_kernels.quantize_mlp_weights_) against
 the spec's formulas (record89_spec.md 4.8, 7.2) written out here in plain torch, and against the independent
-reference tests/reference89_optim.py. Exact where the math is exact (selection weights make every dot product one
-term, so each rounding the spec names is visible on its own); elsewhere within the fp32 accumulation a CPU GEMM
-adds (the bf16 roundings can then flip, by one bf16 step, where a value lies that close to a rounding boundary).
+reference89_optim.py (with record #89's snapshot). Exact where the math is exact (selection weights make every dot
+product one term, so each rounding the spec names is visible on its own); elsewhere within the fp32 accumulation a
+CPU GEMM adds (the bf16 roundings can then flip, by one bf16 step, where a value lies that close to a rounding
+boundary).
 CPU only: torch._scaled_mm runs there, no Triton."""
 import pytest
 import torch
