@@ -90,6 +90,8 @@ class Config:
     train_epochs: int = 1  # passes over the training files, in order
     train_seq_len: int = 48 * 1024  # the longest training sequence (--seq_len_stages' longest); buffers fit it
     global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
+    micro_split: int = 1  # each sequence cut into N pieces, a micro-step each: the same tokens per step in less
+    #                       memory (a smaller GPU: tools/memory_estimate.py); attention does not reach across a cut
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence (contiguous, not document-aligned)
     val_tokens: int = 10_485_760  # validation tokens: the first ones of the val shards
     # model
@@ -925,6 +927,7 @@ class StepSchedule:
     short_window: int  # of the short layers
     adam_step: bool  # Adam updates at the end of this step (every adam_every-th step), on the summed gradients
     seq_len: int  # tokens per training sequence (global_batch_seqs of them per step)
+    micro_len: int  # tokens per micro-step: seq_len / micro_split
     max_doc_len: int  # documents are cut to this many tokens in training
     yarn_windows: tuple[int, ...]  # the long windows trained at so far, in order (GPT.apply_yarn)
     mtp_weights: tuple[float, ...]  # loss weights of the next 1, 2, ... tokens (as many every step)
@@ -977,8 +980,9 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     # The last tied step is the first Adam step at or after the untie stage's start.
     split = starts[cfg.untie_stage]
     tied = step <= split + (-(split + 1) % cfg.adam_every)
-    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, staged("seq_len_stages"),
-                        staged("doc_len_stages"), yarn_windows, mtp, prefix, tied)
+    seq_len = staged("seq_len_stages")
+    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, seq_len,
+                        seq_len // cfg.micro_split, staged("doc_len_stages"), yarn_windows, mtp, prefix, tied)
 
 def schedule_table(cfg: Config) -> list[StepSchedule]:
     """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
@@ -1007,8 +1011,10 @@ class StepKnobs:
     def plan(self, step: int, training: bool) -> VarlenPlan:
         """FA3's numbers for training step `step` or the validation before it."""
         s, cfg = self.schedules[step], self.cfg
-        seq_len = s.seq_len if training else cfg.val_seq_len
-        most = self.documents.train[s.seq_len, s.max_doc_len] if training else self.documents.val
+        seq_len = s.micro_len if training else cfg.val_seq_len
+        # a piece of a cut sequence holds at most the whole's documents and the one continued across its cut
+        most = self.documents.train[s.seq_len, s.max_doc_len] + (cfg.micro_split > 1) if training else \
+            self.documents.val
         return VarlenPlan(cfg.block_size * s.long_window, cfg.block_size * s.short_window,
                           min(s.max_doc_len, seq_len) if training else seq_len, varlen_slots(seq_len, most),
                           yarn_scale(s.yarn_windows, cfg.attn_scale))
@@ -1848,11 +1854,14 @@ class TrainTokenStream:
         return max(map(documents, step))
 
 class TrainBatches:
-    """This rank's rows of each training step: micro-step m of rank r holds global sequence m * W + r."""
+    """This rank's rows of each training step: global sequences r, r + W, ... of rank r, in order, each cut into
+    `split` consecutive pieces of seq_len / split inputs (a piece's last input is the next one's first target): a
+    row, a micro-step, each."""
 
-    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None):
-        self.stream, self.rank, self.world_size = stream, rank, world_size
-        self.shape = (stream.batch_seqs // world_size, stream.seq_len + 1)  # the longest step's
+    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None,
+                 split: int = 1):
+        self.stream, self.rank, self.world_size, self.split = stream, rank, world_size, split
+        self.shape = (stream.batch_seqs // world_size * split, stream.seq_len // split + 1)  # the longest step's
         self.steps_left = steps  # None: until the data runs out; a run asks for exactly what it trains on
 
     def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
@@ -1862,13 +1871,12 @@ class TrainBatches:
                 return None
             self.steps_left -= 1
         step = self.stream.next_step()[self.rank::self.world_size]
-        length = sum(end - start for start, end in step[0])  # seq_len + 1 of this step's shape
-        out = buffer[: len(step) * length].reshape(len(step), length)
+        piece = (sum(end - start for start, end in step[0]) - 1) // self.split  # seq_len / split of this step's
+        out = buffer[: len(step) * self.split * (piece + 1)].reshape(len(step) * self.split, piece + 1)
         for m, pieces in enumerate(step):
-            at = 0
-            for start, end in pieces:
-                out[m, at: at + end - start] = self.stream.tokens[start:end]
-                at += end - start
+            sequence = np.concatenate([self.stream.tokens[start:end] for start, end in pieces])
+            for j in range(self.split):
+                out[m * self.split + j] = sequence[j * piece: (j + 1) * piece + 1]
         return out.shape
 
     def close(self) -> None:
@@ -2297,7 +2305,7 @@ FIELD_RULES: dict[str, str] = {
     **dict.fromkeys(["train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
                      "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size",
                      "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage",
-                     "bigram_sign_rows", "mudd_dim", "attn_input_layer"], "> 0"),
+                     "bigram_sign_rows", "mudd_dim", "attn_input_layer", "micro_split"], "> 0"),
     # Start-up work grows with these before the corpus is read (the step table, the list of shards to pass over):
     # bounded, so that a typo (--num_steps=10000000) is refused at once rather than after minutes of building.
     **dict.fromkeys(["num_steps"], "in [1, 100000]"),
@@ -2356,8 +2364,8 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if cfg.profile:
         profile_steps(cfg.profile, cfg.num_steps)
     tables, stages = sorted(set(cfg.value_embeds) - {"-"}), num_stages(cfg)
-    long_seq = next((n for n in parse_stages("seq_len_stages", cfg.seq_len_stages)
-                     if n > cfg.train_seq_len or n % cfg.block_size), None)
+    seq_lens = parse_stages("seq_len_stages", cfg.seq_len_stages)
+    long_seq = next((n for n in seq_lens if n > cfg.train_seq_len or n % cfg.block_size), None)
     refusals = [  # (a problem, its line), in order
         (not plain_name(cfg.run_id), f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or "
          f"'\\', no whitespace or control characters, not '.' or '..', at most {RUN_ID_MAX} characters"),
@@ -2396,6 +2404,9 @@ def validate_config(cfg: Config, world_size: int) -> int:
         (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
         (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
          f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
+        (any(n % (cfg.micro_split * cfg.block_size) for n in seq_lens), f"--micro_split={cfg.micro_split}: every "
+         f"--seq_len_stages length must cut into {cfg.micro_split} pieces of a multiple of --block_size="
+         f"{cfg.block_size}, got {cfg.seq_len_stages}"),
         (cfg.extension_steps >= cfg.num_steps, f"--extension_steps={cfg.extension_steps} must be below --num_steps="
          f"{cfg.num_steps} (the extension is the end of the run)"),
         (stages > cfg.num_steps - cfg.extension_steps, f"{stages} stages need at least as many scheduled steps, got "
@@ -2810,15 +2821,15 @@ def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
 
 def flops_per_token(model: GPT, s: StepSchedule) -> float:
     """Model FLOPs per trained token (forward + backward) at schedule entry `s`: 6 N + sum over attention layers of
-    12 heads head_dim T_eff, N = matmul_weights(model), T_eff = mean_keys_per_query(window tokens, seq_len) (paired
-    layers: half the heads over 2 seq_len), the last layer's DC attention as one more over DC_WINDOW keys. Document
+    12 heads head_dim T_eff, N = matmul_weights(model), T_eff = mean_keys_per_query(window tokens, micro_len)
+    (paired layers: half the heads over 2 micro_len), the last layer's DC attention as one more over DC_WINDOW keys. Document
     masking is ignored: an upper bound."""
     cfg = model.cfg
     windows = {"long": s.long_window, "short": s.short_window}
     attention = sum(12 * cfg.num_heads * cfg.head_dim *  # paired heads: half the heads, twice the queries
-                    mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size, (2 if p.paired else 1) * s.seq_len)
+                    mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size, (2 if p.paired else 1) * s.micro_len)
                     for p in model.plans if p.attn is not None)
-    dc = 12 * cfg.num_heads * cfg.head_dim * mean_keys_per_query(DC_WINDOW, s.seq_len)
+    dc = 12 * cfg.num_heads * cfg.head_dim * mean_keys_per_query(DC_WINDOW, s.micro_len)
     return 6 * matmul_weights(model) + attention + dc
 
 def format_eta(seconds: float) -> str:
@@ -3677,7 +3688,8 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
         stream.skip(skip_steps)
     else:
         stream.seek(skip_steps, position)
-    return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps), cfg.prefetch_depth, rt.device, digest)
+    return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps, cfg.micro_split), cfg.prefetch_depth,
+                          rt.device, digest)
 
 def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows: np.ndarray | None,
                knobs: tuple[Tensor, Tensor], loss_scale: float, metrics: Metrics | None = None,
@@ -3728,7 +3740,8 @@ def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
     lines = []
     for a, b in zip(spans, spans[1:]):
         s = schedules[a]
-        lines.append(f"stage: steps {a}-{b - 1}: {cfg.global_batch_seqs} x {s.seq_len} tokens "
+        cut = f" cut into {cfg.micro_split} x {s.micro_len}" if cfg.micro_split > 1 else ""
+        lines.append(f"stage: steps {a}-{b - 1}: {cfg.global_batch_seqs} x {s.seq_len} tokens{cut} "
                      f"({cfg.global_batch_seqs * s.seq_len:,}/step), documents cut at {s.max_doc_len}, "
                      f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
     return lines

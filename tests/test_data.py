@@ -231,3 +231,25 @@ def test_the_loader_hands_each_batch_out_with_its_hosts_bigram_rows(tmp_path, de
         for batch in loader:
             want = torch.stack([T.bigram_index(seq[:-1], rows) for seq in batch])
             assert np.array_equal(loader.digest, want.numpy())
+
+
+@pytest.mark.parametrize("world_size,split", [(1, 2), (2, 4), (8, 8)])
+def test_a_split_micro_step_serves_the_unsplit_token_stream_piece_by_piece(tmp_path, world_size, split):
+    # --micro_split: each rank's sequences, in order, each as `split` consecutive rows of seq_len / split inputs; a
+    # row's last token is the next row's first (a target, then an input): the same (input, target) pairs in the same
+    # order as the unsplit rows, on every rank, with stages of several lengths (the buffer fits the longest).
+    files = synthetic_shards(tmp_path)
+    shapes = [(128, 100), (256, 300), (128, 60)] * 2
+
+    def batches(r: int, k: int) -> list[torch.Tensor]:
+        s = T.TrainTokenStream(files, 256, 8, 50304, lambda step: shapes[step])
+        with T.PrefetchLoader(T.TrainBatches(s, r, world_size, steps=len(shapes), split=k), 2, CPU) as loader:
+            return [b.clone() for b in loader]
+
+    for r in range(world_size):
+        for step, (whole, cut) in enumerate(zip(batches(r, 1), batches(r, split))):
+            seq_len = shapes[step][0]
+            assert cut.shape == (whole.size(0) * split, seq_len // split + 1)
+            rows = cut.view(whole.size(0), split, -1)
+            assert torch.equal(rows[:, :, :-1].flatten(1), whole[:, :-1])  # inputs
+            assert torch.equal(rows[:, :, 1:].flatten(1), whole[:, 1:])  # their targets

@@ -307,6 +307,7 @@ def test_flop_model_counts_the_models_own_matmul_weights_and_windows():
     # Windows covering the whole sequence on every attention layer: T_eff = (T + 1) / 2.
     full = cfg.train_seq_len // cfg.block_size
     whole = T.StepSchedule(1.0, 0.9, long_window=full, short_window=full, adam_step=True, seq_len=cfg.train_seq_len,
+                           micro_len=cfg.train_seq_len,
                            max_doc_len=2048, yarn_windows=(full,), mtp_weights=(1.0,), prefix_weight=0.0, tied=True)
     attn_layers = sum(c != "-" for c in cfg.attn_pattern)
     dc = 12 * cfg.num_heads * cfg.head_dim * T.mean_keys_per_query(T.DC_WINDOW, cfg.train_seq_len)  # the last layer's

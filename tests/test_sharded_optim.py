@@ -180,7 +180,7 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
     events, sent = [], None
     for step in range(STEPS):
         opt.set_step(T.StepSchedule(LR_MULT[step], MOMENTUM[step], 1, 0, (step + 1) % cfg.adam_every == 0,
-                                    cfg.train_seq_len, 2048, (1,), (1.0,), 0.0, True))
+                                    cfg.train_seq_len, cfg.train_seq_len, 2048, (1,), (1.0,), 0.0, True))
         opt.wait_for_params()
         opt.begin_step(None if batch_rows is None else batch_rows(data[step, rank::world_size].numpy()))
         events.append(("begin", counter.take()))
@@ -475,7 +475,7 @@ def test_a_step_reduces_in_89s_table_order_and_updates_in_its_work_order(monkeyp
     monkeypatch.setattr(T, "_reduce_scatter", lambda out, inp: calls.append(("reduce", names[id(inp)])) or Done())
     monkeypatch.setattr(T, "all_gather_into", lambda out, inp, async_op=False: calls.append(
         ("gather", names[id(out)])) or Done())
-    opt.set_step(T.StepSchedule(1.0, 0.9, 1, 0, True, cfg.train_seq_len, 2048, (1,), (1.0,), 0.0, tied))
+    opt.set_step(T.StepSchedule(1.0, 0.9, 1, 0, True, cfg.train_seq_len, cfg.train_seq_len, 2048, (1,), (1.0,), 0.0, tied))
     loss(model, make_data(cfg)[0, 0]).backward()
     opt.step()
     last = [max(T.SCATTER_ORDER.index(n) for n in b.names) for b in opt.buckets]  # a group's bucket: its last
