@@ -8,38 +8,9 @@ Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=valu
 
 from __future__ import annotations
 
-import base64
-import binascii
-import bisect
-import contextlib
-import dataclasses
-import datetime
-import difflib
-import functools
-import glob
-import errno
-import fcntl
-import hashlib
-import importlib.util
-import inspect
-import io
-import itertools
-import json
-import math
-import os
-import platform
-import queue
-import random
-import resource
-import shlex
-import shutil
-import signal
-import subprocess
-import sys
-import textwrap
-import threading
-import time
-import uuid
+import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
+import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, resource, shlex, shutil, signal
+import subprocess, sys, textwrap, threading, time, uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -179,8 +150,6 @@ class Config:
     fp8_down_exact_steps: int = 16  # the weight scale is the current amax (no headroom) after the first N steps
     prefetch_depth: int = 2  # batches prepared ahead on a background thread; 0 = synchronous, main thread
     bucket_mb: float = 25.0  # MiB of gradients per reduce-scatter (the sharded optimizer's unit of work)
-    comm_overlap: str = "after_backward"  # #89's: every reduce-scatter after backward, in its table's order | hooks:
-    #                                       each bucket as backward finishes it (gradient-ready order)
     peak_tflops: float = 0.0  # peak dense bf16 TFLOP/s per device for MFU; 0 looks the GPU name up
     cpu_bf16_gemm: str = "auto"  # CPU runs' bf16 matmuls: native (oneDNN) | fp32 (fp32 GEMM, bf16 result) | auto
     # run
@@ -1008,15 +977,19 @@ class StepKnobs:
         self.mtp = torch.tensor([s.mtp_weights for s in schedules], device=device)
         self.prefix = torch.tensor([[s.prefix_weight] for s in schedules], device=device)
 
+    def train_slots(self, seq_len: int, max_doc_len: int) -> int:
+        """cu_seqlens' length for a micro-step of a training sequence of this shape: with --micro_split, a piece holds
+        at most the whole sequence's documents and the one continued across its cut."""
+        split = self.cfg.micro_split
+        return varlen_slots(seq_len // split, self.documents.train[seq_len, max_doc_len] + (split > 1))
+
     def plan(self, step: int, training: bool) -> VarlenPlan:
         """FA3's numbers for training step `step` or the validation before it."""
         s, cfg = self.schedules[step], self.cfg
-        seq_len = s.micro_len if training else cfg.val_seq_len
-        # a piece of a cut sequence holds at most the whole's documents and the one continued across its cut
-        most = self.documents.train[s.seq_len, s.max_doc_len] + (cfg.micro_split > 1) if training else \
-            self.documents.val
+        slots = self.train_slots(s.seq_len, s.max_doc_len) if training else varlen_slots(cfg.val_seq_len,
+                                                                                          self.documents.val)
         return VarlenPlan(cfg.block_size * s.long_window, cfg.block_size * s.short_window,
-                          min(s.max_doc_len, seq_len) if training else seq_len, varlen_slots(seq_len, most),
+                          min(s.max_doc_len, s.micro_len) if training else cfg.val_seq_len, slots,
                           yarn_scale(s.yarn_windows, cfg.attn_scale))
 
     def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor, Tensor]:
@@ -1039,8 +1012,8 @@ def validates_at(cfg: Config, step: int) -> bool:
 # -----------------------------------------------------------------------------
 # Optimizer
 # Muon (momentum, Polar Express orthogonalization, NorMuon) for the block matrices, Adam for
-# embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket as
-# backward finishes them, each rank updates its own shard (whole matrices for Muon) with the plain update
+# embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket after
+# backward (#89's order), each rank updates its own shard (whole matrices for Muon) with the plain update
 # functions, and the shards are all-gathered back into the parameters, awaited only where next read.
 
 # Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
@@ -1294,15 +1267,10 @@ def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Wo
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, async_op=async_op)
 
-def grad_ready_order(model: nn.Module) -> list[str]:
-    """Parameter names in about the order backward finishes them: reversed, `scalars` (read by every layer) last."""
-    names = [n for n, _ in model.named_parameters()][::-1]
-    return [n for n in names if n != "scalars"] + [n for n in names if n == "scalars"]
-
 def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
                  world_size: int) -> list[tuple[ParamGroup, list[str]]]:
     """Split each group into buckets of one dtype (and Muon matrix shape) of about bucket_mb, taking parameters in
-    `order` (#89's table's, or the gradient-ready order with hooks); a parameter is never split. A Muon bucket takes
+    `order` (#89's table's); a parameter is never split. A Muon bucket takes
     a multiple of world_size matrices where it can (padding goes to a shape's last). Ordered by their last
     parameter: the order every rank launches their reduce-scatters in."""
     pos = {n: i for i, n in enumerate(order)}
@@ -1370,7 +1338,6 @@ class Bucket:
                                        device=self.data.device).view(-1, 1, 1)
         else:
             self.state = {k: torch.zeros(shape, dtype=torch.float32, device=self.data.device) for k in ("m", "v")}
-        self.pending = len(params)  # gradients not yet final in this step's last micro-step
         self.reduce_work: dist.Work | None = None
         self.gather_work: dist.Work | None = None
 
@@ -1486,8 +1453,8 @@ def exchanges_rows(rows: int, world_size: int) -> bool:
     return world_size > 1 and rows % world_size == 0
 
 class ShardedMuonAdam:
-    """Muon + Adam, ZeRO-1: per step, reduce-scatter each bucket's gradients (from backward hooks on the last
-    micro-step), update this rank's shard, all-gather it back. Between Adam steps the Adam gradients accumulate in
+    """Muon + Adam, ZeRO-1: per step, after the last micro-step's backward, reduce-scatter each bucket's gradients
+    (#89's order: SCATTER_ORDER), update this rank's shard, all-gather it back. Between Adam steps the Adam gradients accumulate in
     place on every rank. Call wait_for_params() before anything reads the parameters."""
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
@@ -1496,21 +1463,13 @@ class ShardedMuonAdam:
         self.lr_mult, self.momentum, self.adam_step, self.tied = 1.0, cfg.muon_momentum_start, True, False  # set_step()
         self.step_count, self.adam_steps = 0, 0
         named = dict(model.named_parameters())
-        hooks = world_size > 1 and cfg.comm_overlap == "hooks"
-        plan = plan_buckets(build_param_groups(model, cfg), grad_ready_order(model) if hooks else list(SCATTER_ORDER),
-                            cfg.bucket_mb, world_size)
+        plan = plan_buckets(build_param_groups(model, cfg), list(SCATTER_ORDER), cfg.bucket_mb, world_size)
         rows_exchanged = exchanges_rows(named[BIGRAM_TABLE].size(0), world_size)
         self.buckets = [(RowBucket if rows_exchanged and names == [BIGRAM_TABLE] else Bucket)(
             g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
         self.work_order = sorted(self.buckets, key=lambda b: min(WORK_ORDER.index(n) for n in b.names))
         assert [TIED_EMBEDDING] in [b.names for b in self.buckets], "the tied embedding rests in a bucket of its own"
         self.row_bucket = next((b for b in self.buckets if isinstance(b, RowBucket)), None)
-        self.final_micro_step = False  # train() raises it for the last backward of a step: arms the hooks
-        self.launched = 0  # this step's reduce-scatters issued so far: always a prefix of self.buckets
-        if hooks:
-            for b in self.buckets:
-                for p in b.params:
-                    p.register_post_accumulate_grad_hook(lambda _, b=b: self._grad_final(b))
 
     def set_step(self, s: StepSchedule) -> None:
         """Take the schedule's values for the step about to be trained (before its first backward)."""
@@ -1539,27 +1498,15 @@ class ShardedMuonAdam:
             return self.adam_step and not self.tied
         return bucket.kind == "muon" or self.adam_step
 
-    def _grad_final(self, bucket: Bucket) -> None:
-        if not self.final_micro_step:
-            return  # still accumulating: nothing is final before the last micro-step
-        bucket.pending -= 1
-        # Launch in bucket order only: every rank must issue its collectives in the same order.
-        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
-            if self._updates(self.buckets[self.launched]):
-                self.buckets[self.launched].reduce_grads()
-            self.launched += 1
-
     @torch.no_grad()
     def step(self) -> None:
-        # after_backward launches everything here; so do hooks for buckets with a gradient that never arrived.
-        for b in self.buckets[self.launched:]:
+        for b in self.buckets:  # every rank launches its collectives in the same order
             if self._updates(b):
                 b.reduce_grads()
         self.step_count += 1
         self.adam_steps += self.adam_step
         c = self.cfg
         for b in self.work_order:
-            b.pending = len(b.params)
             if not self._updates(b):
                 continue
             b.wait_grads()
@@ -1571,7 +1518,6 @@ class ShardedMuonAdam:
                 adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
                              c.adam_eps, b.wd, self.steps)
             b.gather_params()
-        self.launched, self.final_micro_step = 0, False
 
     def wait_for_params(self) -> None:
         """Block until the last step's all-gathers have written every parameter."""
@@ -2084,7 +2030,6 @@ class PrefetchLoader:
 # --field=value parsing, --help from the Config's own comments, and validate_config, which refuses in one line any
 # value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
 
-COMM_OVERLAP = ("hooks", "after_backward")  # when the optimizer launches its gradient reduce-scatters
 ATTENTIONS = ("auto", "fa3", "flex")  # --attention
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 
@@ -2398,8 +2343,6 @@ def validate_config(cfg: Config, world_size: int) -> int:
            f"{cfg.block_size}") for n in ("train_seq_len", "val_seq_len")),
         (cfg.val_tokens % cfg.val_seq_len,
          f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}"),
-        (cfg.comm_overlap not in COMM_OVERLAP,
-         f"--comm_overlap must be {' or '.join(COMM_OVERLAP)}, got {cfg.comm_overlap!r}"),
         (cfg.attention not in ATTENTIONS, f"--attention must be {', '.join(ATTENTIONS)}, got {cfg.attention!r}"),
         (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
         (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
@@ -3634,7 +3577,7 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
         raw.quantize_mlp_(exact_down=True)
     log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, fp8 mlp {cfg.fp8_mlp}, "
         f"compile {cfg.compile}, world size {rt.world_size}, "
-        f"grad accumulation {cfg.global_batch_seqs // rt.world_size}")
+        f"grad accumulation {cfg.global_batch_seqs // rt.world_size * cfg.micro_split}")
     for g in build_param_groups(raw, cfg):
         log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
@@ -3654,7 +3597,7 @@ def attention_report(rt: Runtime, knobs: StepKnobs) -> str:
     if knobs.documents is None:
         return f"attention: {rt.attention}"
     need = knobs.documents
-    train = [f"{n}/{cut}: {varlen_slots(n, most)} ({most})" for (n, cut), most in need.train.items()]
+    train = [f"{n}/{cut}: {knobs.train_slots(n, cut)} ({most})" for (n, cut), most in need.train.items()]
     val = f"{knobs.cfg.val_seq_len}: {varlen_slots(knobs.cfg.val_seq_len, need.val)} ({need.val})"
     return (f"attention: {rt.attention}; cu_seqlens slots per sequence (tokens/document cut: slots (most documents in "
             f"this run's data)): {', '.join(train)}; validating {val}")
@@ -3694,13 +3637,11 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
 def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows: np.ndarray | None,
                knobs: tuple[Tensor, Tensor], loss_scale: float, metrics: Metrics | None = None,
                requantize: Callable[[], None] | None = None) -> None:
-    """One optimizer step on a (micro-steps, seq_len + 1) batch, rows its bigram rows (the loader's digest); the last
-    backward arms the reduce-scatter hooks. requantize: the FP8 MLP weights' update, once the parameters are
-    gathered (GPT.quantize_mlp_)."""
+    """One optimizer step on a (micro-steps, micro_len + 1) batch, rows its bigram rows (the loader's digest).
+    requantize: the FP8 MLP weights' update, once the parameters are gathered (GPT.quantize_mlp_)."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
     optimizer.begin_step(rows)
     for m in range(batch.size(0)):
-        optimizer.final_micro_step = m == batch.size(0) - 1
         loss = model(batch[m, :-1], batch[m, 1:].long(), *knobs)
         (loss * loss_scale).backward()
         if metrics is not None:

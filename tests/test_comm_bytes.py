@@ -116,11 +116,10 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
         seq = torch.randint(0, cfg.vocab_size, (cfg.train_seq_len + 1,), generator=torch.Generator().manual_seed(rank))
         calls = {}
         with C.Collectives(stand_in=False) as seen:  # counts, and passes every call on to gloo
-            for kind in ("Muon-only", "Adam tied"):  # as train_step drives it: the hooks launch during backward
+            for kind in ("Muon-only", "Adam tied"):  # as train_step drives it
                 opt.set_step(C.step_rows(cfg)[kind])
                 opt.wait_for_params()
                 opt.begin_step(opt.batch_rows()(seq[None].numpy()))
-                opt.final_micro_step = True
                 model(seq[:-1], seq[1:].long(), torch.tensor([2, 1])).backward()
                 opt.step()
                 opt.zero_grad()

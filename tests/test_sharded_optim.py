@@ -29,8 +29,8 @@ from conftest import cpu_gemms, free_port, orthogonalizing
 STEPS, GLOBAL_SEQS = 3, 8
 LR_MULT = [1.0, 0.8, 0.5]  # varied so the test notices an optimizer that ignores lr_mult or momentum
 MOMENTUM = [0.85, 0.9, 0.95]
-CASES = [(overlap, mb) for overlap in T.COMM_OVERLAP for mb in (25.0, 0.05)]
-CASE_IDS = [f"{overlap}-{mb}MiB" for overlap, mb in CASES]
+CASES = [(mb,) for mb in (25.0, 0.05)]  # bucket_mb: a bucket per group, and many small ones
+CASE_IDS = [f"{mb}MiB" for mb, in CASES]
 COLLECTIVES = {"reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
                "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
                "all_to_all_single": "all_to_all", "all_reduce": "other", "reduce_scatter": "other",
@@ -187,9 +187,8 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
         if opt.row_bucket is not None and opt.adam_step:
             sent = sum(opt.row_bucket.send_counts)
         for m in range(micro_steps):
-            opt.final_micro_step = m == micro_steps - 1
             loss(model, data[step, m * world_size + rank]).backward()
-            events.append(("final backward" if opt.final_micro_step else "backward", counter.take()))
+            events.append(("backward", counter.take()))
         grads_in_buckets = all(p.grad.data_ptr() == view.data_ptr() for b in opt.buckets
                                for p, view in zip(b.params, b.grad_views))
         opt.step()
@@ -222,7 +221,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
         with cpu_gemms():  # the bf16 GEMM path of the reference, computed in the test's process
             counter = CollectiveCounter()
             variants = ["fp32", "recipe"] if world_size == 2 else ["fp32"]
-            results = {(v, *case): train_sharded(small_config(v, comm_overlap=case[0], bucket_mb=case[1]), v, rank,
+            results = {(v, *case): train_sharded(small_config(v, bucket_mb=case[0]), v, rank,
                                                  world_size, counter) for v in variants for case in CASES}
             # The bigram rows' exchange against the dense reduce-scatter (exchanges_rows turned off), bf16 as trained.
             cfg, datas = small_config(), {"random": make_data(small_config())}
@@ -241,7 +240,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> dict[int, list[dict]]:
-    """world size -> per rank, {(variant, comm_overlap, bucket_mb): result}, from one spawned world per size."""
+    """world size -> per rank, {(variant, bucket_mb): result}, from one spawned world per size."""
     runs = {}
     for world_size in (2, 4):
         out = tmp_path_factory.mktemp(f"w{world_size}")
@@ -282,7 +281,7 @@ def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_world_size_one_equals_reference_bit_for_bit_without_collectives(case, recipe_reference, monkeypatch):
     counter = CollectiveCounter(monkeypatch)
-    result = train_sharded(small_config(comm_overlap=case[0], bucket_mb=case[1]), "recipe", 0, 1, counter)
+    result = train_sharded(small_config(bucket_mb=case[0]), "recipe", 0, 1, counter)
     assert_params_close(result["params"], recipe_reference[1], exact=True)
     assert all(calls == {} for _, calls in result["events"])
     assert result["restored"] and result["grads_in_buckets"]  # backward accumulated in place, no copies
@@ -321,7 +320,6 @@ def test_one_reduce_scatter_and_one_all_gather_per_updated_bucket_per_step(world
     # in place of a reduce-scatter (one), and all-gathers like the others; dense, it reduce-scatters like them.
     for rank_results in sharded[world_size]:
         for key, result in rank_results.items():
-            overlap = "after_backward" if key[0] == "rows" else key[1]
             rows = result["rows_exchanged"]
             assert rows == (key[:2] != ("rows", False))
             per_step = GLOBAL_SEQS // world_size + 2
@@ -332,13 +330,10 @@ def test_one_reduce_scatter_and_one_all_gather_per_updated_bucket_per_step(world
                 reduce = {"reduce_scatter": n - 1, "all_to_all": 1} if adam and rows else {"reduce_scatter": n}
                 if point == "begin":
                     assert calls == ({"all_to_all": 2} if adam and rows else {})
-                elif point == "backward":  # hooks stay idle while gradients still accumulate
+                elif point == "backward":  # nothing launches while backward runs: all of it after, in #89's order
                     assert calls == {}
-                elif point == "final backward":  # hooks launch every updated bucket before backward returns
-                    assert calls == (reduce if overlap == "hooks" else {})
                 else:
-                    both = {**reduce, "all_gather": n}
-                    assert calls == ({"all_gather": n} if overlap == "hooks" else both)
+                    assert calls == {**reduce, "all_gather": n}
 
 
 def bigram_state(results: list[dict], key: tuple) -> dict[str, torch.Tensor]:
@@ -381,7 +376,7 @@ def test_state_per_rank_at_four_ranks_is_under_a_third_of_one_rank(sharded):
     cfg = small_config("fp32")
     one = T.ShardedMuonAdam(make_model(cfg, "fp32"), cfg, 0, 1, compile_ns=False).state_bytes()
     for rank_results in sharded[4]:
-        assert rank_results[("fp32", "hooks", 25.0)]["state_bytes"] <= 0.3 * one
+        assert rank_results[("fp32", 25.0)]["state_bytes"] <= 0.3 * one
 
 
 @pytest.mark.slow  # the spawned worlds
@@ -394,7 +389,7 @@ def test_state_dicts_reassemble_to_the_reference_state(world_size, sharded, fp32
         sds = [r["state_dict"] for r in results]
         assert [(sd["rank"], sd["world_size"], sd["step_count"]) for sd in sds] == [
             (r, world_size, STEPS) for r in range(world_size)]
-        cfg = small_config("fp32", comm_overlap=case[0], bucket_mb=case[1])
+        cfg = small_config("fp32", bucket_mb=case[0])
         one = T.ShardedMuonAdam(make_model(cfg, "fp32"), cfg, 0, 1, compile_ns=False)
         one.load_state_dict(sds)  # re-sharded to one rank, which owns every unit
         for name, state in want.items():
@@ -413,7 +408,7 @@ def test_the_bf16_banks_mantissas_load_the_same_at_one_two_and_four_ranks(sharde
     # ranks (each rank of 4 built alone: loading needs no collective) and saved again: every piece the same bits.
     for case in CASES:
         sds = [r[("recipe", *case)]["state_dict"] for r in sharded[2]]
-        cfg = small_config(comm_overlap=case[0], bucket_mb=case[1])
+        cfg = small_config(bucket_mb=case[0])
         full = {}
         for world_size in (1, 4):
             for rank in range(world_size):
@@ -450,9 +445,7 @@ def test_buckets_pad_uneven_groups_and_split_big_ones():
             assert p.grad.data_ptr() == view.data_ptr()
 
 
-def test_comm_overlap_and_bucket_size_are_validated():
-    with pytest.raises(T.UsageError, match="--comm_overlap must be hooks or after_backward, got 'eager'"):
-        T.validate_config(small_config(comm_overlap="eager"), 1)
+def test_bucket_size_is_validated():
     with pytest.raises(T.UsageError, match=r"--bucket_mb must be in \(0, 100000\]"):
         T.validate_config(small_config(bucket_mb=0), 1)
 

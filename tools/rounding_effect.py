@@ -68,7 +68,6 @@ def train(model: T.GPT, cfg: T.Config, data: list[torch.Tensor], at: int, loss_s
     for batch in data:
         opt.set_step(schedules[at])
         for m in range(batch.size(0)):
-            opt.final_micro_step = m == batch.size(0) - 1
             loss = model(batch[m, :-1], batch[m, 1:], *knobs)
             (loss * T.train_loss_scale(cfg) * loss_scale).backward()
         opt.step()
