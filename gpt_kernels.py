@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,8 @@ PATH_KERNELS = {"fp8_head": ("transpose_copy",), "fp8_mlp": ("quantize_mlp_down"
 SM80, SM89, SM90, SM100 = TARGETS.values()
 RUNS_ON: dict[str, frozenset[tuple[int, int]]] = {
     "fp8_head": frozenset({SM89, SM90, SM100}), "fp8_mlp": frozenset({SM89, SM90, SM100}),  # sm80: no e4m3
-    "relu2_kernel": frozenset({SM90, SM100}),  # sm80, sm89: 255 registers and spills
-    "relu2_kernel+fp8_mlp": frozenset({SM90}),  # sm89: spills; sm100: does not compile (PassManager::run failed)
+    "relu2_kernel": frozenset({SM80, SM89, SM90, SM100}),  # sm80, sm89: at their 128 x 128 tiles (MLP_CONFIGS)
+    "relu2_kernel+fp8_mlp": frozenset({SM89, SM90}),  # sm100: does not compile (PassManager::run failed) at any tile
     "fused_head": frozenset({SM80, SM89, SM90, SM100}), "fused_head+fp8_head": frozenset({SM89, SM90, SM100}),
     "dc_kernel": frozenset({SM80, SM89, SM90, SM100}), "polar_express": frozenset({SM80, SM89, SM90, SM100})}
 
@@ -174,14 +174,55 @@ fp8_mm.register_autograd(_fp8_mm_grad, setup_context=_fp8_mm_setup)
 # bf16 forward (validation, or training without FP8): post alone. Backward: dpre = bf16(2 bf16(g W_proj^T)
 # sqrt(post)), aux = post (upstream's #87: pre is never stored; relu(pre) comes back as sqrt(post), within 2^-9 of
 # it, so about one entry of dpre in eight is a bf16 step from #89's 2 bf16(g W_proj^T) relu(pre)). #89's tiles (128
-# x 256, K blocks of 128 in FP8, 64 in bf16) through TMA descriptors; a grid of one program
-# per SM, each looping over tiles (persistent), its epilogue in two halves of N (half the registers live). Built on
-# first use (triton imported then); with TRITON_INTERPRET=1 it runs on CPU tensors, which is how the tests check it.
-MLP_BLOCK_M, MLP_BLOCK_N = 128, 256
+# x 256, K blocks of 128 in FP8, 64 in bf16; other GPUs': MLP_CONFIGS) through TMA descriptors; a grid of one
+# program per SM, each looping over tiles (persistent), its epilogue in two halves of N (half the registers live).
+# Built on first use (triton imported then); with TRITON_INTERPRET=1 it runs on CPU tensors, which is how the tests
+# check it.
 # (BLOCK_K, num_stages) of each mode, #89's: K blocks of 128 bytes; fewer stages where the epilogue's stores (post,
 # post8) or the backward's read of post need shared memory too (tools/sm90_kernels.py: each within sm90's).
 MLP_GEMM_MODES = {"fp8 forward": (128, 3), "bf16 forward": (64, 4), "backward": (64, 3)}
+
+
+class MLPConfig(NamedTuple):
+    """One GPU generation's launch parameters of the ReLU^2 GEMM: tile (block_m x block_n), warps, and each mode's
+    (BLOCK_K, num_stages)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    modes: dict[str, tuple[int, int]]
+
+
+# Each target's configuration, by compute capability: the launcher, mlp_programs (and so the fake kernels' partial
+# maxima) and tools/sm90_kernels.py's compiles of each target all read mlp_config. sm90 and sm100: #89's, 128 x 256
+# tiles. sm80 and sm89 (mma.sync, no TMA: the descriptors become plain loads, 20 KB of shared memory at any
+# num_stages) spill at 128 x 256 (the fp32 accumulator alone is 128 registers a thread); 128 x 128 with 8 warps
+# compiles without spills in every launch (255 registers in the bf16 modes; the FP8 forward, sm89 only, 212 with K
+# blocks of 64: at 128 it spills 104 B). A tile's shape decides only which program computes an output element, and
+# the K loop chains the same k-steps of the tensor core instruction into the accumulator in the same order at K
+# blocks of 64 or 128, so neither changes an element's arithmetic on a given GPU (by construction; not run on an
+# sm80 or sm89 here; another GPU's instructions may round differently). sm100's FP8 forward does not compile at any
+# tile tried (128 x 256 at 2 stages or 4 warps, 128 x 128, 64 x 128: Triton 3.6.0's TMEM layout pass fails).
+MLP_CONFIGS: dict[tuple[int, int], MLPConfig] = {
+    SM80: MLPConfig(128, 128, 8, MLP_GEMM_MODES),  # its FP8 mode never runs (no e4m3 before sm89)
+    SM89: MLPConfig(128, 128, 8, {**MLP_GEMM_MODES, "fp8 forward": (64, 3)}),
+    SM90: MLPConfig(128, 256, 8, MLP_GEMM_MODES),
+    SM100: MLPConfig(128, 256, 8, MLP_GEMM_MODES),
+}
+# A capability not measured (sm86, sm120, ...; auto leaves the kernel off there, an explicit flag runs it): sm89's,
+# the smallest footprint measured (within 99 KB of shared memory, no TMA or wgmma needed, no spills).
+MLP_CONFIG_UNKNOWN = MLP_CONFIGS[SM89]
 MLP_PROGRAMS_OFF_GPU = 4  # the persistent grid off a GPU (the interpreter): small, so that programs loop over tiles
+
+
+def mlp_config(device: torch.device | tuple[int, int]) -> MLPConfig:
+    """The ReLU^2 GEMM's configuration for a device (a CUDA device: by its capability; off a GPU, the interpreter's
+    CPU tensors and fake CUDA tensors without a GPU (the GPU path's traces): sm90's, the recipe's) or a capability;
+    MLP_CONFIG_UNKNOWN where the capability is not measured."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return MLP_CONFIGS[SM90]
+        device = tuple(torch.cuda.get_device_capability(device))
+    return MLP_CONFIGS.get(device, MLP_CONFIG_UNKNOWN)
 
 
 def _persistent_width(device: torch.device) -> int:
@@ -192,7 +233,9 @@ def _persistent_width(device: torch.device) -> int:
 def mlp_programs(rows: int, hidden: int, device: torch.device, width: int | None = None) -> int:
     """Programs the ReLU^2 GEMM launches for (rows, hidden) outputs: one per SM (width), or one per tile where
     fewer. The FP8 forward's partial maxima are one per program: the fake kernels size them by this too."""
-    return torch.sym_min(width or _persistent_width(device), -(-rows // MLP_BLOCK_M) * -(-hidden // MLP_BLOCK_N))
+    config = mlp_config(device)
+    return torch.sym_min(width or _persistent_width(device),
+                         -(-rows // config.block_m) * -(-hidden // config.block_n))
 
 
 @functools.cache
@@ -267,7 +310,8 @@ def linear_relu_square_launcher() -> Callable:
         fp8, forward = scales is not None, aux is None
         if (K * a.element_size()) % 16 or N % 16:
             raise ValueError(f"the ReLU^2 GEMM reads rows of 16 bytes: K={K} ({a.dtype}) and N={N} do not fit")
-        bk, stages = MLP_GEMM_MODES["fp8 forward" if fp8 else "bf16 forward" if forward else "backward"]
+        config = mlp_config(a.device)  # the tiles of this GPU generation (MLP_CONFIGS)
+        bk, stages = config.modes["fp8 forward" if fp8 else "bf16 forward" if forward else "backward"]
         width = num_sms or _persistent_width(a.device)  # the loop's stride: a constant per GPU, one compile
         programs = mlp_programs(M, N, a.device, width)
         out_dtype = torch.bfloat16 if fp8 else a.dtype
@@ -275,12 +319,12 @@ def linear_relu_square_launcher() -> Callable:
         aux = None if forward else aux.contiguous()  # the forward reads none: a None descriptor, a constant
         post8 = a.new_empty(M, N, dtype=torch.float8_e4m3fn) if fp8 else None
         amax = a.new_empty(programs, dtype=torch.float32) if fp8 else None  # every slot written: one per program
-        half = [MLP_BLOCK_M, MLP_BLOCK_N // 2]
+        half = [config.block_m, config.block_n // 2]
         descs = [TensorDescriptor.from_tensor(t, block) if t is not None else None for t, block in (
-            (a, [MLP_BLOCK_M, bk]), (b, [MLP_BLOCK_N, bk]), (c, half), (aux, half), (post8, half))]
-        kernel[(programs,)](*descs, amax, *(scales or (None, None)), M, N, K, BLOCK_M=MLP_BLOCK_M,
-                            BLOCK_N=MLP_BLOCK_N, BLOCK_K=bk, NUM_SMS=width, FORWARD=forward, FP8=fp8,
-                            num_warps=8, num_stages=stages)
+            (a, [config.block_m, bk]), (b, [config.block_n, bk]), (c, half), (aux, half), (post8, half))]
+        kernel[(programs,)](*descs, amax, *(scales or (None, None)), M, N, K, BLOCK_M=config.block_m,
+                            BLOCK_N=config.block_n, BLOCK_K=bk, NUM_SMS=width, FORWARD=forward, FP8=fp8,
+                            num_warps=config.num_warps, num_stages=stages)
         return (c, post8, amax) if fp8 else (c,)
 
     launch.kernel = kernel  # tools/sm90_kernels.py compiles it for the H100 offline

@@ -31,7 +31,7 @@ def load_model(folder: Path, device: torch.device) -> T.GPT:
     fields = {f.name for f in dataclasses.fields(T.Config)}
     cfg = T.Config(**{k: v for k, v in meta["config"].items() if k in fields})
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
-    model.load_state_dict(T.load_part(folder / T.CKPT_MODEL, meta["files"][T.CKPT_MODEL]["sha256"]))
+    model.load_state_dict(T.read_part(folder / T.CKPT_MODEL, meta["files"][T.CKPT_MODEL]["sha256"], load=True))
     s = T.schedule(meta["step"], cfg)  # what the schedule had set when it saved: the untie and YaRN's tables
     model.tie_embedding(s.tied)
     model.apply_yarn(s.yarn_windows)

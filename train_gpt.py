@@ -141,7 +141,7 @@ class Config:
     relu2_kernel: bool | None = None  # MLP up-projection + ReLU^2 in one Triton kernel (#59); auto: on for CUDA
     dc_kernel: bool | None = None  # DC attention in Triton kernels (#85; deterministic gradients); auto: on for CUDA
     fused_head: bool | None = None  # head + (MTP) softcapped CE by row chunks in one Triton kernel (#60); auto: CUDA
-    attention: str = "auto"  # fa3: #89's FA3 varlen kernel (Hopper, the kernels package) | flex | auto: fa3 where it loads
+    attention: str = "auto"  # fa3: #89's FA3 varlen kernel (Hopper, the kernels package) | flex | auto: fa3 if it loads
     fp8_x_scale: float = 100 / 448  # the FP8 head's input scale (value = fp8 x scale) (#51)
     fp8_w_scale: float = 1.6 / 448  # ... of its weight (#55)
     fp8_grad_scale: float = 0.75 / 448  # ... of the logits' gradient, before train_loss_scale folds in (#51)
@@ -703,7 +703,8 @@ class GPT(nn.Module):
                 q, k, v = (t.transpose(1, 2) for t in (q * self.q_gain, k, v))
                 if isinstance(mask, BlockMask):
                     return self.flex(q, k, v, block_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale)
+                return out.transpose(1, 2)
             return attend
 
         build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, self.cfg.block_size)
@@ -1032,9 +1033,10 @@ SPLIT_ROWS = 1024  # #89: a block of more rows forms its product, then adds a X 
 # eager's memory wants it), sqrt32 and eager_sum. (The GPU's compiled graphs fuse multiply-adds as #89's did.)
 
 def sqrt32(x: Tensor) -> Tensor:
-    """Correctly rounded fp32 sqrt: torch's, compiled or on CUDA; eager on the CPU numpy's (IEEE's instruction, as
-    inductor's C++), as torch's vector kernel there is an ulp off in one fp32 value in five."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+    """Correctly rounded fp32 sqrt: torch's, compiled, on CUDA or traced (a tensor subclass: a fake tensor has no
+    numpy); eager on the CPU numpy's (IEEE's instruction, as inductor's C++), as torch's vector kernel there is an ulp
+    off in one fp32 value in five."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling() or type(x) is not Tensor:
         return x.sqrt()
     return torch.as_tensor(np.sqrt(x.numpy()))
 
@@ -1213,8 +1215,7 @@ class ParamGroup:
 TIED_EMBEDDING = "embed.weight"  # reads the head's weight until the untie (#51): no gradient of its own till then
 BIGRAM_TABLE = "bigram_embed.weight"  # a bucket of its own: only the rows a rank touched are exchanged (RowBucket)
 # Upstream's orders: gradients reduce-scattered in its parameter table's order, updates (each followed by its
-# all-gather) small parameters first and the Muon banks last, so that the large reductions finish while the rest
-# updates.
+# all-gather) small parameters first and the Muon banks last, so the large reductions finish while the rest updates.
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate.weight", "ve_gate_bank", "lm_head.weight",
                  BIGRAM_TABLE, "post_lambdas", "resid_lambdas", "value_embeds", TIED_EMBEDDING, "mudd_w1", "mudd_w2",
                  "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "_mudd_gate_scale")
@@ -1229,10 +1230,8 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     head_betas, lambda_betas = (cfg.head_beta1, cfg.adam_beta2), (cfg.scalar_beta1, cfg.adam_beta2)
     muon = ["qk_bank", "vo_bank", "mlp_bank"]
     per_matrix = {"mlp_bank": [1.0, cfg.mlp_down_lr_mul] * cfg.num_layers}  # (W_fc, W_proj) per layer
-
     def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
         return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
-
     groups = [group("muon", cfg.muon_lr, muon, wd=cfg.muon_wd,
                     lr_muls=[per_matrix.get(n, [1.0] * (named[n].numel() // math.prod(named[n].shape[-2:])))
                              for n in muon]),
@@ -1269,18 +1268,16 @@ def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Wo
 
 def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
                  world_size: int) -> list[tuple[ParamGroup, list[str]]]:
-    """Split each group into buckets of one dtype (and Muon matrix shape) of about bucket_mb, taking parameters in
-    `order` (#89's table's); a parameter is never split. A Muon bucket takes
-    a multiple of world_size matrices where it can (padding goes to a shape's last). Ordered by their last
-    parameter: the order every rank launches their reduce-scatters in."""
+    """Buckets of one group, dtype and (Muon) matrix shape of about bucket_mb, filled in `order` (#89's table's); a
+    parameter is never split, a Muon bucket takes a multiple of world_size matrices where it can (padding goes to a
+    shape's last). Sorted by last parameter: the order every rank launches its reduce-scatters in."""
     pos = {n: i for i, n in enumerate(order)}
     entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
     open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
     closed: list[tuple[int, ParamGroup, list[str]]] = []
     for i, g, name, p in entries:
         unit = tuple(p.shape[-2:]) if g.kind == "muon" else ()
-        unit_bytes = math.prod(unit) * p.element_size()
-        units = p.numel() // math.prod(unit)
+        unit_bytes, units = math.prod(unit) * p.element_size(), p.numel() // math.prod(unit)
         limit = max(1, int(bucket_mb * 2**20) // unit_bytes)
         if g.kind == "muon":
             limit = max(world_size, limit // world_size * world_size)
@@ -1303,18 +1300,15 @@ class Bucket:
     Parameters and their .grad are views into the buffers: the collectives need no copies."""
 
     def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
-        self.kind, self.lr, self.names, self.params = group.kind, group.lr, names, params
-        self.wd, self.betas = group.wd, group.betas
-        self.world_size = world_size
+        self.kind, self.lr, self.wd, self.betas = group.kind, group.lr, group.wd, group.betas
+        self.names, self.params, self.world_size = names, params, world_size
         self.unit = list(params[0].shape[-2:]) if self.kind == "muon" else []
         unit_numel = math.prod(self.unit)
         self.counts = [p.numel() // unit_numel for p in params]
         self.starts = [sum(self.counts[:j]) for j in range(len(params))]
         self.shard_units = -(-sum(self.counts) // world_size)
-        self.data = torch.zeros(self.shard_units * world_size * unit_numel, dtype=params[0].dtype,
-                                device=params[0].device)
-        self.grad = torch.zeros_like(self.data)
-        self.grad_views: list[Tensor] = []
+        self.data = params[0].new_zeros(self.shard_units * world_size * unit_numel)
+        self.grad, self.grad_views = torch.zeros_like(self.data), []  # grad_views: each parameter's .grad
         with torch.no_grad():
             for p, start, count in zip(params, self.starts, self.counts):
                 lo, hi = start * unit_numel, (start + count) * unit_numel
@@ -1322,18 +1316,14 @@ class Bucket:
                 p.data = self.data[lo:hi].view_as(p)
                 self.grad_views.append(self.grad[lo:hi].view_as(p))
                 p.grad = self.grad_views[-1]
-        self.first_unit = rank * self.shard_units
-        n = self.shard_units * unit_numel
-        shape = (self.shard_units, *self.unit)
-        self.shard = self.data[rank * n:(rank + 1) * n].view(shape)
+        self.first_unit, shape = rank * self.shard_units, (self.shard_units, *self.unit)
+        self.shard = self.data.view(world_size, -1)[rank].view(shape)
         # At W = 1 the whole buffer is the shard; otherwise the reduce-scatter needs its own output.
-        self.grad_shard = self.grad.view(shape) if world_size == 1 else torch.empty(shape, dtype=self.grad.dtype,
-                                                                                     device=self.grad.device)
+        self.grad_shard = self.grad.view(shape) if world_size == 1 else self.grad.new_empty(shape)
         if self.kind == "muon":
             self.state = muon_state(self.shard)
             group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier (padding: 1)
-            muls = [m for n in names for m in group_mul[n]]
-            muls += [1.0] * (self.shard_units * world_size - len(muls))
+            muls = [m for n in names for m in group_mul[n]] + [1.0] * (self.shard_units * world_size)
             self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units], dtype=torch.float64,
                                        device=self.data.device).view(-1, 1, 1)
         else:
@@ -1346,9 +1336,7 @@ class Bucket:
         for p, view in zip(self.params, self.grad_views):
             if p.grad is None:
                 view.zero_()
-            elif p.grad.data_ptr() == view.data_ptr():
-                continue
-            else:
+            elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
             p.grad = view
 
@@ -1362,24 +1350,10 @@ class Bucket:
             self.reduce_work.wait()
             self.reduce_work = None
 
-    def gather_params(self) -> None:
-        if self.world_size > 1:
-            self.gather_work = all_gather_into(self.data, self.shard.view(-1), async_op=True)
-
-    def wait_params(self) -> None:
-        if self.gather_work is not None:
-            self.gather_work.wait()
-            self.gather_work = None
-
     def zero_grad(self) -> None:
         self.grad.zero_()
         for p, view in zip(self.params, self.grad_views):
             p.grad = view
-
-    def layout(self) -> dict:
-        """What a checkpoint needs to check that its shard fits this bucket."""
-        return {"kind": self.kind, "dtype": str(self.data.dtype), "unit": self.unit, "names": self.names,
-                "counts": self.counts, "shard_units": self.shard_units}
 
     def owned(self) -> Iterator[tuple[str, int, int, dict[str, Tensor]]]:
         """Per parameter with units in this rank's shard: name, its first and end unit, and views of their state."""
@@ -1392,18 +1366,16 @@ class Bucket:
 
 class RowBucket(Bucket):
     """The bigram table alone, its gradient exchanged sparse as #89 does (§5.6): an embedding's gradient is exactly
-    zero in the rows no token hashed to, so each rank sends each other rank only the rows of its shard that this
-    rank's batches touched since the last update (their ids on the host, from the tokens: no device sync), and the
-    owner adds them into its own rows of its local gradient: a SUM reduce-scatter in another summation order. The
-    updated shard is all-gathered dense. Needs rows % W == 0 (row-aligned shards); otherwise the table takes a
-    plain Bucket's dense reduce-scatter (exchanges_rows). The touched rows accumulate with the gradient and are
-    cleared with it: a checkpoint (taken between Adam steps only, validate_config) never holds any."""
+    zero in the rows no token hashed to, so each rank sends each owner only the rows of its shard that this rank's
+    batches touched since the last update (ids on the host, from the tokens: no device sync), which the owner adds
+    into its rows of its local gradient: a SUM reduce-scatter in another summation order. The updated shard is
+    all-gathered dense. Needs rows % W == 0 (exchanges_rows). The touched rows are cleared with the gradient: a
+    checkpoint (between Adam steps only, validate_config) holds none."""
 
     def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
         super().__init__(group, names, params, rank, world_size)
         self.rank, (rows, self.dim) = rank, params[0].shape
-        self.shard_rows = rows // world_size
-        self.touched = np.zeros(rows, dtype=bool)  # this rank's rows since the last update
+        self.shard_rows, self.touched = rows // world_size, np.zeros(rows, dtype=bool)  # touched: since the update
         self.grad_shard = self.grad.view(world_size, -1)[rank]  # its own rows of its local gradient
         # announce()'s: the row ids and counts this rank sends to and receives from each rank
         self.send_ids = self.recv_ids = torch.zeros(0, dtype=torch.int32)
@@ -1411,20 +1383,15 @@ class RowBucket(Bucket):
         self.recv_rows = torch.zeros(0, self.dim, dtype=self.grad.dtype)
         self.ids_work: dist.Work | None = None
 
-    def touch(self, ids: np.ndarray) -> None:
-        self.touched[ids] = True
-
     def announce(self) -> None:
-        """Before the forward of an update's step (every touch() done): tell each rank how many rows it will get
-        (a blocking all-to-all of host counts: gloo's) and which (async, overlapping the forward)."""
+        """Before the forward of an update's step (rows touched): tell each rank how many rows it will get (a
+        blocking all-to-all of host counts: gloo's) and which (async, overlapping the forward)."""
         ids = np.flatnonzero(self.touched)  # sorted: grouped by owner
         owner = ids // self.shard_rows
         ids, owner = ids[owner != self.rank], owner[owner != self.rank]  # its own rows are in its gradient already
-        send = np.bincount(owner, minlength=self.world_size)
-        recv = torch.zeros(self.world_size, dtype=torch.int64)
+        send, recv = np.bincount(owner, minlength=self.world_size), torch.zeros(self.world_size, dtype=torch.int64)
         all_to_all(recv, torch.from_numpy(send), [1] * self.world_size, [1] * self.world_size)
-        self.send_counts, self.recv_counts = send.tolist(), recv.tolist()
-        device = self.grad.device
+        self.send_counts, self.recv_counts, device = send.tolist(), recv.tolist(), self.grad.device
         self.send_ids = torch.from_numpy(ids.astype(np.int32)).to(device, non_blocking=True)
         self.recv_ids = torch.empty(sum(self.recv_counts), dtype=torch.int32, device=device)
         self.ids_work = all_to_all(self.recv_ids, self.send_ids, self.recv_counts, self.send_counts, async_op=True)
@@ -1454,8 +1421,8 @@ def exchanges_rows(rows: int, world_size: int) -> bool:
 
 class ShardedMuonAdam:
     """Muon + Adam, ZeRO-1: per step, after the last micro-step's backward, reduce-scatter each bucket's gradients
-    (#89's order: SCATTER_ORDER), update this rank's shard, all-gather it back. Between Adam steps the Adam gradients accumulate in
-    place on every rank. Call wait_for_params() before anything reads the parameters."""
+    (#89's order: SCATTER_ORDER), update this rank's shard, all-gather it back. Between Adam steps the Adam gradients
+    accumulate in place on every rank. Call wait_for_params() before anything reads the parameters."""
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -1478,16 +1445,14 @@ class ShardedMuonAdam:
     def batch_rows(self) -> Callable[[np.ndarray], np.ndarray] | None:
         """What begin_step() needs of a host batch (micro-steps, seq_len + 1 tokens): the bigram rows its inputs hash
         to (the loader computes it where the tokens are); None where no rows are exchanged."""
-        if self.row_bucket is None:
-            return None
-        rows = self.row_bucket.touched.size
-        return lambda batch: bigram_index(batch[:, :-1], rows)
+        rows = None if self.row_bucket is None else self.row_bucket.touched.size
+        return None if rows is None else lambda batch: bigram_index(batch[:, :-1], rows)
 
     def begin_step(self, rows: np.ndarray | None) -> None:
-        """After set_step(), before the step's first forward: batch_rows() of its batch (None where that is None);
-        on an Adam step the bigram rows' exchange begins, overlapping the forward."""
+        """After set_step(), before the step's first forward: batch_rows() of its batch (None where that is None)
+        marks the bigram rows touched; on an Adam step their exchange begins, overlapping the forward."""
         if self.row_bucket is not None:
-            self.row_bucket.touch(rows)
+            self.row_bucket.touched[rows] = True
             if self.adam_step:
                 self.row_bucket.announce()
 
@@ -1503,9 +1468,7 @@ class ShardedMuonAdam:
         for b in self.buckets:  # every rank launches its collectives in the same order
             if self._updates(b):
                 b.reduce_grads()
-        self.step_count += 1
-        self.adam_steps += self.adam_step
-        c = self.cfg
+        self.step_count, self.adam_steps, c = self.step_count + 1, self.adam_steps + self.adam_step, self.cfg
         for b in self.work_order:
             if not self._updates(b):
                 continue
@@ -1517,12 +1480,15 @@ class ShardedMuonAdam:
             else:
                 adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
                              c.adam_eps, b.wd, self.steps)
-            b.gather_params()
+            if self.world_size > 1:
+                b.gather_work = all_gather_into(b.data, b.shard.view(-1), async_op=True)
 
     def wait_for_params(self) -> None:
         """Block until the last step's all-gathers have written every parameter."""
         for b in self.buckets:
-            b.wait_params()
+            if b.gather_work is not None:
+                b.gather_work.wait()
+                b.gather_work = None
 
     @torch.no_grad()
     def zero_grad(self, everything: bool = False) -> None:
@@ -1551,21 +1517,20 @@ class ShardedMuonAdam:
         return sum(t.numel() * t.element_size() for t in self.state_tensors())
 
     def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
-        """This rank's shard with the bucket layout: params[name] = {"bucket": i, "units": (lo, hi), <state>: tensor},
-        the state of the units lo..hi-1 it owns of that parameter, each passed through `copy` (the checkpointer's
-        copies into pinned host buffers)."""
-        params = {}
-        for i, b in enumerate(self.buckets):
-            for name, lo, hi, state in b.owned():
-                params[name] = {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
+        """This rank's shard and the bucket layout a load checks: params[name] = {"bucket": i, "units": (lo, hi),
+        <state>: tensor}, the units lo..hi-1 of name it owns, each through `copy` (the checkpointer's, into pinned host
+        buffers)."""
+        params = {name: {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
+                  for i, b in enumerate(self.buckets) for name, lo, hi, state in b.owned()}
+        layouts = [{"kind": b.kind, "dtype": str(b.data.dtype), "unit": b.unit, "names": b.names, "counts": b.counts,
+                    "shard_units": b.shard_units} for b in self.buckets]
         return {"world_size": self.world_size, "rank": self.rank, "step_count": self.step_count,
-                "adam_steps": self.adam_steps, "buckets": [b.layout() for b in self.buckets], "params": params}
+                "adam_steps": self.adam_steps, "buckets": layouts, "params": params}
 
     @torch.no_grad()
     def load_state_dict(self, shards: list[dict]) -> None:
         """Load every saving rank's state_dict(), at any world size and bucket layout: each parameter's state is put
         together from the pieces, then this rank takes its units. ValueError says what does not fit."""
-
         saved = {n: (lay["kind"], lay["unit"], c) for lay in shards[0]["buckets"]
                  for n, c in zip(lay["names"], lay["counts"])}
         mine = {n: (b.kind, b.unit, c) for b in self.buckets for n, c in zip(b.names, b.counts)}
@@ -1574,8 +1539,7 @@ class ShardedMuonAdam:
         pieces: dict[str, list[tuple[int, int, dict[str, Tensor]]]] = {n: [] for n in mine}
         for shard in shards:
             for name, entry in shard["params"].items():
-                state = {k: v for k, v in entry.items() if k not in ("bucket", "units")}
-                pieces[name].append((*entry["units"], state))
+                pieces[name].append((*entry["units"], {k: v for k, v in entry.items() if k not in ("bucket", "units")}))
         kinds = {n: set(state) for b in self.buckets for n, _, _, state in b.owned()}
         if any(set(parts[0][2]) != kinds[n] for n, parts in pieces.items() if n in kinds and parts):
             raise ValueError("the optimizer state holds other statistics (e.g. NorMuon's) than this optimizer's")
@@ -1594,15 +1558,11 @@ class ShardedMuonAdam:
 
 # -----------------------------------------------------------------------------
 # Data
-# Shards are a 256-int32 header (magic, version, token count) then uint16 GPT-2 tokens; every
-# document starts with BOS (50256). Each step takes global_batch_seqs sequences that start at a
-# BOS (its length and document cut staged by the schedule), in a fixed global order, so any world
-# size sees the same token stream.
+# Shards are a 256-int32 header (magic, version, token count) then uint16 GPT-2 tokens; every document starts with
+# BOS (50256). Each step takes global_batch_seqs sequences that start at a BOS (its length and document cut staged by
+# the schedule), in a fixed global order, so any world size sees the same token stream.
 
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_INTS = 256
-BOS_ID = 50256
+SHARD_MAGIC, SHARD_VERSION, HEADER_INTS, BOS_ID = 20240520, 1, 256, 50256
 DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
 HERE = Path(__file__).resolve().parent  # the repository: where data/ and tools/ are
 
@@ -1633,8 +1593,7 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
 def shard_token_count(path: Path) -> int:
     """Validate a shard's header against its file size and return its token count."""
     try:
-        size = os.path.getsize(path)
-        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+        size, header = os.path.getsize(path), np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     except OSError as e:
         raise UsageError(f"cannot read shard {path}: {e.strerror}") from None
     if len(header) < HEADER_INTS:
@@ -1644,8 +1603,7 @@ def shard_token_count(path: Path) -> int:
     if header[1] != SHARD_VERSION:
         raise UsageError(f"shard {path} has version {header[1]}, expected {SHARD_VERSION}")
     count = int(header[2])
-    expected = 4 * HEADER_INTS + 2 * count
-    if size != expected:
+    if size != (expected := 4 * HEADER_INTS + 2 * count):
         raise UsageError(f"shard {path} header says {count} tokens ({expected} bytes) but the file has {size} bytes; "
                          f"it is truncated or corrupt: delete it and download or tokenize it again")
     return count
@@ -1665,10 +1623,9 @@ def find_shards(pattern: str) -> list[Path]:
     if not files and not Path(pattern).is_absolute():
         files = sorted(Path(p) for p in glob.glob(str(HERE / pattern)))
     if not files:
-        if pattern in (PRESETS["tiny"]["train_files"], PRESETS["tiny"]["val_files"]):
-            hint = "the bundled sample is missing from this checkout: restore it with `git checkout data/sample`"
-        else:
-            hint = more_data_hint(pattern, missing=True)
+        hint = ("the bundled sample is missing from this checkout: restore it with `git checkout data/sample`"
+                if pattern in (PRESETS["tiny"]["train_files"], PRESETS["tiny"]["val_files"])
+                else more_data_hint(pattern, missing=True))
         raise UsageError(f"no files match {pattern!r} (here or under {HERE}); {hint}")
     return files
 
@@ -1676,32 +1633,27 @@ def more_data_hint(pattern: str, missing: bool = False) -> str:
     """Where more (or any) data for a glob comes from: FineWeb's downloader for its shards, else your own text."""
     if "fineweb10B" in pattern:
         return f"download {'' if missing else 'more '}FineWeb shards with `{DOWNLOAD_HINT}`"
-    if missing:
-        return "check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py"
-    return "make more shards from text with data/tokenize_text.py"
+    return ("check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py" if missing
+            else "make more shards from text with data/tokenize_text.py")
 
 class DataExhausted(UsageError):
     """The training files ran out before the run's last step."""
 
 Pieces = list[tuple[int, int]]  # one sequence: (start, end) token ranges of the shard, concatenated
-
 POSITIONS_KEPT = 64  # recent steps whose stream position is kept: far more than a prefetch runs ahead
 
 class TrainTokenStream:
-    """BOS-aligned training sequences in one global order, shared by every world size. Step k takes
-    global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len), seq_len + 1 tokens each: from a BOS,
-    the documents in order, each cut to max_doc_len, the last to fit. A step comes from one shard."""
+    """Step k: global_batch_seqs BOS-aligned sequences of step_shape(k) = (seq_len, max_doc_len) in one global order,
+    whatever the world size, each seq_len + 1 tokens: the documents in order, each cut to max_doc_len, the last to fit;
+    all from one shard."""
 
     def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int,
                  step_shape: Callable[[int], tuple[int, int]], epochs: int = 1, preload: bool = False):
-        self.files = files * epochs
+        self.files, self.step_shape = files * epochs, step_shape
         self.seq_len, self.batch_seqs, self.vocab_size = seq_len, batch_seqs, vocab_size  # seq_len: the longest
-        self.step_shape = step_shape
-        self.next_file, self.steps_served = 0, 0
-        self.tokens = np.zeros(0, dtype=np.uint16)
-        self.bos = np.zeros(0, dtype=np.int64)
+        self.next_file, self.steps_served, self.pos = 0, 0, 0
+        self.tokens, self.bos = np.zeros(0, dtype=np.uint16), np.zeros(0, dtype=np.int64)
         self.long_docs: dict[int, np.ndarray] = {}  # max_doc_len -> indices (into bos) of longer documents
-        self.pos = 0
         # (next file, position in the loaded shard) after each recent step: where a checkpoint's data resumes.
         # Written by the producer thread, read by the loop for a step it has consumed (a few steps behind).
         self.positions: dict[int, tuple[int, int]] = {0: (0, 0)}
@@ -1719,12 +1671,8 @@ class TrainTokenStream:
             raise DataExhausted(f"training data exhausted at step {self.steps_served}: {len(self.files)} shard(s) "
                                 f"(with epochs) hold {held:,} tokens, less than the run consumes; add shards, "
                                 f"raise --train_epochs or lower --num_steps")
-        if self.upcoming is not None:
-            self.tokens, self.bos = self.upcoming.result()
-        else:
-            self.tokens, self.bos = self._read(self.next_file)
-        self.next_file += 1
-        self.pos, self.long_docs = 0, {}
+        self.tokens, self.bos = self.upcoming.result() if self.upcoming is not None else self._read(self.next_file)
+        self.next_file, self.pos, self.long_docs = self.next_file + 1, 0, {}
         has_next = self.next_file < len(self.files)
         self.upcoming = self.preloader.submit(self._read, self.next_file) if self.preloader and has_next else None
 
@@ -1732,33 +1680,24 @@ class TrainTokenStream:
         if self.preloader is not None:
             self.preloader.shutdown(wait=True, cancel_futures=True)
 
-    def _pack(self, i: int, need: int, max_doc_len: int) -> Pieces | None:
-        """`need` tokens from document bos[i] on, cut to max_doc_len, as contiguous pieces; None past the last BOS."""
-        if max_doc_len not in self.long_docs:
-            lengths = np.diff(self.bos, append=len(self.tokens))
-            self.long_docs[max_doc_len] = np.flatnonzero(lengths > max_doc_len)
-        long_docs, pieces = self.long_docs[max_doc_len], []
-        while need:
-            if i >= len(self.bos):
-                return None
-            k = int(np.searchsorted(long_docs, i))
-            cut = int(long_docs[k]) if k < len(long_docs) else len(self.bos)  # the next document to cut
-            start = int(self.bos[i])
-            whole = (int(self.bos[cut]) if cut < len(self.bos) else len(self.tokens)) - start
-            take = min(whole + (max_doc_len if cut < len(self.bos) else 0), need)
-            pieces.append((start, start + take))
-            need, i = need - take, cut + 1
-        return pieces
-
     def _take(self, seq_len: int, max_doc_len: int) -> list[Pieces] | None:
-        """The step's sequences from self.pos, or None when the shard cannot supply them. #89's rule: a sequence
-        starts at the document after the previous one's last, even when only its BOS was taken."""
+        """The step's sequences from self.pos as pieces, or None when the shard cannot supply them. #89's rule: a
+        sequence starts at the document after the previous one's last, even when only its BOS was taken."""
+        if max_doc_len not in self.long_docs:
+            self.long_docs[max_doc_len] = np.flatnonzero(np.diff(self.bos, append=len(self.tokens)) > max_doc_len)
+        long_docs, step = self.long_docs[max_doc_len], []
         i = int(np.searchsorted(self.bos, self.pos))
-        step: list[Pieces] = []
         while len(step) < self.batch_seqs:
-            pieces = self._pack(i, seq_len + 1, max_doc_len)
-            if pieces is None:
-                return None
+            pieces, need, j = [], seq_len + 1, i
+            while need:
+                if j >= len(self.bos):
+                    return None
+                start, k = int(self.bos[j]), int(np.searchsorted(long_docs, j))
+                cut = int(long_docs[k]) if k < len(long_docs) else len(self.bos)  # the next document to cut
+                end = int(self.bos[cut]) + max_doc_len if cut < len(self.bos) else len(self.tokens)
+                take = min(end - start, need)
+                pieces.append((start, start + take))
+                need, j = need - take, cut + 1
             i = int(np.searchsorted(self.bos, pieces[-1][1] - 1, side="right"))
             step.append(pieces)
         self.pos = int(self.bos[i]) if i < len(self.bos) else len(self.tokens)
@@ -1785,24 +1724,22 @@ class TrainTokenStream:
         self.steps_served, self.next_file = steps, max(next_file - 1, 0)
         if next_file:
             self._load_next_shard()
-        self.pos = pos
-        self.positions = {steps: (next_file, pos)}
+        self.pos, self.positions = pos, {steps: (next_file, pos)}
 
     def position(self, steps: int) -> tuple[int, int]:
         return self.positions[steps]
 
     def most_documents(self, step: list[Pieces]) -> int:
-        """The most documents (BOS tokens) one of a step's sequences holds among its inputs: all its tokens but the
-        last, which is a target only."""
+        """The most documents (BOS tokens) one of a step's sequences holds among its inputs: all but its last token,
+        a target only."""
         def documents(pieces: Pieces) -> int:
             starts, ends = [s for s, _ in pieces], [e for _, e in pieces[:-1]] + [pieces[-1][1] - 1]
             return int(np.searchsorted(self.bos, ends).sum() - np.searchsorted(self.bos, starts).sum())
         return max(map(documents, step))
 
 class TrainBatches:
-    """This rank's rows of each training step: global sequences r, r + W, ... of rank r, in order, each cut into
-    `split` consecutive pieces of seq_len / split inputs (a piece's last input is the next one's first target): a
-    row, a micro-step, each."""
+    """This rank's rows of each training step: global sequences r, r + W, ... in order, each cut into `split` pieces of
+    seq_len / split inputs (a piece's last input is the next one's first target): a row, a micro-step, each."""
 
     def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None,
                  split: int = 1):
@@ -1812,10 +1749,9 @@ class TrainBatches:
 
     def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
         """Write the next step's rows into the front of a flat buffer; their shape (rows, seq_len + 1), or None."""
-        if self.steps_left is not None:
-            if self.steps_left == 0:
-                return None
-            self.steps_left -= 1
+        if self.steps_left == 0:
+            return None
+        self.steps_left = None if self.steps_left is None else self.steps_left - 1
         step = self.stream.next_step()[self.rank::self.world_size]
         piece = (sum(end - start for start, end in step[0]) - 1) // self.split  # seq_len / split of this step's
         out = buffer[: len(step) * self.split * (piece + 1)].reshape(len(step) * self.split, piece + 1)
@@ -1852,13 +1788,11 @@ class ValBatches:
     """This rank's validation chunks (rank, rank + W, ...), one (1, seq_len + 1) row per batch."""
 
     def __init__(self, val: ValTokens, seq_len: int, rank: int, world_size: int):
-        self.val, self.seq_len = val, seq_len
+        self.val, self.seq_len, self.shape = val, seq_len, (1, seq_len + 1)
         self.chunks = iter(range(rank, (len(val.tokens) - 1) // seq_len, world_size))
-        self.shape = (1, seq_len + 1)
 
     def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
-        c = next(self.chunks, None)
-        if c is None:
+        if (c := next(self.chunks, None)) is None:
             return None
         buffer[:] = self.val.tokens[c * self.seq_len: (c + 1) * self.seq_len + 1]
         return self.shape
@@ -1899,11 +1833,11 @@ def bind_thread_to_device(device: torch.device) -> None:
 
 class PrefetchLoader:
     """Batches from a source (TrainBatches or ValBatches), prepared ahead, copied to the device off the compute stream.
-    A thread fills a ring of `depth` pinned host buffers; batch N+1 is copied on a copy stream when batch N is
-    handed out, the compute stream waits on its event (record_stream ties it there), and a buffer is refilled only
-    once its copy is done. depth=0: the same work in the main thread. Errors in the thread surface in the caller.
-    digest: what the host needs of a batch (ShardedMuonAdam.batch_rows), computed where the tokens are, by the thread
-    from the host buffer; self.digest is that of the batch last handed out."""
+    A thread fills a ring of `depth` pinned host buffers; batch N+1 is copied on a copy stream when batch N is handed
+    out, the compute stream waits on its event (record_stream ties it there), and a buffer is refilled only once its
+    copy is done. depth=0: the same work in the main thread. The thread's errors surface in the caller. digest: what the
+    host needs of a batch (ShardedMuonAdam.batch_rows), computed by the thread from the host buffer; self.digest is the
+    last handed-out batch's."""
 
     def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device,
                  digest: Callable[[np.ndarray], object] | None = None):
@@ -1954,23 +1888,19 @@ class PrefetchLoader:
         except BaseException as e:  # handed to the main thread, which re-raises it
             self.ready.put(e)
 
-    def _next_host(self) -> int | None:
-        if not self.depth:
-            return 0 if self._fill(0) else None
-        while True:
+    def _start_copy(self) -> tuple[Tensor, torch.cuda.Event | None, object] | None:
+        """Issue the copy of the next host batch (the thread's, or its error raised); never on the compute stream."""
+        i = 0 if not self.depth and self._fill(0) else None
+        while self.depth:
             try:
-                item = self.ready.get(timeout=1.0)
+                i = self.ready.get(timeout=1.0)
             except queue.Empty:
                 if not self.thread.is_alive():
                     raise RuntimeError("prefetch thread stopped without a batch or an error") from None
                 continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
-
-    def _start_copy(self) -> tuple[Tensor, torch.cuda.Event | None, object] | None:
-        """Issue the copy of the next host batch; never on the compute stream."""
-        i = self._next_host()
+            if isinstance(i, BaseException):
+                raise i
+            break
         if i is None:
             self.done = True
             return None
@@ -2004,7 +1934,6 @@ class PrefetchLoader:
             compute.wait_event(event)
             batch.record_stream(compute)
         # Batch N+1's copy is in flight while batch N computes; an error preparing it is raised when it is asked for.
-
         self.pending = None
         if self.depth:
             try:
@@ -2032,35 +1961,26 @@ class PrefetchLoader:
 
 ATTENTIONS = ("auto", "fa3", "flex")  # --attention
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
-
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
+BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", AUTO)  # what may follow a bare bool flag
+FIELD_KINDS: dict[str, type | str] = {f.name: {"int": int, "float": float, "bool": bool, "str": str, "bool | None":
+                                               "bool | None"}[f.type] for f in dataclasses.fields(Config)}
 
 def _parse_value(name: str, kind: type | str, text: str) -> object:
-    if kind in (bool, "bool | None"):
-        low = text.lower()
-        if kind != bool and low == AUTO:
-            return None
-        if low in ("1", "true", "yes", "on", ""):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
+    if kind not in (bool, "bool | None"):
+        try:
+            return kind(text)
+        except ValueError:
+            raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
+    low = text.lower()
+    if low not in BOOL_WORDS[:8] + ("",) and (kind is bool or low != AUTO):
         raise UsageError(f"--{name} expects true or false{'' if kind is bool else ' or auto'}, got {text!r}")
-    try:
-        return kind(text)
-    except ValueError:
-        raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
-
-BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", AUTO)  # what may follow a bare bool flag
-
-def field_kinds() -> dict[str, type | str]:
-    types = {"int": int, "float": float, "bool": bool, "str": str, "bool | None": "bool | None"}
-    return {f.name: types[f.type] for f in dataclasses.fields(Config)}
+    return None if low == AUTO else low in ("1", "true", "yes", "on", "")
 
 def read_options(argv: list[str]) -> dict[str, str]:
-    """The command line as {field: text}, read as argparse reads options: --field=value or --field value; a bool
-    field alone (--save_final) is true, or takes a true/false word after it. Refuses unknown fields, a missing
-    value and a field given twice (which of two values was meant is the user's to say)."""
-    kinds, options, args = field_kinds(), {}, list(argv)
+    """The command line as {field: text}, read as argparse reads it: --field=value or --field value; a bool field alone
+    is true or takes a true/false word. Refuses unknown fields, a missing value and a field given twice (ambiguous)."""
+    kinds, options, args = FIELD_KINDS, {}, list(argv)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
@@ -2085,8 +2005,7 @@ def read_options(argv: list[str]) -> dict[str, str]:
 
 def parse_config(argv: list[str]) -> Config:
     """Defaults, then the presets' fields, then explicit --field=value overrides."""
-    kinds = field_kinds()
-    overrides = {name: _parse_value(name, kinds[name], text) for name, text in read_options(argv).items()}
+    overrides = {name: _parse_value(name, FIELD_KINDS[name], text) for name, text in read_options(argv).items()}
     fields: dict[str, object] = {}
     for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
         if preset not in PRESETS:
@@ -2094,28 +2013,24 @@ def parse_config(argv: list[str]) -> Config:
         fields.update(PRESETS[preset])
     return Config(**{**fields, **overrides})
 
-def field_groups() -> list[tuple[str, list[tuple[str, str]]]]:
-    """Config's fields in their groups, each with its comment, read from this file's source: the comment beside
-    a field is its documentation (--help prints it); a comment line indented past its '#' continues it."""
-    groups: list[tuple[str, list[tuple[str, str]]]] = []
+def config_help() -> str:
+    """--help: Config's fields in their groups, read from this file's source: the comment beside a field is its
+    documentation; a comment line indented past its '#' continues it."""
+    groups: list[tuple[str, list[list[str]]]] = []
     for line in inspect.getsource(Config).splitlines()[2:]:
         code, _, comment = line.strip().partition("  # ")
         if code.startswith("#  "):
-            name, text = groups[-1][1][-1]
-            groups[-1][1][-1] = (name, f"{text} {code[1:].strip()}")
+            groups[-1][1][-1][1] += f" {code[1:].strip()}"
         elif code.startswith("# "):
             groups.append((code[2:], []))
         elif ":" in code:
-            groups[-1][1].append((code.split(":")[0], comment))
-    return groups
-
-def config_help() -> str:
+            groups[-1][1].append([code.split(":")[0], comment])
     lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
              "--nproc_per_node=N train_gpt.py ..., or ./run.sh ...)",
              "Every field of the Config dataclass, with its default and the range a number must be in (each given at "
              "most once; a bool field alone is true):"]
     defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
-    for group, fields in field_groups():
+    for group, fields in groups:
         lines.append(f"\n{group}:")
         for name, comment in fields:
             flag = f"  --{name}={defaults[name]}"
@@ -2188,8 +2103,7 @@ def parse_stages(name: str, spec: str) -> tuple:
     return tuple(e[0] for e in entries) if counts == range(1, 2) else tuple(entries)
 
 def num_stages(cfg: Config) -> int:
-    """The equal stages the scheduled steps split into: what the staged fields list (window_stages also lists
-    the extension's pair when there is one). UsageError when they disagree."""
+    """The equal stages the scheduled steps split into, as the staged fields list them; UsageError if they disagree."""
     counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED}
     counts["--window_stages"] -= 1 if cfg.extension_steps else 0
     if len(set(counts.values())) > 1:
@@ -2200,23 +2114,20 @@ def num_stages(cfg: Config) -> int:
 
 def paired_layers(cfg: Config) -> set[int]:
     """--paired_layers=I,J,... as a set of layers; UsageError unless each is a short-window layer (and heads pair)."""
-    try:
-        layers = {int(i) for i in cfg.paired_layers.split(",")} if cfg.paired_layers else set()
-    except ValueError:
-        layers = {-1}
-    if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] != "S" for i in layers) or layers and cfg.num_heads % 2:
-        raise UsageError(f"--paired_layers={cfg.paired_layers!r} must list short-window (S) layers of --attn_pattern="
-                         f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
-    return layers
+    return layer_list(cfg, "paired_layers")
 
 def layer_list(cfg: Config, name: str) -> set[int]:
-    """--xsa_layers or --attn_gate_layers as a set of layers; UsageError unless each has attention (XSA: unpaired,
-    where v lines up with the output)."""
+    """--paired_layers, --xsa_layers or --attn_gate_layers as a set of layers; UsageError unless each has attention
+    (paired: short-window layers, with an even --num_heads; XSA: unpaired ones, where v lines up with the output)."""
     spec = getattr(cfg, name)
     try:
         layers = {int(i) for i in spec.split(",")} if spec else set()
     except ValueError:
         layers = {-1}
+    if name == "paired_layers" and (any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] != "S" for i in layers)
+                                    or layers and cfg.num_heads % 2):
+        raise UsageError(f"--paired_layers={spec!r} must list short-window (S) layers of --attn_pattern="
+                         f"{cfg.attn_pattern}, with an even --num_heads={cfg.num_heads}")
     if any(not 0 <= i < cfg.num_layers or cfg.attn_pattern[i] == "-" or name == "xsa_layers" and
            i in paired_layers(cfg) for i in layers):
         raise UsageError(f"--{name}={spec!r} must list layers with attention in --attn_pattern={cfg.attn_pattern}"
@@ -2246,61 +2157,44 @@ def run_length(cfg: Config) -> int:
 # beta of 1.5 stops the run at start-up with one line instead of training on it. Every float field has both bounds:
 # the upper ones lie far above any recipe's values (lrs <= 0.6, weight decay multipliers 150) and keep each update's
 # scalars (lr x stage multiplier <= 100 x decay) finite in fp32, so a typo such as --muon_lr=1e30 is refused here.
-FIELD_RULES: dict[str, str] = {
-    **dict.fromkeys(["train_seq_len", "global_batch_seqs", "val_seq_len", "val_tokens", "vocab_size",
-                     "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size",
-                     "log_every", "bench_steps", "adam_every", "gate_channels", "untie_stage",
-                     "bigram_sign_rows", "mudd_dim", "attn_input_layer", "micro_split"], "> 0"),
-    # Start-up work grows with these before the corpus is read (the step table, the list of shards to pass over):
-    # bounded, so that a typo (--num_steps=10000000) is refused at once rather than after minutes of building.
-    **dict.fromkeys(["num_steps"], "in [1, 100000]"),
-    **dict.fromkeys(["train_epochs"], "in [1, 10000]"),
-    **dict.fromkeys(["prefetch_depth", "muon_momentum_warmup_steps", "val_every", "warmup_steps", "save_every",
-                     "extension_steps", "muon_momentum_cooldown_steps", "fp8_down_exact_steps"], ">= 0"),
-    **dict.fromkeys(["seed"], "in [-1, 4294967295]"),  # 32 bits: torch's generator overflows past 64
-    **dict.fromkeys(["muon_lr", "embed_lr", "head_lr", "scalar_lr", "gate_lr", "mudd_gate_lr", "smear_gate_lr",
-                     "lambda_lr", "mudd_lr"],
-                    "in (0, 10]"),
-    **dict.fromkeys(["mlp_down_lr_mul", "attn_scale", "fp8_x_scale", "fp8_w_scale", "fp8_grad_scale",
-                     "grad_scale", "fp8_down_w_headroom", "fp8_down_act_headroom"], "in (0, 100]"),
-    **dict.fromkeys(["logit_cap", "logit_temp"], "in (0, 1000]"),
-    **dict.fromkeys(["logit_shift"], "in [-1000, 1000]"),
-    **dict.fromkeys(["muon_wd", "adam_wd", "embed_wd_mul", "head_wd_mul", "value_embed_wd_mul"], "in [0, 1000]"),
-    **dict.fromkeys(["adam_eps"], "in (0, 1]"),
-    **dict.fromkeys(["cooldown_frac", "final_lr_frac"], "in [0, 1]"),
-    **dict.fromkeys(["muon_momentum_start", "muon_momentum_end", "adam_beta1", "adam_beta2", "scalar_beta1",
-                     "scalar_beta2", "head_beta1"], "in [0, 1)"),
-    **dict.fromkeys(["normuon_beta2"], "in (0, 1)"),
-    **dict.fromkeys(["bucket_mb"], "in (0, 100000]"),
-    **dict.fromkeys(["peak_tflops"], "in [0, 100000]"),
-}
+# The start-up work grows with --num_steps and --train_epochs before the corpus is read (the step table, the list
+# of shards to pass over): bounded, so that a typo (--num_steps=10000000) is refused at once, not after minutes.
+FIELD_RULES: dict[str, str] = {name: rule for rule, names in {
+    "> 0": "train_seq_len global_batch_seqs val_seq_len val_tokens vocab_size num_layers model_dim num_heads head_dim "
+           "mlp_ratio block_size log_every bench_steps adam_every gate_channels untie_stage bigram_sign_rows mudd_dim "
+           "attn_input_layer micro_split",
+    "in [1, 100000]": "num_steps", "in [1, 10000]": "train_epochs",
+    ">= 0": "prefetch_depth muon_momentum_warmup_steps val_every warmup_steps save_every extension_steps "
+            "muon_momentum_cooldown_steps fp8_down_exact_steps",
+    "in [-1, 4294967295]": "seed",  # 32 bits: torch's generator overflows past 64
+    "in (0, 10]": "muon_lr embed_lr head_lr scalar_lr gate_lr mudd_gate_lr smear_gate_lr lambda_lr mudd_lr",
+    "in (0, 100]": "mlp_down_lr_mul attn_scale fp8_x_scale fp8_w_scale fp8_grad_scale grad_scale fp8_down_w_headroom "
+                   "fp8_down_act_headroom",
+    "in (0, 1000]": "logit_cap logit_temp", "in [-1000, 1000]": "logit_shift",
+    "in [0, 1000]": "muon_wd adam_wd embed_wd_mul head_wd_mul value_embed_wd_mul", "in (0, 1]": "adam_eps",
+    "in [0, 1]": "cooldown_frac final_lr_frac",
+    "in [0, 1)": "muon_momentum_start muon_momentum_end adam_beta1 adam_beta2 scalar_beta1 scalar_beta2 head_beta1",
+    "in (0, 1)": "normuon_beta2", "in (0, 100000]": "bucket_mb", "in [0, 100000]": "peak_tflops",
+}.items() for name in names.split()}
 
 def rule_holds(rule: str, value: float) -> bool:
     """Whether a finite value meets a FIELD_RULES entry: "> B", ">= B" or an interval such as "in (0, 10]"."""
-    if not math.isfinite(value):
-        return False
     if rule.startswith("in "):
         low, high = (float(x) for x in rule[4:-1].split(", "))
-        above = low < value if rule[3] == "(" else low <= value
-        return above and (value < high if rule[-1] == ")" else value <= high)
+        return math.isfinite(value) and (low < value if rule[3] == "(" else low <= value) and (
+            value < high if rule[-1] == ")" else value <= high)
     op, bound = rule.split()
-    return value > float(bound) if op == ">" else value >= float(bound)
+    return math.isfinite(value) and (value > float(bound) if op == ">" else value >= float(bound))
 
 # A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere, and
 # whitespace or a control character (a newline) would split the names in a listing, a log line or a shell command.
 RUN_ID_MAX = 200  # with ".failed.jsonl" added, within the 255-byte file names of common file systems
 
-def plain_name(run_id: str) -> bool:
-    """Whether a --run_id names files in --log_dir and nothing else (the empty default: a fresh one)."""
-    return run_id not in (".", "..") and len(run_id) <= RUN_ID_MAX and \
-        not any(c in "/\\" or c.isspace() or not c.isprintable() for c in run_id)
-
 def validate_config(cfg: Config, world_size: int) -> int:
     """Check the config alone (no files, no devices); returns the gradient accumulation steps."""
     for name, rule in FIELD_RULES.items():
-        value = getattr(cfg, name)
-        if not rule_holds(rule, value):
-            raise UsageError(f"--{name} must be {rule}, got {value}")
+        if not rule_holds(rule, getattr(cfg, name)):
+            raise UsageError(f"--{name} must be {rule}, got {getattr(cfg, name)}")
     if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
         raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
                          f"({cfg.num_layers} layers)")
@@ -2312,8 +2206,10 @@ def validate_config(cfg: Config, world_size: int) -> int:
     seq_lens = parse_stages("seq_len_stages", cfg.seq_len_stages)
     long_seq = next((n for n in seq_lens if n > cfg.train_seq_len or n % cfg.block_size), None)
     refusals = [  # (a problem, its line), in order
-        (not plain_name(cfg.run_id), f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or "
-         f"'\\', no whitespace or control characters, not '.' or '..', at most {RUN_ID_MAX} characters"),
+        (cfg.run_id in (".", "..") or len(cfg.run_id) > RUN_ID_MAX or any(  # "" (the default): a fresh one
+            c in "/\\" or c.isspace() or not c.isprintable() for c in cfg.run_id),
+         f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or '\\', no whitespace or control "
+         f"characters, not '.' or '..', at most {RUN_ID_MAX} characters"),
         (not cfg.log_dir.strip(), "--log_dir is empty: give the folder for the run's logs (e.g. --log_dir=logs; "
          "--log_dir=. for this one)"),
         *((not getattr(cfg, n).strip(), f"--{n} is empty: give a glob of token shards, e.g. --{n}="
@@ -2374,19 +2270,15 @@ def validate_config(cfg: Config, world_size: int) -> int:
     for problem, line in refusals:
         if problem:
             raise UsageError(line)
-    skip_layers(cfg)
-    paired_layers(cfg)
-    layer_list(cfg, "xsa_layers")
-    layer_list(cfg, "attn_gate_layers")
-    if cfg.num_layers - 1 in paired_layers(cfg):
+    paired, _, _ = paired_layers(cfg), layer_list(cfg, "xsa_layers"), layer_list(cfg, "attn_gate_layers")
+    if cfg.num_layers - 1 in paired:  # (skip_layers ran above, in the refusals' list)
         raise UsageError(f"--paired_layers={cfg.paired_layers}: the last layer runs DC attention over its own heads: "
                          f"leave it unpaired")
     return cfg.global_batch_seqs // world_size
 
 @dataclass
 class Runtime:
-    """Where this process runs: its rank, the world size and its device (set up in main()), and the attention
-    path resolve_for_device took, in words for the log."""
+    """Where this process runs (set up in main()), and the attention path resolve_for_device took, for the log."""
     rank: int
     world_size: int
     local_rank: int
@@ -2413,30 +2305,15 @@ def load_fa3() -> tuple[Callable | None, str]:
     except Exception as e:  # the hub (offline, no build for this torch) or the build itself: say which
         return None, f"{name} version {version} did not load: {type(e).__name__}: {e}"
 
-def resolve_attention(cfg: Config, cuda: bool) -> str:
-    """--attention auto -> fa3 where FA3 loads (a Hopper GPU with the kernels package), else flex; an explicit fa3
-    that cannot load is refused. Returns the path in words, for the log."""
-    kernel, why = load_fa3() if cfg.attention == "fa3" or cuda and cfg.attention == AUTO else (None, "")
-    if cfg.attention == "fa3" and kernel is None:
-        raise UsageError(f"--attention=fa3: {why}; use --attention=flex (or auto: FA3 where it loads)")
-    cfg.attention = "fa3" if kernel is not None else "flex"
-    if kernel is not None:
-        return f"fa3 ({FA3_HUB_KERNEL[0]} version {FA3_HUB_KERNEL[1]}, varlen)"
-    if not cuda:
-        return "flex (on the CPU: SDPA with the same masks, dense; FlexAttention has no CPU backward)"
-    return "flex (FlexAttention block masks)" + (f"; FA3 not taken: {why}" if why else "")
-
 def gpu_capability(cuda: bool) -> tuple[int, int] | None:
-    """The CUDA device's compute capability; None on the CPU. A CUDA resolution without a visible GPU (the tests' and
-    tools' traces of the GPU path) resolves as on the recipe's GPU, the H100 (sm90)."""
-    if not cuda:
-        return None
-    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else (9, 0)
+    """The GPU's compute capability; None on the CPU; with no GPU visible (tests' traces), the recipe's H100's: sm90."""
+    return None if not cuda else tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else (9, 0)
 
-def gpu_runs(path: str, capability: tuple[int, int] | None) -> tuple[bool | None, str]:
-    """Whether a path (a gpt_kernels.RUNS_ON key) runs on a GPU of this capability, and if not why: True; False where
-    it cannot (no FP8 before sm89, or its Triton kernels fail or spill there: the compile matrix's facts); None where
-    the capability was not measured (auto takes the torch path, an explicit true is the user's call)."""
+def gpu_runs(path: str, capability: tuple[int, int] | None, cfg: Config | None = None,
+             fp8: str | None = None) -> tuple[bool | None, str]:
+    """Whether a path (a gpt_kernels.RUNS_ON key) runs on a GPU of this capability, and why not: False where it cannot
+    (no FP8 before sm89; Triton kernels that fail or spill), None where unmeasured (auto: torch; true: user's call).
+    For a Triton kernel's flag whose FP8 mode (fp8, a field of cfg) is on, that mode's kernels must run too."""
     if capability is None or gpt_kernels is None:
         return True, ""
     target = f"sm{capability[0]}{capability[1]}"
@@ -2447,31 +2324,22 @@ def gpu_runs(path: str, capability: tuple[int, int] | None) -> tuple[bool | None
     if capability not in gpt_kernels.RUNS_ON[path]:
         return False, (f"its Triton kernels ({', '.join(gpt_kernels.PATH_KERNELS[path])}) do not compile for {target} "
                        f"within its shared memory and without spills (tools/sm90_kernels.py)")
+    if fp8 and getattr(cfg, fp8):
+        runs, why = gpu_runs(f"{path}+{fp8}", capability)
+        return runs, why and f"{why} (its FP8 mode, with --{fp8})"
     return True, ""
 
 KERNEL_FLAGS = (("relu2_kernel", "fp8_mlp"), ("fused_head", "fp8_head"), ("dc_kernel", None))  # (flag, FP8 mode's)
 
-def kernel_runs(cfg: Config, name: str, fp8: str | None, capability: tuple[int, int] | None) -> tuple[bool | None, str]:
-    """gpu_runs for a Triton kernel's flag, with its FP8 mode's kernels where that FP8 path is on."""
-    runs, why = gpu_runs(name, capability)
-    if runs and fp8 and getattr(cfg, fp8):
-        runs, why = gpu_runs(f"{name}+{fp8}", capability)
-        why = why and f"{why} (its FP8 mode, with --{fp8})"
-    return runs, why
-
 def gpu_report(cfg: Config) -> str:
-    """The log's line on the GPU: its name, capability and memory, and each path auto resolved (or was given), and
-    why one is off."""
-    capability = gpu_capability(True)
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties()
-        name, memory = props.name, f", {props.total_memory / 2**30:.0f} GiB"
-    else:
-        name, memory = "no GPU visible (resolved as the H100's)", ""
+    """The log's line on the GPU: its name, capability and memory, each path as resolved (or given), why one is off."""
+    capability, props = gpu_capability(True), torch.cuda.get_device_properties() if torch.cuda.is_available() else None
+    name, memory = (props.name, f", {props.total_memory / 2**30:.0f} GiB") if props else (
+        "no GPU visible (resolved as the H100's)", "")
     items = []
     for flag, fp8 in (("fp8_head", None), ("fp8_mlp", None), *KERNEL_FLAGS, ("polar_express", None)):
         on = getattr(cfg, flag) if flag != "polar_express" else polar_express_kernels(torch.device("cuda"))
-        runs, why = kernel_runs(cfg, flag, fp8, capability)
+        runs, why = gpu_runs(flag, capability, cfg, fp8)
         if not on and runs and "fp8" in flag and os.environ.get("DISABLE_FP8"):
             why = "DISABLE_FP8"
         items.append(f"{flag} {'on' if on else 'off'}" + ("" if on or not (why or runs) else
@@ -2481,33 +2349,30 @@ def gpu_report(cfg: Config) -> str:
 
 def resolve_for_device(cfg: Config, cuda: bool) -> str:
     """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
-    apply DISABLE_FP8, so that from here on the config (and its copy in the log) says what the run does; then check
-    what depends on the device: FlexAttention's block size on CUDA, the FP8 head's matrix sizes (on the CPU too, so
-    a CPU rehearsal of the GPU path refuses what the GPU would). Without gpt_kernels.py beside this file, auto is the
-    torch path and an explicit true is refused. Returns the attention path in words."""
+    apply DISABLE_FP8, so that from here on the config (and its log copy) says what the run does; then refuse what the
+    device cannot run (FP8 sizes on the CPU too: a CPU rehearsal of the GPU path refuses what the GPU would; without
+    gpt_kernels.py, auto is the torch path and true is refused). Returns the attention path in words."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
                          "drop it (or use --device=cpu)")
     cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
     kernels, capability = gpt_kernels is not None, gpu_capability(cuda)
-    for name in ("fp8_head", "fp8_mlp"):  # auto: where the GPU runs it (gpu_runs: gpt_kernels.RUNS_ON)
-        runs, why = gpu_runs(name, capability)
+    triton = importlib.util.find_spec("triton") is not None
+    for name, fp8 in (("fp8_head", None), ("fp8_mlp", None), *KERNEL_FLAGS):  # the FP8 paths first: kernels read them
+        runs, why = gpu_runs(name, capability, cfg, fp8)
         if getattr(cfg, name) and runs is False:
             raise UsageError(f"--{name}=true: {why}; use --{name}=false (or auto)")
-        on = cuda and kernels and bool(runs) if getattr(cfg, name) is None else getattr(cfg, name)
-        setattr(cfg, name, on and not os.environ.get("DISABLE_FP8"))
-        if getattr(cfg, name) and not kernels:
+        ops = name.startswith("fp8")  # gpt_kernels' FP8 ops; the others are Triton kernels
+        if getattr(cfg, name) is None:  # auto: where the GPU runs it cleanly (gpu_runs), the torch path elsewhere
+            setattr(cfg, name, cuda and kernels and (ops or triton) and bool(runs))
+        if ops:
+            setattr(cfg, name, getattr(cfg, name) and not os.environ.get("DISABLE_FP8"))
+        if getattr(cfg, name) and ops and not kernels:
             raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
                              f"--{name}=false")
-    for name, fp8 in KERNEL_FLAGS:
-        runs, why = kernel_runs(cfg, name, fp8, capability)
-        if getattr(cfg, name) and runs is False:
-            raise UsageError(f"--{name}=true: {why}; use --{name}=false (or auto)")
-        if getattr(cfg, name) is None:  # auto: the GPU's kernels where they compile cleanly, the torch path elsewhere
-            setattr(cfg, name, cuda and kernels and importlib.util.find_spec("triton") is not None and bool(runs))
-        if getattr(cfg, name) and (not kernels or importlib.util.find_spec("triton") is None or
-                                   not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        if getattr(cfg, name) and not ops and (not kernels or not triton or
+                                               not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
             raise UsageError(f"--{name} runs a Triton kernel: it needs gpt_kernels.py beside train_gpt.py, triton "
                              f"installed and a CUDA device (or TRITON_INTERPRET=1 on the CPU, slow); or use "
                              f"--{name}=false")
@@ -2517,7 +2382,15 @@ def resolve_for_device(cfg: Config, cuda: bool) -> str:
         if getattr(cfg, name) and bad:
             raise UsageError(f"{what} needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm), "
                              f"got {', '.join(bad)}; change it or use --{name}=false")
-    attention = resolve_attention(cfg, cuda)  # last: auto may load FA3 from the hub
+    # Last, as auto may load FA3 from the hub: auto -> fa3 where FA3 loads (a Hopper GPU with the kernels package),
+    # else flex; an explicit fa3 that cannot load is refused.
+    kernel, why = load_fa3() if cfg.attention == "fa3" or cuda and cfg.attention == AUTO else (None, "")
+    if cfg.attention == "fa3" and kernel is None:
+        raise UsageError(f"--attention=fa3: {why}; use --attention=flex (or auto: FA3 where it loads)")
+    cfg.attention = "fa3" if kernel is not None else "flex"
+    attention = (f"fa3 ({FA3_HUB_KERNEL[0]} version {FA3_HUB_KERNEL[1]}, varlen)" if kernel is not None else
+                 "flex (FlexAttention block masks)" + (f"; FA3 not taken: {why}" if why else "") if cuda else
+                 "flex (on the CPU: SDPA with the same masks, dense; FlexAttention has no CPU backward)")
     if cuda and cfg.attention == "flex" and cfg.block_size % FLEX_BLOCK_MULTIPLE:
         raise UsageError(f"--block_size={cfg.block_size}: FlexAttention on CUDA needs a multiple of "
                          f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128 "
@@ -2528,11 +2401,10 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-# CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and
-# through a scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a
-# CPU run's bf16 GEMMs run as fp32 GEMMs of the same bf16 values, rounded once to bf16: a bf16 GEMM with fp32
-# accumulation, as on the GPU, up to summation order. --cpu_bf16_gemm chooses; one dispatch mode serves eager and
-# compiled code.
+# CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and through a
+# scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a CPU run's bf16
+# GEMMs run as fp32 GEMMs of the same bf16 values, rounded once to bf16: a bf16 GEMM with fp32 accumulation, as on the
+# GPU, up to summation order. --cpu_bf16_gemm chooses; one dispatch mode serves eager and compiled code.
 CPU_BF16_GEMMS = ("auto", "native", "fp32")
 CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
                   "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
@@ -2575,9 +2447,8 @@ def cpu_report() -> str:
     """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-        model = names[0] if names else model
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), model)
     return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
             f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
@@ -2624,16 +2495,13 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
     except ImportError:
         lines.append("Triton not installed")
     if device.type == "cuda":
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        lines.append(f"GPUs: {', '.join(names)}")
-        lines.append(f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}")
+        lines += [f"GPUs: {', '.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))}",
+                  f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}"]
     else:
-        lines.append(f"CPU run: {cpu_report()}")
-        lines.append(f"bf16 GEMM path: {CPU_GEMM_PATHS[cpu_bf16_gemm]}")
-        lines.append(f"CPU path: {CPU_PATHS[cpu_path(cpu_bf16_gemm)]}")
+        lines += [f"CPU run: {cpu_report()}", f"bf16 GEMM path: {CPU_GEMM_PATHS[cpu_bf16_gemm]}",
+                  f"CPU path: {CPU_PATHS[cpu_path(cpu_bf16_gemm)]}"]
     if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
-        lines.append(smi.stdout.rstrip())
+        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
     return "\n".join(lines)
 
 def lock_log(f: IO, exclusive: bool = True) -> bool:
@@ -2648,27 +2516,31 @@ def lock_log(f: IO, exclusive: bool = True) -> bool:
         pass
     return True
 
+def recorded_event(timing: bool = True) -> torch.cuda.Event:
+    """A CUDA event recorded now on the current stream."""
+    event = torch.cuda.Event(enable_timing=timing)
+    event.record()
+    return event
+
 class RunLog:
     """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
-    not finite is written as NaN or Infinity (Python's json reads it back). A failed write (a full disk) stops the
-    run with one line. The text log is locked while the run has it open (lock_log): a run started with the same
-    --run_id and --overwrite is refused instead of replacing a live run's logs."""
+    not finite is written as NaN or Infinity (Python's json reads it back); a failed write (a full disk) stops the
+    run with one line. The text log is locked while open (lock_log): --overwrite of a live run's logs is refused."""
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
-        self.file, self.jsonl = self._open(path, lock=True), self._open(jsonl_path)
+        self.file, self.jsonl = (None if p is None else self._io(p, functools.partial(self._open, p, lock))
+                                 for p, lock in ((path, True), (jsonl_path, False)))
         self.records = 0  # JSONL entries written: none until the first validation or step
 
-    def _open(self, path: Path | None, lock: bool = False) -> IO | None:
-        def opened() -> IO:
-            f = open(path, "a", buffering=1 << 16)  # appending: nothing is cut before the lock is held
-            if lock and not lock_log(f):
-                f.close()
-                raise UsageError(still_running(path))
-            f.truncate(0)
-            return f
-
-        return None if path is None else self._io(path, opened)
+    @staticmethod
+    def _open(path: Path, lock: bool) -> IO:
+        f = open(path, "a", buffering=1 << 16)  # appending: nothing is cut before the lock is held
+        if lock and not lock_log(f):
+            f.close()
+            raise UsageError(still_running(path))
+        f.truncate(0)
+        return f
 
     @staticmethod
     def _io(name: object, action: Callable[[], Any]) -> Any:
@@ -2679,13 +2551,12 @@ class RunLog:
 
     def __call__(self, line: str, console: bool = True, flush: bool = False) -> None:
         """Write a line (and with flush, everything so far to disk) before printing it: a line seen is kept."""
-        if self.file is None:
-            return
-        self._io(self.file.name, lambda: self.file.write(line + "\n"))
-        if flush:
-            self.flush()
-        if console:
-            print0(line)
+        if self.file is not None:
+            self._io(self.file.name, lambda: self.file.write(line + "\n"))
+            if flush:
+                self.flush()
+            if console:
+                print0(line)
 
     def record(self, entry: dict[str, object]) -> None:
         """Append one JSON object as one line of the JSONL log."""
@@ -2695,19 +2566,17 @@ class RunLog:
 
     def flush(self) -> None:
         """Push what was written to the files: a hard stop (kill -9, the OOM killer) loses none of it."""
-        for f in (self.file, self.jsonl):
-            if f is not None:
-                self._io(f.name, f.flush)
+        for f in filter(None, (self.file, self.jsonl)):
+            self._io(f.name, f.flush)
 
     def close(self, last_line: str | None = None) -> None:
         """Close the files, after a last line (why a run stopped early) when given."""
         if last_line is not None:
             with contextlib.suppress(UsageError):
                 self(last_line, console=False)
-        for f in (self.file, self.jsonl):
-            if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
+        for f in filter(None, (self.file, self.jsonl)):
+            with contextlib.suppress(OSError):
+                f.close()
         self.file = self.jsonl = None
 
     def set_aside(self) -> Path | None:
@@ -2737,24 +2606,19 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
 
 def mfu_pct(flops_per_tok: float, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
     """Model FLOPs utilization in percent: achieved model FLOP/s over the devices' peak; None when unknown."""
-    if not peak or not tokens_per_s:
-        return None
-    return 100 * flops_per_tok * tokens_per_s / (peak * world_size)
+    return 100 * flops_per_tok * tokens_per_s / (peak * world_size) if peak and tokens_per_s else None
 
 def peak_memory_mib(device: torch.device) -> dict[str, float | None]:
     """Peak memory allocated and reserved by torch on the device since the last reset, in MiB (None on a CPU)."""
-    if device.type != "cuda":
-        return {"peak_memory_allocated_mib": None, "peak_memory_reserved_mib": None}
-    return {"peak_memory_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
-            "peak_memory_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
+    return {f"peak_memory_{kind}_mib": getattr(torch.cuda, f"max_memory_{kind}")(device) / 2**20
+            if device.type == "cuda" else None for kind in ("allocated", "reserved")}
 
 # GPT's parameters of two or more dimensions that feed no matmul: tables read by index, per-layer scalars, a bias
 NO_MATMUL = ("embed.weight", "value_embeds", "bigram_embed.weight", "resid_lambdas", "post_lambdas", "mudd_b2",
              "mudd_gate_b2")
 
 def matmul_weights(model: nn.Module) -> int:
-    """Parameters that feed a matmul, each used once per token: every parameter of two or more dimensions but
-    NO_MATMUL's. Read from the model, so a new layer counts itself."""
+    """Parameters feeding a matmul once per token: all of 2+ dimensions but NO_MATMUL's (a new layer counts itself)."""
     return sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and n not in NO_MATMUL)
 
 def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
@@ -2763,17 +2627,15 @@ def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 def flops_per_token(model: GPT, s: StepSchedule) -> float:
-    """Model FLOPs per trained token (forward + backward) at schedule entry `s`: 6 N + sum over attention layers of
-    12 heads head_dim T_eff, N = matmul_weights(model), T_eff = mean_keys_per_query(window tokens, micro_len)
-    (paired layers: half the heads over 2 micro_len), the last layer's DC attention as one more over DC_WINDOW keys. Document
-    masking is ignored: an upper bound."""
+    """Model FLOPs per trained token (forward + backward) at schedule entry `s`, an upper bound (document masking is
+    ignored): 6 matmul_weights + 12 heads head_dim mean_keys_per_query(window tokens, micro_len) per attention layer
+    (paired: half the heads over 2 micro_len), and the last layer's DC attention as one more over DC_WINDOW keys."""
     cfg = model.cfg
-    windows = {"long": s.long_window, "short": s.short_window}
-    attention = sum(12 * cfg.num_heads * cfg.head_dim *  # paired heads: half the heads, twice the queries
-                    mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size, (2 if p.paired else 1) * s.micro_len)
-                    for p in model.plans if p.attn is not None)
-    dc = 12 * cfg.num_heads * cfg.head_dim * mean_keys_per_query(DC_WINDOW, s.micro_len)
-    return 6 * matmul_weights(model) + attention + dc
+    windows, per_key = {"long": s.long_window, "short": s.short_window}, 12 * cfg.num_heads * cfg.head_dim
+    attention = sum(per_key * mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size,
+                                                  (2 if p.paired else 1) * s.micro_len)
+                    for p in model.plans if p.attn is not None)  # paired heads: half the heads, twice the queries
+    return 6 * matmul_weights(model) + attention + per_key * mean_keys_per_query(DC_WINDOW, s.micro_len)
 
 def format_eta(seconds: float) -> str:
     seconds = max(0, round(seconds))
@@ -2804,19 +2666,16 @@ class Metrics:
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT):
         self.cfg, self.rt, self.log, self.model = cfg, rt, log, model
-        self.on_cuda = rt.device.type == "cuda"
-        self.peak = peak_flops(rt.device, cfg.peak_tflops)
-        self.sums = {"loss_sum": torch.zeros((), dtype=torch.float64, device=rt.device)}  # device side, by name
-        self.tokens, self.steps, self.host_ms = 0, 0, 0.0
+        self.on_cuda, self.peak = rt.device.type == "cuda", peak_flops(rt.device, cfg.peak_tflops)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)  # RANK_STATS[0], on the device
+        self.tokens, self.steps, self.host_ms, self.t0, self.next_slot = 0, 0, 0.0, 0.0, 0
         self.timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.start: torch.cuda.Event | None = None
-        self.t0 = 0.0
         self.host = torch.zeros(self.SLOTS, len(self.STATS), len(self.RANK_STATS), dtype=torch.float64,
                                 pin_memory=self.on_cuda)
         self.host_view = self.host.numpy()  # read as numpy: no Tensor call on the host side
         self.pending: list[PendingLine] = []  # staged lines, printed (rank 0) once their copy has landed
         self.last: PendingLine | None = None  # the latest staged line: checked for a diverged loss
-        self.next_slot = 0
         self.stop_agreed = False  # a rank received a stop signal: read at the same step on every rank
 
     def logs_at(self, step: int) -> bool:
@@ -2825,23 +2684,18 @@ class Metrics:
 
     def begin_step(self, step: int) -> None:
         """Open step `step` (1-based; the argument is also the tests' hook to know where the loop is)."""
-        if self.on_cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
+        self.start = recorded_event() if self.on_cuda else None
         self.t0 = time.perf_counter()
 
     def add_loss(self, loss_sum: Tensor, tokens: int) -> None:
         """Add a micro-step's summed token loss (detached, on the device) and its token count."""
-        self.sums["loss_sum"] += loss_sum
+        self.loss_sum += loss_sum
         self.tokens += tokens
 
     def end_step(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
-        """Close step `step` (trained with schedule entry s); at a logging step gather and stage it. Then
-        print what has landed."""
+        """Close step `step` (trained with schedule entry s), staged at a logging step; print what has landed."""
         if self.on_cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.timers.append((self.start, end))
+            self.timers.append((self.start, recorded_event()))
         self.host_ms += 1000 * (time.perf_counter() - self.t0)
         self.steps += 1
         if self.logs_at(step):
@@ -2850,8 +2704,7 @@ class Metrics:
 
     @staticmethod
     def reduce_ranks(local: Tensor, world_size: int) -> Tensor:
-        """Rows mean, sum, min, max (STATS) over ranks of each entry of `local`: one all-gather, or
-        none at world size 1; the reductions run locally on the device."""
+        """Rows mean, sum, min, max (STATS) over ranks of `local`: one all-gather (none at world size 1), on device."""
         if world_size == 1:
             return local.unsqueeze(0).repeat(len(Metrics.STATS), 1)
         gathered = local.new_empty(world_size * local.numel())  # flat: the one shape gloo accepts too
@@ -2862,11 +2715,9 @@ class Metrics:
     def _gather(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
         host = {"host_ms": self.host_ms, "stop": float(STOP.received is not None), **peak_memory_mib(self.rt.device)}
         local = torch.empty(len(self.RANK_STATS), dtype=torch.float64, device=self.rt.device)
-        for i, name in enumerate(self.RANK_STATS):
-            if name in self.sums:
-                local[i].copy_(self.sums[name])
-            else:  # a host number goes in as a kernel argument (fill_): no host-to-device copy
-                local[i].fill_(host[name] or 0.0)
+        local[0].copy_(self.loss_sum)
+        for i, name in enumerate(self.RANK_STATS[1:], 1):  # a host number is fill_'s kernel argument: no H2D copy
+            local[i].fill_(host[name] or 0.0)
         stats = self.reduce_ranks(local, self.rt.world_size)
         if self.last is not None:  # every rank, at the same step: the previous line has long landed
             self._check_finite(self.last)
@@ -2874,41 +2725,33 @@ class Metrics:
             self._print(self.pending.pop(0), wait=True)
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.SLOTS
         self.host[slot].copy_(stats, non_blocking=self.on_cuda)
-        event = None
-        if self.on_cuda:
-            event = torch.cuda.Event()
-            event.record()
+        event = recorded_event(timing=False) if self.on_cuda else None
         self.last = PendingLine(step, train_time_ms, slot, event, self.timers, self.steps, self.tokens, s)
         self.pending.append(self.last)
-        for t in self.sums.values():
-            t.zero_()
+        self.loss_sum.zero_()
         self.tokens, self.steps, self.host_ms, self.timers = 0, 0, 0.0, []
 
-    def poll(self) -> None:
-        """Print, in order, the pending lines whose copy has landed; never waits."""
-        while self.pending and (self.pending[0].event is None or self.pending[0].event.query()):
-            self._print(self.pending.pop(0))
+    def poll(self, wait: bool = False) -> None:
+        """Print, in order, the pending lines whose copy has landed, never waiting; with wait, all of them."""
+        while self.pending and (wait or self.pending[0].event is None or self.pending[0].event.query()):
+            self._print(self.pending.pop(0), wait=wait)
 
     def flush(self) -> None:
         """Wait for and print every pending line (before validation lines and at the end)."""
-        self._print_pending()
+        self.poll(wait=True)
         if self.last is not None:
             self._check_finite(self.last)
-
-    def _print_pending(self) -> None:
-        while self.pending:
-            self._print(self.pending.pop(0), wait=True)
 
     def _check_finite(self, p: PendingLine) -> None:
         """Stop a diverged run at the logging step after the one whose loss is not finite (or at a flush): every
         rank holds the line's statistics and checks them at the same point of the loop, so every rank stops."""
         if p.event is not None:
             p.event.synchronize()  # landed long ago: the line is a logging interval old
-        loss, stop = (float(self.host_view[p.slot][self.STATS.index("sum")][self.RANK_STATS.index(k)])
-                      for k in ("loss_sum", "stop"))
+        sums = self.host_view[p.slot][self.STATS.index("sum")]
+        loss, stop = (float(sums[self.RANK_STATS.index(k)]) for k in ("loss_sum", "stop"))
         self.stop_agreed = self.stop_agreed or stop > 0
         if not math.isfinite(loss):
-            self._print_pending()
+            self.poll(wait=True)
             raise UsageError(f"the train loss is {loss} at step {p.step}: the run diverged; lower the learning "
                              f"rates (--muon_lr, --embed_lr, --head_lr, --scalar_lr) or check the data")
 
@@ -2920,19 +2763,16 @@ class Metrics:
         time_ms = sum(a.elapsed_time(b) for a, b in p.timers) if p.timers else high["host_ms"]
         tok_s = tokens / (time_ms / 1000) if time_ms > 0 else None
         mfu = mfu_pct(flops_per_token(self.model, p.schedule), tok_s, self.peak, self.rt.world_size)
-        train_loss = total["loss_sum"] / max(tokens, 1)
-        step_avg = p.train_time_ms / p.step
+        train_loss, step_avg = total["loss_sum"] / max(tokens, 1), p.train_time_ms / p.step
         eta_s = step_avg * (cfg.num_steps - p.step) / 1000
         self.log.record({
             "step": p.step, "total": cfg.num_steps, "train_loss": train_loss, "train_time_ms": p.train_time_ms,
             "step_avg_ms": step_avg, "tokens_per_s": tok_s, "mfu_pct": mfu, "eta_s": eta_s,
-            "step_ms": time_ms / max(p.steps, 1), "steps": p.steps, "tokens": tokens,
-            "lr_mult": p.schedule.lr_mult, "muon_momentum": p.schedule.muon_momentum,
-            "window_tokens": p.schedule.long_window * cfg.block_size,
+            "step_ms": time_ms / max(p.steps, 1), "steps": p.steps, "tokens": tokens, "lr_mult": p.schedule.lr_mult,
+            "muon_momentum": p.schedule.muon_momentum, "window_tokens": p.schedule.long_window * cfg.block_size,
             "peak_memory_allocated_mib": high["peak_memory_allocated_mib"] if self.on_cuda else None,
             "train_loss_rank_min": low["loss_sum"] / max(p.tokens, 1),
-            "train_loss_rank_max": high["loss_sum"] / max(p.tokens, 1),
-        })
+            "train_loss_rank_max": high["loss_sum"] / max(p.tokens, 1)})
         self.log(f"step:{p.step}/{cfg.num_steps} train_loss:{train_loss:.4f} train_time:{p.train_time_ms:.0f}ms "
                  f"step_avg:{step_avg:.2f}ms tok/s:{'-' if tok_s is None else f'{tok_s:.0f}'} "
                  f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}", flush=True)
@@ -2940,8 +2780,7 @@ class Metrics:
 def git_commit(directory: Path) -> str | None:
     """HEAD of the git checkout holding `directory`; None when it is not one, git is missing, or anything fails."""
     try:
-        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True,
-                              timeout=10)
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     commit = proc.stdout.strip()
@@ -2952,30 +2791,19 @@ def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, flo
                 gpu_names: list[str], schedules: list[StepSchedule]) -> dict[str, object]:
     """The end-of-run summary, logs/<run_id>.json (tools/compare.py reads these keys)."""
     tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedules[:cfg.num_steps])
-    return {
-        "run_id": cfg.run_id,
-        "final_val_loss": val_points[-1][1] if val_points else None,
-        "train_time_ms": train_time_ms,
-        "steps": cfg.num_steps,
-        "step_avg_ms": train_time_ms / cfg.num_steps,
-        "tokens_per_s": tokens / (train_time_ms / 1000) if train_time_ms > 0 else None,
-        **peak_memory_mib(rt.device),
-        "world_size": rt.world_size,
-        "gpu_names": gpu_names,
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "git_commit": git_commit(Path(__file__).resolve().parent),
-        "seed": cfg.seed,
-        "config": dataclasses.asdict(cfg),
-        "val_losses": [list(p) for p in val_points],
-    }
+    return {"run_id": cfg.run_id, "final_val_loss": val_points[-1][1] if val_points else None,
+            "train_time_ms": train_time_ms, "steps": cfg.num_steps, "step_avg_ms": train_time_ms / cfg.num_steps,
+            "tokens_per_s": tokens / (train_time_ms / 1000) if train_time_ms > 0 else None,
+            **peak_memory_mib(rt.device), "world_size": rt.world_size, "gpu_names": gpu_names,
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+            "git_commit": git_commit(Path(__file__).resolve().parent), "seed": cfg.seed,
+            "config": dataclasses.asdict(cfg), "val_losses": [list(p) for p in val_points]}
 
 def write_json_atomic(path: Path, data: dict[str, object]) -> None:
     """Write JSON to a temporary file beside path, then rename it over path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+        f.write(json.dumps(data, indent=2) + "\n")
 
 # -----------------------------------------------------------------------------
 # Profiler
@@ -2987,14 +2815,13 @@ STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<
 TRACE_REPORT = Path(__file__).resolve().parent / "tools" / "trace_report.py"
 
 def trace_report(folder: Path, log: RunLog) -> dict | None:
-    """tools/trace_report.py's report on a run folder, printed through the log; when that tool is not beside
-    this file (a copied train_gpt.py), a line saying where the raw figures are."""
+    """tools/trace_report.py's report on a run folder, printed through the log; without that tool beside this file
+    (a copied train_gpt.py), a line saying where the raw figures are."""
     if not TRACE_REPORT.exists():
         log(f"bench: raw figures in {folder}/bench_rank<R>.json; tools/trace_report.py reports on them")
         return None
     spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.bench_report(folder, print_line=log)
 
@@ -3005,39 +2832,19 @@ class StepProfiler:
     profiler warmup, bench_steps traced and timed; no validation; each rank writes bench_rank<R>.json."""
 
     def __init__(self, cfg: Config, rt: Runtime):
-        self.cfg, self.rt = cfg, rt
-        self.traced: range | None = None
-        self.timed: range | None = None
-        if cfg.bench:  # the loop stops at run_length(cfg), the end of the traced steps
-            self.timed = range(BENCH_SETTLE_STEPS, BENCH_SETTLE_STEPS + cfg.bench_steps)
-            self.traced = range(self.timed.stop + 1, self.timed.stop + 1 + cfg.bench_steps)
-        elif cfg.profile:
-            self.traced = profile_steps(cfg.profile, cfg.num_steps)
-        self.folder = Path(cfg.log_dir) / cfg.run_id
+        self.cfg, self.rt, self.cuda = cfg, rt, rt.device.type == "cuda"
+        # --bench: the loop stops at run_length(cfg), the end of the traced steps
+        self.timed = range(BENCH_SETTLE_STEPS, BENCH_SETTLE_STEPS + cfg.bench_steps) if cfg.bench else None
+        self.traced = (range(self.timed.stop + 1, self.timed.stop + 1 + cfg.bench_steps) if cfg.bench else
+                       profile_steps(cfg.profile, cfg.num_steps) if cfg.profile else None)
+        self.folder, self.exported = Path(cfg.log_dir) / cfg.run_id, False
         self.prof: torch.profiler.profile | None = None
-        self.marks: dict[int, torch.cuda.Event | float] = {}
-        self.exported = False
-
-    def _mark(self, step: int) -> None:
-        if self.rt.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks[step] = event
-        else:
-            self.marks[step] = time.perf_counter()
+        self.marks: dict[int, torch.cuda.Event | float] = {}  # step -> its start: CUDA event, or host clock
 
     def _export(self, prof: torch.profiler.profile) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.folder / f"trace_rank{self.rt.rank}.json.gz"))
         self.exported = True
-
-    def _start(self) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.rt.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        steps = torch.profiler.schedule(wait=0, warmup=int(self.traced.start > 0), active=len(self.traced), repeat=1)
-        self.prof = torch.profiler.profile(activities=activities, schedule=steps, on_trace_ready=self._export)
-        self.prof.__enter__()
 
     def close(self) -> None:
         if self.prof is not None:
@@ -3046,41 +2853,42 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def step(self, step: int, settle: Callable[[], None] = lambda: None):
-        """Around training step `step`; settle() runs before the trace stops: a gloo collective ending after it
-        crashes the process."""
+        """Around training step `step`; settle() runs before the trace stops: a gloo collective ending later crashes."""
         if self.traced is None:
             yield
             return
+        last = step == self.traced.stop - 1
         if self.timed is not None and self.timed.start <= step < self.traced.stop:
-            self._mark(step)
-            if step == self.timed.start and self.rt.device.type == "cuda":
+            self.marks[step] = recorded_event() if self.cuda else time.perf_counter()
+            if step == self.timed.start and self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.rt.device)
         if step == max(self.traced.start - 1, 0) and self.prof is None and not self.exported:
-            self._start()
+            activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
+            steps = torch.profiler.schedule(wait=0, warmup=int(self.traced.start > 0), active=len(self.traced),
+                                            repeat=1)
+            self.prof = torch.profiler.profile(activities=activities, schedule=steps, on_trace_ready=self._export)
+            self.prof.__enter__()
         try:
             with torch.profiler.record_function(f"{STEP_MARK}{step}") if self.prof else contextlib.nullcontext():
                 yield
         except BaseException:
             self.close()
             raise
-        if self.timed is not None and step == self.traced.stop - 1:
-            self._mark(step + 1)
+        if last and self.timed is not None:
+            self.marks[step + 1] = recorded_event() if self.cuda else time.perf_counter()
         if self.prof is not None:
-            if step == self.traced.stop - 1:
+            if last:
                 settle()
             self.prof.step()
-            if step == self.traced.stop - 1:
-                self.close()
+        if last:
+            self.close()
 
     def _step_ms(self, steps: range) -> list[float]:
         marks = [self.marks[s] for s in range(steps.start, steps.stop + 1)]
-        if self.rt.device.type == "cuda":
-            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        return [1000 * (b - a) for a, b in zip(marks, marks[1:])]
+        return [a.elapsed_time(b) if self.cuda else 1000 * (b - a) for a, b in zip(marks, marks[1:])]
 
     def finish(self, log: RunLog, model: GPT) -> dict | None:
-        """Close the profiler; with --bench, write this rank's raw figures and (rank 0) report. Returns the
-        bench report."""
+        """Close the profiler; with --bench, write this rank's raw figures and return (rank 0) the report."""
         self.close()
         if self.traced is None:
             return None
@@ -3092,11 +2900,10 @@ class StepProfiler:
         cfg, rt = self.cfg, self.rt
         tokens = cfg.global_batch_seqs * schedule(self.traced.start, cfg).seq_len
         flops = float(np.mean([flops_per_token(model, schedule(step, cfg)) for step in self.traced]))
-        peak = peak_flops(rt.device, cfg.peak_tflops)
-        timed = self._step_ms(self.timed)
+        peak, timed = peak_flops(rt.device, cfg.peak_tflops), self._step_ms(self.timed)
         write_json_atomic(self.folder / f"bench_rank{rt.rank}.json", {
             "run_id": cfg.run_id, "rank": rt.rank, "world_size": rt.world_size,
-            "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else
+            "device": torch.cuda.get_device_name(rt.device) if self.cuda else
             f"CPU: {cpu_report()}; bf16 GEMM path {cfg.cpu_bf16_gemm}",
             "timed_steps": [self.timed.start, self.timed.stop - 1],
             "traced_steps": [self.traced.start, self.traced.stop - 1],
@@ -3105,8 +2912,7 @@ class StepProfiler:
             "mfu_pct": [mfu_pct(flops, tokens / (ms / 1000), peak, rt.world_size) for ms in timed],
             **peak_memory_mib(rt.device), "trace": f"trace_rank{rt.rank}.json.gz",
             "config": {k: getattr(cfg, k) for k in ("train_seq_len", "global_batch_seqs", "num_steps", "compile",
-                                                    "fp8_head", "prefetch_depth", "bench_steps")},
-        })
+                                                    "fp8_head", "prefetch_depth", "bench_steps")}})
         if rt.world_size > 1:
             dist.barrier()  # every rank's figures are on disk (the log dir is shared, as for checkpoints)
         return trace_report(self.folder, log) if rt.rank == 0 else None
@@ -3118,10 +2924,8 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 9  # 2: train_time_ms (was train_ms); 3: a sha256 of every file in meta.json; 4: adam_steps;
-#                  5: value_embeds (was num_value_embeds) and v2's model fields; 6: x0_lambdas out of the scalars;
-#                  7: one recipe (#70), its on/off fields gone; 8: #89's model (banks, MUDD, FP8 MLP state);
-#                  9: upstream's current model (the MUDD gate network)
+CKPT_FORMAT = 9  # bumped whenever what is saved changes: 3 added every file's sha256, 8 #89's model (banks, MUDD,
+#                  FP8 MLP state), 9 upstream's current model (the MUDD gate network)
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
@@ -3144,33 +2948,26 @@ def train_files_identity(cfg: Config) -> list[list]:
     return [[p.name, shard_token_count(p)] for p in find_shards(cfg.train_files)]
 
 def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
-    """The metadata of a complete checkpoint directory (every file it lists there, with its size; load_part
-    checks each file's checksum as it reads it); a UsageError saying what is missing or broken otherwise.
-    taker: what the user gave the folder to, for the messages."""
-    where = f"checkpoint {folder}"
-    if folder.is_file():
-        raise UsageError(f"{where} is a file: {taker} takes a ckpt_<step> directory (the folder holding "
-                         f"{CKPT_META})")
+    """The metadata of a complete checkpoint folder (every file it lists there, at its size: read_part checks the
+    checksums); a UsageError saying what is missing or broken otherwise. taker: what the user gave the folder to."""
+    where, path = f"checkpoint {folder}", folder / CKPT_META
     if not folder.is_dir():
-        raise UsageError(f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
-    path = folder / CKPT_META
-    if not path.exists() and not any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()):
-        raise UsageError(f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
-                         f"--save_every, --save_final or a stop signal writes them under <log_dir>/<run_id>/")
+        raise UsageError(f"{where} is a file: {taker} takes a ckpt_<step> directory (the folder holding {CKPT_META})"
+                         if folder.is_file() else f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
     if not path.exists():  # a save that was cut short leaves its parts (or their .tmp files) but no meta.json
-        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last, once every rank's part is "
-                         f"on disk); use an earlier checkpoint")
+        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last); use an earlier checkpoint"
+                         if any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()) else
+                         f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
+                         f"--save_every, --save_final or a stop signal writes them under <log_dir>/<run_id>/")
     try:
         meta = json.loads(path.read_text())
         step, world_size, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
         if meta["format"] != CKPT_FORMAT or not isinstance(meta["config"], dict) or step < 0 or world_size < 1:
             raise ValueError
     except (OSError, ValueError, KeyError, TypeError):
-        raise UsageError(f"{where}: {CKPT_META} is unreadable or not a checkpoint's metadata (format "
-                         f"{CKPT_FORMAT})") from None
-    for name in [CKPT_MODEL, *map(rank_file, range(world_size))]:
-        if name not in files:
-            raise UsageError(f"{where}: {CKPT_META} does not list {name}")
+        raise UsageError(f"{where}: {CKPT_META} is unreadable or not of checkpoint format {CKPT_FORMAT}") from None
+    if unlisted := [n for n in [CKPT_MODEL, *map(rank_file, range(world_size))] if n not in files]:
+        raise UsageError(f"{where}: {CKPT_META} does not list {unlisted[0]}")
     for name, entry in files.items():
         if not (folder / name).is_file():
             raise UsageError(f"{where} is incomplete: {name} is missing")
@@ -3180,9 +2977,8 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     return meta
 
 def check_resume(cfg: Config) -> None:
-    """With --resume, refuse at start-up (every rank), before anything is written, an incomplete or corrupt checkpoint
-    (every file's checksum is checked here, and again as it is loaded), one whose shapes or data differ from this
-    run's, or one past its last step."""
+    """With --resume, refuse at start-up (every rank, before anything is written) an incomplete or corrupt checkpoint
+    (checksums are checked here, and again on loading), one whose shapes or data differ, or one past the last step."""
     if not cfg.resume:
         return
     folder = Path(cfg.resume)
@@ -3190,11 +2986,9 @@ def check_resume(cfg: Config) -> None:
     for name, entry in meta["files"].items():
         read_part(folder / name, entry.get("sha256"))
     saved = meta["config"]
-    diffs = [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
-             if saved.get(k) != getattr(cfg, k)]
-    if diffs:
-        raise UsageError(f"checkpoint {folder} needs {', '.join(diffs)}: model shapes and data must match the "
-                         f"checkpoint's")
+    if diffs := [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
+                 if saved.get(k) != getattr(cfg, k)]:
+        raise UsageError(f"checkpoint {folder} needs {', '.join(diffs)}: model shapes and data must match")
     if meta.get("train_files") != train_files_identity(cfg):
         raise UsageError(f"checkpoint {folder} was trained on other files than --train_files={cfg.train_files} "
                          f"(it needs {len(meta.get('train_files') or [])} shard(s) with the same names and sizes)")
@@ -3206,10 +3000,11 @@ def still_running(text_log: Path) -> str:
             f"the logs of a run that has ended; wait for it or choose another --run_id")
 
 def check_run_paths(cfg: Config) -> None:
-    """Before anything is written: the log folder can be created and written, no earlier run's log is
-    replaced (unless --overwrite), and no checkpoint is ever written into: a resumed run writes under its own
-    run id, and a saving run's folder holds no checkpoints yet."""
-    log_dir, run_dir = Path(cfg.log_dir), Path(cfg.log_dir) / cfg.run_id
+    """Before anything is written: the log folder can be created and written, no earlier run's log is replaced
+    (unless --overwrite), and no checkpoint is written into: a resumed run writes under its own run id, and a
+    saving run's folder holds no checkpoints yet."""
+    log_dir = Path(cfg.log_dir)
+    run_dir, text_log = log_dir / cfg.run_id, log_dir / f"{cfg.run_id}.txt"
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -3218,9 +3013,8 @@ def check_run_paths(cfg: Config) -> None:
         raise UsageError(f"--log_dir={cfg.log_dir} is not writable; give a writable folder")
     logs = [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]
     if logs and not cfg.overwrite:
-        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: choose another --run_id "
-                         f"(or none, for a fresh one), or --overwrite=true to replace them")
-    text_log = log_dir / f"{cfg.run_id}.txt"
+        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id or "
+                         f"--overwrite=true to replace them")
     with contextlib.suppress(OSError), open(text_log, "rb") as f:  # the live run's lock (RunLog), tested and
         if not lock_log(f, exclusive=False):                          # released at once
             raise UsageError(still_running(text_log))
@@ -3232,8 +3026,7 @@ def check_run_paths(cfg: Config) -> None:
 
 def rng_state(device: torch.device) -> dict:
     np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
             "python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
 
@@ -3241,9 +3034,8 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
-    version, internal, gauss = state["python"]
+    (version, internal, gauss), (name, keys, *rest) = state["python"], state["numpy"]
     random.setstate((version, tuple(internal), gauss))
-    name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
 
 def save_atomic(obj: object, path: Path) -> str:
@@ -3255,26 +3047,19 @@ def save_atomic(obj: object, path: Path) -> str:
         f.write(buffer.getbuffer())
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
-def read_part(path: Path, sha256: str | None) -> bytes:
-    """A checkpoint file's bytes, checked against the checksum meta.json recorded."""
+def read_part(path: Path, sha256: str | None, load: bool = False) -> bytes | dict:
+    """A checkpoint file's bytes (read once), checked against meta.json's checksum; with load, what torch.load makes."""
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise UsageError(f"checkpoint file {path} cannot be read ({e.strerror}): the checkpoint is incomplete") \
-            from None
+        raise UsageError(f"checkpoint file {path} cannot be read ({e.strerror}): incomplete checkpoint") from None
     if hashlib.sha256(data).hexdigest() != sha256:
         raise UsageError(f"checkpoint file {path} does not match its checksum in {CKPT_META}: corrupt or from "
                          f"another checkpoint; use another checkpoint")
-    return data
-
-def load_part(path: Path, sha256: str) -> dict:
-    """A checkpoint file, read once, checked against its checksum, then loaded."""
-    data = read_part(path, sha256)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) if load else data
     except Exception as e:  # a file written under the right checksum but unloadable: a foreign pickle
-        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); use another checkpoint") \
-            from None
+        raise UsageError(f"checkpoint file {path} is unreadable ({type(e).__name__}); use another checkpoint") from None
 
 @dataclass
 class ResumePoint:
@@ -3288,7 +3073,7 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
     meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
     step, saved_world, files = meta["step"], meta["world_size"], meta["files"]
     params = model.state_dict()  # the parameters and the persistent buffers (the sign table, the FP8 MLP state)
-    state = load_part(folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"])
+    state = read_part(folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"], load=True)
     if not isinstance(state, dict) or set(state) != set(params) or \
             any(state[n].shape != p.shape or state[n].dtype != p.dtype for n, p in params.items()):
         raise UsageError(f"checkpoint file {folder / CKPT_MODEL} does not hold this model's parameters")
@@ -3296,13 +3081,12 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
         for n, p in params.items():
             p.copy_(state[n])
     try:
-        parts = [load_part(folder / rank_file(r), files[rank_file(r)]["sha256"]) for r in range(saved_world)]
+        parts = [read_part(folder / n, files[n]["sha256"], load=True) for n in map(rank_file, range(saved_world))]
         if any(p["step"] != step or p["optimizer"]["step_count"] != step for p in parts):
             raise ValueError
         optimizer.load_state_dict([p["optimizer"] for p in parts])
     except (KeyError, TypeError, ValueError, IndexError):
-        raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} or this model (other step, "
-                         f"parameters or units)") from None
+        raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} or this model") from None
     rng = parts[rt.rank if rt.rank < saved_world else 0]["rng"]  # a new rank takes rank 0's RNG states
     how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
@@ -3317,10 +3101,8 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
     if meta.get("source_sha256") != source_sha256():
         log(f"resume: train_gpt.py differs from the checkpoint's (sha256 {str(meta.get('source_sha256'))[:12]} -> "
             f"{source_sha256()[:12]})")
-    stale = sorted(folder.parent.glob("ckpt_*/*.tmp"))  # half-written by a killed save
-    if stale:  # not removed here: the run that left them may still be running
-
-        mib = sum(p.stat().st_size for p in stale) / 2**20
+    if stale := sorted(folder.parent.glob("ckpt_*/*.tmp")):  # half-written by a killed save; not removed here:
+        mib = sum(p.stat().st_size for p in stale) / 2**20    # the run that left them may still be running
         log(f"resume: {folder.parent} holds {len(stale)} temporary file(s), {mib:.0f} MiB, left by an interrupted "
             f"save (e.g. {stale[0]}); delete them once that run has stopped")
     return ResumePoint(step, float(meta["train_time_ms"]), rng, position)
@@ -3328,11 +3110,10 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
 def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
     """Restore --resume into the model and optimizer (before the warmup snapshot); the returned point carries
     the step, train time and RNG states. Every rank raises the same UsageError if any rank cannot load."""
-    error, point = None, None
     try:
-        point = _load_checkpoint(Path(cfg.resume), cfg, rt, model, optimizer, log)
+        point, error = _load_checkpoint(Path(cfg.resume), cfg, rt, model, optimizer, log), None
     except UsageError as e:
-        error = str(e)
+        point, error = None, str(e)
     if rt.world_size > 1:
         errors: list[object] = [None] * rt.world_size
         dist.all_gather_object(errors, error)
@@ -3350,20 +3131,11 @@ class PendingCheckpoint:
     future: Future
     gpu_stall: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the compute stream's wait for the copies
 
-    def gpu_stall_ms(self) -> float | None:
-        """How long the compute stream waited for the device-to-host copies; None on the CPU."""
-        if self.gpu_stall is None:
-            return None
-        before, after = self.gpu_stall
-        after.synchronize()  # poll() asks only once the writer has seen the copies land: no wait in practice
-        return before.elapsed_time(after)
-
 class Checkpointer:
-    """Asynchronous checkpoints at --save_every, --save_final and a stop signal. save() copies to pinned buffers on
-    a side stream the compute stream then waits for (the GPU stall); a writer thread writes model.pt (rank 0),
-    rank<R>.pt (each rank's optimizer shard, RNG, step, config) and, once every rank's file is there, meta.json
-    (rank 0: each file's size and sha256), which makes it complete. A failed write leaves rank<R>.failed and
-    training goes on. poll() logs the completed ones; close() waits for all."""
+    """Asynchronous checkpoints at --save_every, --save_final and a stop signal: save() copies to pinned buffers on a
+    side stream the compute stream waits for (the GPU stall); a writer thread writes model.pt (rank 0), rank<R>.pt
+    (its optimizer shard, RNG, step, config) and, on rank 0 once every rank's file is there, meta.json (each file's
+    size and sha256), which completes it. A failed write leaves rank<R>.failed and training goes on."""
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
                  start_step: int = 0):
@@ -3375,22 +3147,19 @@ class Checkpointer:
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
         self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
         if self.enabled:  # now, not at the first save: the loop would stall on the allocation
-            self._host_state(self._host_buffer)
-        self.source_sha = source_sha256()
-        self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
+            self._host_state(functools.partial(self._to_host, copy=False))
+        self.source_sha, self.train_files = source_sha256(), train_files_identity(cfg) if rt.rank == 0 else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
                                          initargs=(rt.device,))
         self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
 
-    def _host_buffer(self, t: Tensor) -> Tensor:
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)  # the saved tensors are views that live for the whole run
+    def _to_host(self, t: Tensor, copy: bool = True) -> Tensor:
+        """t's host buffer (kept by the tensor's address: the saved tensors are views that live for the whole run),
+        with copy, t copied into it: non-blocking on the copy stream (CUDA), or a plain copy (CPU)."""
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
         if key not in self.host:
             self.host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.copy_stream is not None)
-        return self.host[key]
-
-    def _to_host(self, t: Tensor) -> Tensor:
-        """t copied into its host buffer: non-blocking on the copy stream (CUDA), or a plain copy (CPU)."""
-        return self._host_buffer(t).copy_(t.detach(), non_blocking=self.copy_stream is not None)
+        return self.host[key].copy_(t.detach(), non_blocking=self.copy_stream is not None) if copy else self.host[key]
 
     def _host_state(self, copy: Callable[[Tensor], Tensor]) -> tuple[dict[str, Tensor] | None, dict]:
         """(rank 0's model state dict, this rank's optimizer state dict), each tensor passed through copy."""
@@ -3398,15 +3167,13 @@ class Checkpointer:
         return model, self.optimizer.state_dict(copy=copy)
 
     def due(self, step: int) -> bool:
-        if not self.enabled or step <= self.start_step:
-            return False
-        return bool(self.cfg.save_every and step % self.cfg.save_every == 0) or \
-            (self.cfg.save_final and step == self.cfg.num_steps)
+        cfg = self.cfg
+        return self.enabled and step > self.start_step and (
+            bool(cfg.save_every and step % cfg.save_every == 0) or (cfg.save_final and step == cfg.num_steps))
 
     @torch.no_grad()
     def save(self, step: int, train_time_ms: float, data_position: tuple[int, int]) -> None:
-        """Checkpoint the state after `step` training steps; train_time_ms is the train time up to now;
-        data_position the token stream's after those steps (TrainTokenStream.position)."""
+        """Checkpoint the state after `step` steps, at train_time_ms, with the token stream at data_position."""
         t0 = time.perf_counter()
         self.poll(block=True)  # the host buffers are reused: the previous write must be done with them
         self.optimizer.wait_for_params()  # the last step's all-gathers have written the parameters
@@ -3424,16 +3191,13 @@ class Checkpointer:
             gpu_stall[0].record(compute)
             compute.wait_event(event)  # the next step writes these tensors only after they are copied
             gpu_stall[1].record(compute)
-        cfg, rank = self.cfg, self.rt.rank
         common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size,
                   "train_time_ms": train_time_ms, "consumed_steps": step, "data_position": list(data_position),
-                  "config": dataclasses.asdict(cfg), "source_sha256": self.source_sha}
-        part = {**common, "rank": rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
-        meta = None
-        if rank == 0:
-            meta = {**common, "run_id": cfg.run_id, "train_files": self.train_files,
-                    "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
-        folder = checkpoint_dir(cfg, step)
+                  "config": dataclasses.asdict(self.cfg), "source_sha256": self.source_sha}
+        part = {**common, "rank": self.rt.rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
+        meta = None if self.rt.rank else {**common, "run_id": self.cfg.run_id, "train_files": self.train_files,
+                                          "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
+        folder = checkpoint_dir(self.cfg, step)
         future = self.writer.submit(self._write, folder, event, part, model, meta)
         stall_ms = 1000 * (time.perf_counter() - t0)
         self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future, gpu_stall))
@@ -3446,16 +3210,13 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
             if event is not None:
                 event.synchronize()
-            sums = {}
-            if model is not None:
-                sums[CKPT_MODEL] = save_atomic(model, folder / CKPT_MODEL)
+            sums = {CKPT_MODEL: save_atomic(model, folder / CKPT_MODEL)} if model is not None else {}
             sums[rank_file(rank)] = save_atomic(part, folder / rank_file(rank))
             if meta is not None:
                 deadline = time.monotonic() + CKPT_WAIT_S
                 for r in range(1, world_size):
                     while not (folder / rank_file(r)).exists():
-                        failed = folder / f"rank{r}.failed"
-                        if failed.exists():
+                        if (failed := folder / f"rank{r}.failed").exists():
                             raise RuntimeError(f"rank {r} failed to write its part: {failed.read_text().strip()}")
                         if time.monotonic() > min(deadline, self.give_up_at):
                             raise RuntimeError(f"rank {r} did not write {rank_file(r)}")
@@ -3471,8 +3232,10 @@ class Checkpointer:
             raise
 
     def poll(self, block: bool = False) -> None:
-        """Log, in order, the checkpoints that are done (rank 0: complete on disk); block waits for all."""
-        while self.pending and (block or (self.pending[0].future.done() and self._copied(self.pending[0]))):
+        """Log, in order, the checkpoints that are done (rank 0: complete on disk) and whose GPU stall can be read
+        (the compute stream has passed its wait for the copies); block waits for all."""
+        while self.pending and (block or (self.pending[0].future.done() and
+                                          (self.pending[0].gpu_stall is None or self.pending[0].gpu_stall[1].query()))):
             p = self.pending.pop(0)
             try:
                 done = p.future.result()
@@ -3484,21 +3247,19 @@ class Checkpointer:
                       file=sys.stderr, flush=True)
                 self.log(f"checkpoint: {p.folder} FAILED ({why})", console=False, flush=True)
                 continue
-            gpu_ms = p.gpu_stall_ms()
+            gpu_ms = None  # how long the compute stream waited for the device-to-host copies; None on the CPU
+            if p.gpu_stall is not None:  # the writer saw the copies land: no wait in practice
+                p.gpu_stall[1].synchronize()
+                gpu_ms = p.gpu_stall[0].elapsed_time(p.gpu_stall[1])
             gpu = "" if gpu_ms is None else f", GPU stall {gpu_ms:.2f} ms"
             self.log.record({"step": p.step, "checkpoint": str(p.folder), "stall_ms": p.stall_ms,
                              "gpu_stall_ms": gpu_ms, "write_s": done - p.issued})
             self.log(f"checkpoint: {p.folder} (step {p.step}: loop stall {p.stall_ms:.2f} ms{gpu}, on disk "
                      f"{done - p.issued:.2f} s later)", flush=True)
 
-    @staticmethod
-    def _copied(p: PendingCheckpoint) -> bool:
-        """Whether the compute stream has passed its wait for the copies (the GPU stall can be read)."""
-        return p.gpu_stall is None or p.gpu_stall[1].query()
-
     def close(self, error: bool = False) -> None:
-        """Wait for every pending write (the process must not exit before); after an error rank 0 waits for
-        the other ranks' files CKPT_ERROR_GRACE_S more at most."""
+        """Wait for every pending write (the process must not exit before); after an error rank 0 waits for the
+        other ranks' files CKPT_ERROR_GRACE_S more at most."""
         if error:
             self.give_up_at = time.monotonic() + CKPT_ERROR_GRACE_S
         self.poll(block=True)
@@ -3540,16 +3301,6 @@ class TrainClock:
     def now(self) -> float:
         return self.ms + 1000 * (time.perf_counter() - self.t0)
 
-def group_summary(names: list[str]) -> str:
-    """Parameter names with the layer index folded: blocks.{0-3,5}.attn.qkvo_w x5, embed.weight."""
-    layers: dict[str, list[str]] = {}
-    for name in names:
-        parts = name.split(".")
-        key = ".".join("{}" if p.isdigit() and i == 1 else p for i, p in enumerate(parts))
-        layers.setdefault(key, []).append(parts[1] if "{}" in key else "")
-    return ", ".join(k.format(f"{{{','.join(v)}}}" if len(v) > 1 else v[0]) + (f" x{len(v)}" if len(v) > 1 else "")
-                     for k, v in layers.items())
-
 def check_model_fits(cfg: Config, device: torch.device) -> None:
     """Refuse a model whose parameters, gradients and tables alone exceed the device's memory (sized on meta)."""
     with torch.device("meta"):
@@ -3575,11 +3326,11 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
     if cfg.fp8_mlp:
         raw.quantize_mlp_(exact_down=True)
-    log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, fp8 mlp {cfg.fp8_mlp}, "
-        f"compile {cfg.compile}, world size {rt.world_size}, "
+    log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, fp8 mlp "
+        f"{cfg.fp8_mlp}, compile {cfg.compile}, world size {rt.world_size}, "
         f"grad accumulation {cfg.global_batch_seqs // rt.world_size * cfg.micro_split}")
     for g in build_param_groups(raw, cfg):
-        log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {group_summary(g.names)}")
+        log(f"params: {g.kind} lr {g.lr:g}: {sum(p.numel() for p in g.params):,} in {', '.join(g.names)}")
     log(f"optimizer state: {optimizer.state_bytes() / 2**20:.1f} MiB per rank ({rt.world_size} ranks, "
         f"{len(optimizer.buckets)} buckets)")
     if rt.gpu:

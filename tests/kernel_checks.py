@@ -51,9 +51,11 @@ def exact_operands(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) ->
 
 
 def tile_maxima(post: torch.Tensor) -> torch.Tensor:
-    """max(post) over each 128 x 256 tile, in the kernel's (row-major) tile order."""
-    rows, cols = -(-post.size(0) // 128), -(-post.size(1) // 256)
-    return torch.stack([post[128 * (t // cols): 128 * (t // cols + 1), 256 * (t % cols): 256 * (t % cols + 1)].max()
+    """max(post) over each tile of the kernel's configuration for post's device (the interpreter's: sm90's 128 x 256),
+    in the kernel's (row-major) tile order."""
+    bm, bn = K.mlp_config(post.device)[:2]
+    rows, cols = -(-post.size(0) // bm), -(-post.size(1) // bn)
+    return torch.stack([post[bm * (t // cols): bm * (t // cols + 1), bn * (t % cols): bn * (t % cols + 1)].max()
                         for t in range(rows * cols)]).float()
 
 

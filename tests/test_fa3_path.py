@@ -172,3 +172,25 @@ def test_fa3_is_refused_where_it_cannot_load_and_auto_falls_back_to_flex():
     assert T.resolve_for_device(auto, cuda=False).startswith("flex (on the CPU") and auto.attention == "flex"
     with pytest.raises(T.UsageError, match="--attention must be auto, fa3, flex, got 'flash'"):
         T.validate_config(T.parse_config(["--attention=flash"]), 1)
+
+
+def test_a_split_runs_plan_holds_every_pieces_documents_and_cuts_documents_at_the_piece(tmp_path):
+    # --micro_split=2 on the tiny preset (blocks of 64: every stage's length halves into whole blocks): each piece
+    # the loader serves is a micro-step of micro_len tokens whose cu_seqlens (a continued document starts at 0) fit
+    # the training plan's slots, and FA3's longest document is at most the piece.
+    cfg = tiny(tmp_path, "--block_size=64", "--micro_split=2")
+    schedules, documents, files = tiny_run_data(cfg)
+    knobs = T.StepKnobs(cfg, schedules, torch.device("cpu"), documents)
+    stream = T.TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
+                                T.step_shape(schedules))
+    batches = T.TrainBatches(stream, 0, 1, cfg.num_steps, split=2)
+    buffer = np.zeros(int(np.prod(batches.shape)), dtype=np.int32)
+    for step in range(cfg.num_steps):
+        rows, cols = batches.fill(buffer)
+        plan, s = knobs.plan(step, True), schedules[step]
+        assert (rows, cols) == (2 * cfg.global_batch_seqs, s.seq_len // 2 + 1) and s.micro_len == s.seq_len // 2
+        assert plan.max_seqlen == min(s.max_doc_len, s.micro_len)
+        for row in torch.from_numpy(buffer[: rows * cols].reshape(rows, cols)).long():
+            cu = T.cu_seqlens(row[:-1], plan.slots)
+            assert cu[-1] == s.micro_len  # padded with the length: the last document closed within the slots
+            assert int(((row[:-1] == T.BOS_ID).sum() + (row[0] != T.BOS_ID))) < plan.slots

@@ -16,13 +16,23 @@ GPUS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 80), (8, 6): ("NVIDIA GeForce RTX 3090
         (8, 9): ("NVIDIA L40S", 48), (9, 0): ("NVIDIA H100 80GB HBM3", 80), (10, 0): ("NVIDIA B200", 180),
         (12, 0): ("NVIDIA GeForce RTX 5090", 32)}
 FLAGS = ("fp8_head", "fp8_mlp", "relu2_kernel", "fused_head", "dc_kernel", "polar_express", "attention")
-# What auto takes on each: (fp8_head, fp8_mlp, relu2_kernel, fused_head, dc_kernel, Polar Express kernels, attention)
+
+
+def relu2_expected(capability: tuple[int, int], fp8_mlp: bool) -> bool:
+    """--relu2_kernel under auto, from gpt_kernels.RUNS_ON (the compile matrix's facts, not restated here): its bf16
+    modes' row, and its FP8 forward's too where the FP8 MLP is on."""
+    return capability in K.RUNS_ON["relu2_kernel"] and (not fp8_mlp or capability in K.RUNS_ON["relu2_kernel+fp8_mlp"])
+
+
+# What auto takes on each: (fp8_head, fp8_mlp, relu2_kernel, fused_head, dc_kernel, Polar Express kernels, attention);
+# relu2_kernel as RUNS_ON says (today: on at sm80's and sm89's 128 x 128 tiles, off on the B200 with the FP8 MLP,
+# whose FP8 forward does not compile there)
 EXPECTED = {
-    (8, 0): (False, False, False, True, True, True, "flex"),  # A100: no FP8; the ReLU^2 GEMM spills
+    (8, 0): (False, False, relu2_expected((8, 0), False), True, True, True, "flex"),  # A100: no FP8
     (8, 6): (False, False, False, False, False, False, "flex"),  # not in the matrix: the torch paths
-    (8, 9): (True, True, False, True, True, True, "flex"),  # L40S / 4090: the ReLU^2 GEMM spills
+    (8, 9): (True, True, relu2_expected((8, 9), True), True, True, True, "flex"),  # L40S / 4090
     (9, 0): (True, True, True, True, True, True, "fa3"),  # H100 / H200: as before
-    (10, 0): (True, True, False, True, True, True, "flex"),  # B200: the GEMM's FP8 forward does not compile
+    (10, 0): (True, True, relu2_expected((10, 0), True), True, True, True, "flex"),  # B200
     (12, 0): (False, False, False, False, False, False, "flex"),
 }
 
@@ -62,7 +72,8 @@ def test_auto_takes_each_path_where_the_gpu_runs_it(monkeypatch, capability):
         assert (f"{flag} {'on' if on else 'off'}" if flag != "attention" else f"attention {on}") in line, line
     if capability == (8, 0):
         assert "fp8_mlp off (sm80 has no FP8 tensor cores" in line, line
-        assert "relu2_kernel off (its Triton kernels (linear_relu_square bf16) do not compile for sm80" in line, line
+    if capability == (10, 0) and not EXPECTED[capability][2]:
+        assert "relu2_kernel off (its Triton kernels (linear_relu_square fp8) do not compile for sm100" in line, line
     if capability == (12, 0):
         assert "sm120 is not in the compile matrix" in line, line
 
@@ -88,9 +99,6 @@ def test_without_fp8_the_b200_takes_the_relu2_kernels_bf16_modes(monkeypatch):
     ((8, 0), ["--fp8_mlp=true"], "--fp8_mlp=true: sm80 has no FP8 tensor cores"),
     ((8, 0), ["--fp8_head=true"], "--fp8_head=true: sm80 has no FP8 tensor cores"),
     ((8, 6), ["--fp8_mlp=true"], "--fp8_mlp=true: sm86 has no FP8 tensor cores"),
-    ((8, 9), ["--relu2_kernel=true"], "--relu2_kernel=true: its Triton kernels (linear_relu_square bf16) do not "
-                                      "compile for sm89 within its shared memory and without spills"),
-    ((8, 0), ["--relu2_kernel=true"], "(linear_relu_square bf16) do not compile for sm80"),
     ((10, 0), ["--relu2_kernel=true"], "(linear_relu_square fp8) do not compile for sm100 within its shared memory "
                                        "and without spills (tools/sm90_kernels.py) (its FP8 mode, with --fp8_mlp); use "
                                        "--relu2_kernel=false (or auto)"),
@@ -100,6 +108,42 @@ def test_an_explicit_flag_the_gpu_cannot_run_is_refused(monkeypatch, capability,
     with pytest.raises(T.UsageError) as refused:
         resolved(*args)
     assert message in str(refused.value) and str(refused.value).startswith(f"{args[0]}: "), refused.value
+
+
+@pytest.mark.parametrize("capability", [c for c in GPUS if c in K.TARGETS.values()],
+                         ids=[f"sm{a}{b}" for a, b in GPUS if (a, b) in K.TARGETS.values()])
+@pytest.mark.parametrize("fp8_mlp", [False, True])
+def test_an_explicit_relu2_kernel_runs_exactly_where_runs_on_has_it(monkeypatch, capability, fp8_mlp):
+    # the A100 and the L40S / 4090 run the ReLU^2 GEMM at their own tiles (gpt_kernels.MLP_CONFIGS); where RUNS_ON
+    # lacks the capability (the B200's FP8 forward) the flag is refused
+    fake_gpu(monkeypatch, capability)
+    fp8 = fp8_mlp and capability >= K.FP8_MIN
+    args = ("--relu2_kernel=true", f"--fp8_mlp={str(fp8).lower()}")
+    if relu2_expected(capability, fp8):
+        assert resolved(*args).relu2_kernel is True
+    else:
+        with pytest.raises(T.UsageError, match="--relu2_kernel=true: its Triton kernels"):
+            resolved(*args)
+
+
+def test_the_relu2_gemms_configuration_is_its_gpus(monkeypatch):
+    # one table by capability (MLP_CONFIGS), one chooser (mlp_config): the launcher, mlp_programs (the FP8 forward's
+    # partial maxima, one per program, and so the fake kernels) and tools/sm90_kernels.py all read it
+    assert K.mlp_config(torch.device("cpu")) == K.MLP_CONFIGS[(9, 0)]  # the interpreter checks the H100's tiles
+    assert K.MLP_CONFIGS[(9, 0)] == (128, 256, 8, {"fp8 forward": (128, 3), "bf16 forward": (64, 4),
+                                                   "backward": (64, 3)})  # #89's: unchanged on sm90
+    assert set(K.MLP_CONFIGS) == set(K.TARGETS.values())
+    # a CUDA device without a visible GPU (the GPU path traced on fake tensors) resolves as the recipe's H100
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert K.mlp_config(torch.device("cuda")) == K.MLP_CONFIGS[(9, 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability in (*K.TARGETS.values(), (8, 6), (12, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        config = K.mlp_config(torch.device("cuda"))
+        assert config == K.MLP_CONFIGS.get(capability, K.MLP_CONFIG_UNKNOWN), capability
+        tiles = -(-49_152 // config.block_m) * -(-3072 // config.block_n)
+        assert K.mlp_programs(49_152, 3072, torch.device("cuda"), width=10**6) == tiles
+        assert K.mlp_programs(49_152, 3072, torch.device("cuda"), width=132) == min(132, tiles)
 
 
 def test_explicit_flags_are_the_users_on_a_gpu_not_measured_and_on_the_cpu(monkeypatch):

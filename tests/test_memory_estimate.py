@@ -1,12 +1,15 @@
 """tools/memory_estimate.py: GPU memory per rank at the real shapes from traces on fake tensors. The recipe fits an
 80 GB H100 on 1 GPU and on 8; the estimate of record #28's snapshot lands near the memory record #28 logged on
 8xH100, and the tool's model of record #89's own storage near the memory #89 logged; the liveness walk counts what
-inductor materializes, not fused intermediates."""
+inductor materializes, not fused intermediates. --micro_split lowers a training micro-step's activations only; the
+per-card table (--cards) resolves each card's kernel paths as the trainer does and names the smallest split that
+fits."""
 
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,18 +91,33 @@ def test_upstreams_static_tensors_are_its_parameter_table_with_89s_storage():
 
 
 @pytest.fixture(scope="module")
-def repo_rows(tmp_path_factory) -> list[dict]:
-    return estimate_rows(tmp_path_factory.mktemp("memory"))
+def repo_output(tmp_path_factory) -> list[dict]:
+    """One run of the tool with its card table (--cards): the presets' rows and the cards'."""
+    return estimate_rows(tmp_path_factory.mktemp("memory"), cards=True)
 
 
-def estimate_rows(tmp_path, trainer: str | None = None) -> list[dict]:
+@pytest.fixture(scope="module")
+def repo_rows(repo_output) -> list[dict]:
+    return [r for r in repo_output if "card" not in r]
+
+
+@pytest.fixture(scope="module")
+def card_table(repo_output) -> list[dict]:
+    return [r for r in repo_output if "card" in r]
+
+
+def estimate_rows(tmp_path, trainer: str | None = None, cards: bool = False) -> list[dict]:
     env = {**os.environ, **({"SPEEDRUN_TRAINER": trainer} if trainer else {})}
     run = subprocess.run([sys.executable, str(REPO / "tools" / "memory_estimate.py"), "--json",
-                          str(tmp_path / "memory.json")], capture_output=True, text=True, timeout=900, env=env)
+                          str(tmp_path / "memory.json"), *(["--cards"] if cards else [])],
+                         capture_output=True, text=True, timeout=900, env=env)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     rows = json.loads((tmp_path / "memory.json").read_text())
+    assert any("card" in r for r in rows) == cards
     for r in rows:
+        if "card" in r:
+            continue
         assert r["total"] <= M.LIMIT_BYTES and r["saved"] > 2**30, r
         assert r["static"] == r["parameters"] + r["gradients"] + r["optimizer"] + r["tables"]
         assert r["total"] == r["static"] + r["peak_snapshot"] + r["peak_activations"]
@@ -160,3 +178,100 @@ def test_the_estimate_of_record28s_snapshot_is_near_the_peak_record28_logged(tmp
     assert {r["preset"] for r in rows} == {"2026-11-25_record28"}
     logged = RECORD28_ALLOCATED_MIB[0] * 2**20
     assert 0.85 * logged <= by[8]["total"] <= 1.1 * logged, by[8]["total"] / logged
+
+
+def small_split_config(micro_split: int):
+    """The tiny preset's model at one training length (512: splits of 2 and 4 cut it into whole blocks), traced as
+    the GPU resolves it, without the fused head: the (T, vocab) logits and their gradient scale with the micro-step."""
+    return M.recipe_config(["--preset=tiny", "--seq_len_stages=512,512,512", "--fused_head=false",
+                            f"--micro_split={micro_split}"])
+
+
+def test_the_micro_split_lowers_a_training_micro_steps_activations_only():
+    traces = {1: M.traced(small_split_config(1)), **{s: M.activation_bytes(small_split_config(s)) for s in (2, 4)}}
+    statics = {(s, w): M.static_bytes(small_split_config(s), w) for s in (1, 2, 4) for w in (1, 8)}
+    assert [traces[s]["micro_len"] for s in (1, 2, 4)] == [512, 256, 128]
+    # Each piece holds half of the one before it: saved activations and the training peak fall by about half.
+    assert traces[4]["saved"] < traces[2]["saved"] < traces[1]["saved"]
+    assert traces[4]["train_peak"] < traces[2]["train_peak"] < traces[1]["train_peak"]
+    assert 2 * traces[2]["saved"] < 1.25 * traces[1]["saved"] and 2 * traces[4]["saved"] < 1.25 * traces[2]["saved"]
+    # Validation (never split), the static tensors and the warmup's snapshot of them: the same at every split.
+    assert len({traces[s]["validation_peak"] for s in traces}) == 1
+    for w in (1, 8):
+        assert statics[1, w] == statics[2, w] == statics[4, w]
+    # The tool's cache traces a split's training alone and takes validation from the unsplit trace (traced above):
+    # the same figures as the split's whole trace.
+    cached = M.traced(small_split_config(2))
+    assert {k: cached[k] for k in traces[2]} == traces[2]
+
+
+def test_the_split_halves_the_recipes_micro_step_at_the_real_shapes(card_table):
+    """The cards that needed a split: their traces at the real shapes, each split's saved activations and training
+    peak below the one before it, static and validation unchanged."""
+    walked = [r["tried"] for r in card_table if len(r["tried"]) > 1]
+    assert walked, "no card needed a split: nothing to compare"
+    for tried in walked:
+        for smaller, larger in zip(tried, tried[1:]):
+            assert larger["micro_split"] == 2 * smaller["micro_split"]
+            assert larger["saved"] < 0.75 * smaller["saved"] and larger["train_peak"] < smaller["train_peak"]
+            assert (larger["static"], larger["validation_peak"]) == (smaller["static"], smaller["validation_peak"])
+
+
+def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
+    """A CUDA device of this capability to train_gpt's resolution (as tests/test_gpu_kinds.py fakes one)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(name="a card", total_memory=80 * 2**30))
+    monkeypatch.setattr(M.T, "load_fa3", lambda: (None, "faked: no FA3"))
+
+
+@pytest.mark.parametrize("card", M.CARDS, ids=[c[0] for c in M.CARDS])
+def test_each_cards_kernel_paths_are_the_trainers_resolution_at_its_capability(monkeypatch, card):
+    name, gb, capability = card
+    real = M.T.gpu_capability
+    got = M.card_config(capability, 1, 8)
+    assert M.T.gpu_capability is real  # the fake capability is the tool's for the call only
+    with monkeypatch.context() as patched:
+        fake_gpu(patched, capability)
+        expected = M.T.parse_config([])
+        M.T.resolve_for_device(expected, cuda=True)
+    assert {f: getattr(got, f) for f in M.PATH_FLAGS} == {f: getattr(expected, f) for f in M.PATH_FLAGS}
+    if capability < M.T.gpt_kernels.FP8_MIN:  # the A100s: no FP8 (the head and the MLP in bf16)
+        assert not (got.fp8_mlp or got.fp8_head) and got.fused_head, name
+    for flag, fp8 in (("relu2_kernel", "fp8_mlp"), ("fused_head", "fp8_head")):  # each kernel where RUNS_ON has it
+        runs_on = M.T.gpt_kernels.RUNS_ON
+        runs = capability in runs_on[flag] and (not getattr(got, fp8) or capability in runs_on[f"{flag}+{fp8}"])
+        assert getattr(got, flag) == runs, (name, flag)
+    if capability == (9, 0):  # the H100 and H200 run the recipe preset's path (the tool's presets trace it)
+        assert all(getattr(got, f) for f in M.PATH_FLAGS)
+        assert all(getattr(got, f) == getattr(M.recipe_config([]), f) for f in M.PATH_FLAGS)
+
+
+def test_the_card_table_names_the_smallest_split_that_fits(card_table, repo_rows):
+    assert [(r["card"], r["gpus"]) for r in card_table] == [(c[0], g) for c in M.CARDS for g in (1, 8)]
+    presets = {(r["preset"], r["gpus"]): r for r in repo_rows}
+    for r in card_table:
+        capability = next(c[2] for c in M.CARDS if c[0] == r["card"])
+        assert r["limit"] == r["gb"] * 10**9 - M.RESERVE_BYTES < r["gb"] * 10**9
+        assert {f: r[f] for f in M.PATH_FLAGS} == {f: getattr(M.card_config(capability, 1, 1), f) for f in M.PATH_FLAGS}
+        tried = r["tried"]
+        assert [t["micro_split"] for t in tried] == list(M.SPLITS[:len(tried)])
+        assert all(t["fits"] == (t["total"] <= r["limit"]) for t in tried)
+        assert r["total_unsplit"] == tried[0]["total"] and r["fits_unsplit"] == tried[0]["fits"]
+        # Every split before the last tried does not fit; the last one is the answer, or the split runs out or
+        # cannot help (a validation peak).
+        assert not any(t["fits"] for t in tried[:-1]), r
+        if r["micro_split"] is not None:
+            assert r["micro_split"] == tried[-1]["micro_split"] and r["total"] == tried[-1]["total"] <= r["limit"]
+        else:
+            assert not tried[-1]["fits"] and (tried[-1]["peak_phase"] == "validation"
+                                              or len(tried) == len(M.SPLITS)), r
+        if capability == (9, 0):  # unsplit, the H100's and H200's path is the recipe preset's: the same total
+            assert r["total_unsplit"] == presets["recipe", r["gpus"]]["total"]
+    # More memory never needs a larger split, on the same path and rank count.
+    for a in card_table:
+        for b in card_table:
+            if a["gpus"] == b["gpus"] and a["path"] == b["path"] and a["gb"] < b["gb"] and a["micro_split"]:
+                assert b["micro_split"] is not None and b["micro_split"] <= a["micro_split"], (a, b)

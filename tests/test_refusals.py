@@ -55,6 +55,10 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
     # A long window of 0 blocks (tiny_args' one stage); a short one of 0 stays allowed (the tiny preset's).
     (["--window_stages=0/0"], "--window_stages=0/0: a long window must be at least 1 block"),
     (["--final_val_windows=0/0"], "--final_val_windows=0/0: a long window must be at least 1 block"),
+    # --micro_split: a piece of every stage's sequence is whole blocks (the masks' tiles)
+    (["--micro_split=0"], "--micro_split must be > 0, got 0"),
+    (["--micro_split=3"], "--micro_split=3: every --seq_len_stages length must cut into 3 pieces of a multiple of "
+                          "--block_size="),
 ])
 def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
     work = tmp_path / "work"  # the run's folder: --log_dir is work/logs; ../escape would land in work/

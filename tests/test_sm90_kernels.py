@@ -76,6 +76,24 @@ def test_the_sm90_check_compiles_the_specialization_triton_launches():
         assert options == {"num_warps": keywords["num_warps"], "num_stages": keywords["num_stages"]}
 
 
+@pytest.mark.parametrize("target, launch", [("sm80", "linear_relu_square bf16 forward M=16384"),
+                                            ("sm89", "linear_relu_square fp8 forward M=16384")])
+def test_the_relu2_gemm_compiles_without_spills_at_its_targets_own_tiles(target, launch):
+    # sm80 and sm89 spill at sm90's 128 x 256 tiles (255 registers); the tool compiles each target's launches at its
+    # gpt_kernels.mlp_config (128 x 128, 8 warps there), as the launcher runs them on that GPU. One compile each.
+    sys.path.insert(0, str(TOOL.parent))
+    import sm90_kernels as S
+    config = S.K.mlp_config(S.K.TARGETS[target])
+    assert (config.block_m, config.block_n, config.num_warps) == (128, 128, 8), config
+    name, kernel, args, keywords = next(c for c in S.cases(T.Config(), target=target) if c[0] == launch)
+    mode = launch.split(" M=")[0].removeprefix("linear_relu_square ")
+    assert (keywords["BLOCK_M"], keywords["BLOCK_N"], keywords["num_warps"]) == (128, 128, 8), keywords
+    assert (keywords["BLOCK_K"], keywords["num_stages"]) == config.modes[mode], keywords
+    row = S.check(name, kernel, args, keywords, target=target)
+    assert row["ok"] and row["spill_bytes"] == row["stack_bytes"] == 0 and row["registers"] <= 255, row
+    assert row["shared_bytes"] <= S.TARGETS[target][1], row
+
+
 @pytest.mark.slow
 def test_the_sm90_check_fails_a_launch_beyond_shared_memory():
     # The FP8 forward with one pipeline stage more than #89's 3: 240 KB, over sm90's 227 KB.
@@ -174,4 +192,11 @@ def test_the_compile_matrix_refuses_a_table_that_claims_a_failing_launch():
     assert table[2:] == ["| linear_relu_square bf16 | spill (1 of 1) | pass (1) |",
                          "| xxt | shared memory (1 of 1) | - |"], table
     assert "gpt_kernels.RUNS_ON['polar_express'] has sm89, where xxt bf16 256x768 (qk) fails" in wrong, wrong
-    assert not any("relu2_kernel'] has" in w for w in wrong), wrong
+    # the ReLU^2 GEMM's bf16 modes are claimed on sm89 (at its own tiles): a failing launch there is an error too
+    assert S.K.TARGETS["sm89"] in S.K.RUNS_ON["relu2_kernel"]
+    assert "gpt_kernels.RUNS_ON['relu2_kernel'] has sm89, where linear_relu_square bf16 forward M=16384 fails" in wrong
+    # a launch failing where the table does not claim its path (the FP8 forward on sm100) is no error
+    rows = [{"kernel": "linear_relu_square fp8 forward M=16384", "target": "sm100", "ok": False,
+             "status": "does not compile"}]
+    assert S.K.TARGETS["sm100"] not in S.K.RUNS_ON["relu2_kernel+fp8_mlp"]
+    assert not any(not w.startswith("note") for w in S.matrix(rows, ["sm100"])[1])

@@ -1,6 +1,6 @@
 """GPU memory per rank at the recipe's real shapes, from traces on the meta device (nothing allocated, no GPU).
 
-    python tools/memory_estimate.py [--json FILE]
+    python tools/memory_estimate.py [--json FILE] [--cards]
     SPEEDRUN_TRAINER=records/snapshots/2026-11-25_record28/train_gpt.py python tools/memory_estimate.py  # a snapshot's
 
 For the recipe (its Triton kernels and FP8 on, as on a GPU; and its torch path: no Triton kernels, FP8 still on, as a
@@ -41,13 +41,24 @@ model; set beside the peak #85 v3 logged (MuddGatedAndDC/this_pr_v3, 10 logs: 31
 nearest logged code (no log runs f411b3d itself). DC's own buffers: the backward's dS and mixture (dc_workspace); its
 forward's log-sum-exp is a graph output. The table after the main one sets #89's and upstream's peaks against the
 recipe's, term by term, on 8 GPUs.
-A total above 80 GB (10^9 bytes) fails (exit 1): an H100 has 79.6 GiB, and the CUDA context and the allocator's
-fragmentation take a few of them.
+A total above an H100's limit fails (exit 1): its 80 GB (10^9 bytes; it has 79.6 GiB) less RESERVE_BYTES (3 GiB) for
+the CUDA context and the allocator's fragmentation; limit_bytes states the rule for every card.
+
+--cards adds the per-card table (behind a flag: it traces each card's kernel path, and the splits it needs, on top
+of the default run's; --json then holds its rows too, each with "card"): for an RTX 4090 (24 GB, sm89), A100 40GB
+(sm80), L40S (48 GB, sm89), A100 80GB (sm80), H100 (80 GB, sm90), H200 (141 GB, sm90) and B200 (192 GB, sm100), on 1
+GPU and on 8, the recipe as the trainer resolves it at the card's compute capability (train_gpt.resolve_for_device,
+gpt_kernels.RUNS_ON; train_gpt.gpu_capability faked), its total per rank, whether it fits limit_bytes(GB), and if
+not the smallest --micro_split of 1, 2, 4, 8, 16 that does (a split cuts each training sequence into micro-steps of
+seq_len / N tokens: it lowers a training micro-step's activations, not static, the warmup snapshot or validation's
+peak), or what does not fit. Each kernel path and split is traced once (a split's training alone: validation is the
+unsplit trace's); a card on the recipe preset's path (the H100's, the H200's) reuses its trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -79,8 +90,28 @@ PRESETS = ({"recipe": [], "recipe torch path": ["--relu2_kernel=false", "--fused
            if TRAINER == REPO / "train_gpt.py" else {TRAINER.parent.name: []})
 RECORD89 = "record #89 itself"  # the preset of #89's own memory (the repository's trainer only)
 RECORD89_MLP_MATRICES = 24  # #89's MLP bank has 12 layers (a zero 12th: whole matrices on each of up to 8 ranks)
-LIMIT_BYTES = 80 * 10**9
 GiB = 2**30
+# What fits: a card's memory as sold, in GB read as 10^9 bytes (below what each card reports: an H100's "80 GB" is
+# 79.6 GiB = 85.5e9 bytes, an RTX 4090's "24 GB" 25.4e9, an L40S's "48 GB" 48.3e9 with ECC on), less RESERVE_BYTES for
+# what this estimate (torch.cuda.max_memory_allocated) does not count: the CUDA context with cuBLAS's and NCCL's
+# workspaces (about 1 GiB) and the caching allocator's fragmentation, what it cannot reuse at the peak (it frees its
+# cache and retries before an out-of-memory error: not the 1.45x record #28's logs show reserved over allocated, but a
+# few GiB of split blocks). One fixed reserve on every card: the context does not grow with the card.
+RESERVE_BYTES = 3 * GiB
+
+
+def limit_bytes(gb: int) -> int:
+    """The most a rank may hold (the estimate's total) on a card of gb GB: gb x 10^9 bytes less RESERVE_BYTES."""
+    return gb * 10**9 - RESERVE_BYTES
+
+
+LIMIT_BYTES = limit_bytes(80)  # the presets' check (exit 1 above it): the H100, the recipe's GPU
+# The per-card table (--cards): name, memory as sold (GB, 10^9 bytes), compute capability (what the trainer resolves
+# its kernel paths from: train_gpt.resolve_for_device, gpt_kernels.RUNS_ON).
+CARDS = (("RTX 4090", 24, (8, 9)), ("A100 40GB", 40, (8, 0)), ("L40S", 48, (8, 9)), ("A100 80GB", 80, (8, 0)),
+         ("H100", 80, (9, 0)), ("H200", 141, (9, 0)), ("B200", 192, (10, 0)))
+SPLITS = (1, 2, 4, 8, 16)  # the --micro_split settings tried, smallest first (the recipe's stages allow up to 128)
+PATH_FLAGS = ("fp8_head", "fp8_mlp", "relu2_kernel", "fused_head", "dc_kernel")  # what a card's resolution changes
 
 
 def recipe_config(args: list[str]) -> T.Config:
@@ -266,12 +297,14 @@ def dc_workspace(node: torch.fx.Node) -> int:
     return T * window * (H * q.element_size() + 4)
 
 
-def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
-    """One training micro-step at the last stage's length through AOTAutograd's partitioner, and one validation
-    forward: saved activations and each graph's liveness peak above the static tensors, the fused head's own
-    buffers counted while it runs (forward_trunk_peak: the forward's without them, for record89_rows)."""
+def activation_bytes(cfg: T.Config, validation: bool = True) -> dict[str, int | str]:
+    """One training micro-step at the last stage's length (its micro_len: seq_len / --micro_split) through
+    AOTAutograd's partitioner, and one validation forward (val_seq_len, never split; validation=False leaves it
+    out): saved activations and each graph's liveness peak above the static tensors, the fused head's own buffers
+    counted while it runs (forward_trunk_peak: the forward's without them, for record89_rows)."""
     model = meta_model(cfg)
     last = T.schedule_table(cfg)[-2]  # the last training step (the table ends with the final validation)
+    micro_len = getattr(last, "micro_len", last.seq_len)  # a snapshot's trainer predates --micro_split
     graphs: dict[str, torch.fx.GraphModule] = {}
 
     def keep(name: str):
@@ -286,16 +319,18 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
                  for name, t in [*model.named_parameters(), *model.named_buffers()]}  # first inputs of each graph
         windows = torch.tensor([last.long_window, last.short_window], dtype=torch.int32)
         mtp = torch.tensor(last.mtp_weights) if cfg.mtp_stages else None
-        tokens = torch.zeros(max(last.seq_len, cfg.val_seq_len) + 1, dtype=torch.int32)
+        tokens = torch.zeros(micro_len + 1, dtype=torch.int32)  # a micro-step's batch: its own buffer
+        val_tokens = torch.zeros(cfg.val_seq_len + 1, dtype=torch.int32)
     call = lambda state, *inputs: torch.func.functional_call(model, state, inputs)  # noqa: E731
     step = aot_function(call, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                         partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
     with fake:
-        step(state, tokens[:last.seq_len], tokens[1:last.seq_len + 1].long(), windows, mtp).backward()
+        step(state, tokens[:micro_len], tokens[1:micro_len + 1].long(), windows, mtp).backward()
         model.eval()
         with torch.no_grad():
             val = make_fx(call, decomposition_table=select_decomp_table())(
-                state, tokens[:cfg.val_seq_len], tokens[1:cfg.val_seq_len + 1].long(), windows)
+                state, val_tokens[:-1], val_tokens[1:].long(), windows
+            ) if validation else None
     static = leading_inputs(graphs["forward"].graph, len(state))  # the backward's are the same fake tensors
     forward_out = next(n for n in graphs["forward"].graph.nodes if n.op == "output").args[0]
     saved = {key(t): nbytes(t) for node in forward_out[1:] if isinstance(node, torch.fx.Node)
@@ -315,7 +350,6 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
     fw_trunk, _ = liveness_peak(graphs["forward"].graph, static)
     (fw_peak, fw_at), (bw_peak, bw_at) = (liveness_peak(graphs[g].graph, static, head(True))
                                           for g in ("forward", "backward"))
-    val_peak, val_at = liveness_peak(val.graph, leading_inputs(val.graph, len(state)), head(False))
     def where(phase: str, node: torch.fx.Node) -> str:  # the op and its (largest) output's shape (the fused head:
         name = getattr(node.target, "_opname", node.name)  # its chunk)
         if name == "softcap_ce":
@@ -323,10 +357,13 @@ def activation_bytes(cfg: T.Config) -> dict[str, int | str]:
         largest = max(tensors(node.meta["val"]), key=lambda t: t.numel())
         return f"{phase}, {name} {'x'.join(map(str, largest.shape))}"
 
-    return {"seq_len": last.seq_len, "saved": sum(saved.values()), "forward_trunk_peak": fw_trunk,
-            "backward_peak": bw_peak, "train_peak": max(fw_peak, bw_peak),
-            "train_peak_at": where("backward", bw_at) if bw_peak >= fw_peak else where("forward", fw_at),
-            "validation_peak": val_peak, "validation_peak_at": where("validation", val_at)}
+    out = {"seq_len": last.seq_len, "micro_len": micro_len, "saved": sum(saved.values()),
+           "forward_trunk_peak": fw_trunk, "backward_peak": bw_peak, "train_peak": max(fw_peak, bw_peak),
+           "train_peak_at": where("backward", bw_at) if bw_peak >= fw_peak else where("forward", fw_at)}
+    if val is not None:
+        val_peak, val_at = liveness_peak(val.graph, leading_inputs(val.graph, len(state)), head(False))
+        out.update(validation_peak=val_peak, validation_peak_at=where("validation", val_at))
+    return out
 
 
 def peak_row(preset: str, world_size: int, micro_steps: int, static: dict[str, int], snapshot: int,
@@ -343,16 +380,114 @@ def peak_row(preset: str, world_size: int, micro_steps: int, static: dict[str, i
             "total": total, "ok": total <= LIMIT_BYTES}
 
 
-def estimate(name: str, args: list[str]) -> list[dict]:
-    cfg = recipe_config(args)
-    dynamic = activation_bytes(cfg)
+_TRACES: dict[tuple, dict[str, int | str]] = {}
+
+
+def traced(cfg: T.Config) -> dict[str, int | str]:
+    """activation_bytes(cfg), once per config (a card on the recipe preset's path resolves to the same config and
+    reuses its trace); with --micro_split its training traced alone and its validation the unsplit config's
+    (validation is never split)."""
+    key = tuple(sorted(dataclasses.asdict(cfg).items()))
+    if key not in _TRACES:
+        if getattr(cfg, "micro_split", 1) == 1:
+            _TRACES[key] = activation_bytes(cfg)
+        else:
+            unsplit = traced(dataclasses.replace(cfg, micro_split=1))
+            _TRACES[key] = {**activation_bytes(cfg, validation=False),
+                            **{k: v for k, v in unsplit.items() if k.startswith("validation")}}
+    return _TRACES[key]
+
+
+def config_rows(name: str, cfg: T.Config, world_sizes: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """The table's rows of one config: its static tensors on each world size with its traced activations."""
+    dynamic = traced(cfg)
     rows = []
-    for world_size in (1, 8):
+    for world_size in world_sizes:
         static, persistent = static_bytes(cfg, world_size)
         # What train_gpt.warmup clones: every bucket (the parameters), the optimizer state and the persistent buffers.
         snapshot = static["parameters"] + static["optimizer"] + persistent if cfg.warmup_steps else 0
-        rows.append(peak_row(name, world_size, cfg.global_batch_seqs // world_size, static, snapshot, dynamic, False))
+        micro_steps = cfg.global_batch_seqs // world_size * getattr(cfg, "micro_split", 1)
+        rows.append(peak_row(name, world_size, micro_steps, static, snapshot, dynamic, False))
     return rows
+
+
+def estimate(name: str, args: list[str]) -> list[dict]:
+    return config_rows(name, recipe_config(args))
+
+
+def card_config(capability: tuple[int, int], micro_split: int, world_size: int) -> T.Config:
+    """The recipe as the trainer resolves it on a GPU of this compute capability (train_gpt.resolve_for_device with
+    train_gpt.gpu_capability faked, as tests/test_gpu_kinds.py fakes the device: gpt_kernels.RUNS_ON decides), at
+    --micro_split, checked by validate_config. --attention=flex: FA3 (sm90's auto) saves the same tensors (FlexStandIn)
+    and resolving it would load it from the hub."""
+    cfg = T.parse_config([f"--micro_split={micro_split}", "--attention=flex"])
+    real = T.gpu_capability
+    T.gpu_capability = lambda cuda: capability if cuda else None
+    try:
+        T.resolve_for_device(cfg, cuda=True)
+    finally:
+        T.gpu_capability = real
+    T.validate_config(cfg, world_size)
+    return cfg
+
+
+def path_words(cfg: T.Config) -> str:
+    """The kernel paths a config takes, in short: what is off."""
+    off = [name for name in PATH_FLAGS if not getattr(cfg, name)]
+    return "all kernels, FP8" if not off else "no " + ", ".join(off)
+
+
+def card_rows() -> list[dict]:
+    """Per card and world size (1, 8): the recipe's total per rank unsplit and, where it does not fit (above
+    limit_bytes), the smallest --micro_split of SPLITS that fits. The split lowers only a training micro-step's
+    activations: where the peak is validation's (or the split runs out), nothing in SPLITS fits."""
+    rows = []
+    for name, gb, capability in CARDS:
+        limit = limit_bytes(gb)
+        for world_size in (1, 8):
+            tried = []
+            for split in SPLITS:
+                cfg = card_config(capability, split, world_size)
+                row = config_rows(name, cfg, (world_size,))[0]
+                tried.append({"micro_split": split, "total": row["total"], "peak_phase": row["peak_phase"],
+                              "train_peak": row["train_peak"], "saved": row["saved"], "static": row["static"],
+                              "validation_peak": row["validation_peak"], "fits": row["total"] <= limit})
+                if tried[-1]["fits"] or row["peak_phase"] == "validation":  # the split cannot lower validation's
+                    break
+            fit = next((t for t in tried if t["fits"]), None)
+            last = tried[-1]
+            rows.append({"card": name, "gb": gb, "capability": f"sm{capability[0]}{capability[1]}",
+                         "path": path_words(cfg), **{f: getattr(cfg, f) for f in PATH_FLAGS}, "gpus": world_size,
+                         "limit": limit, "total_unsplit": tried[0]["total"], "phase_unsplit": tried[0]["peak_phase"],
+                         "fits_unsplit": tried[0]["fits"], "micro_split": fit and fit["micro_split"],
+                         "total": fit and fit["total"], "dominant": None if fit else last["peak_phase"],
+                         "tried": tried})
+    return rows
+
+
+def card_markdown(rows: list[dict]) -> str:
+    g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
+    lines = ["| card | GB | capability | kernel paths (auto) | GPUs | limit | total per rank, unsplit | fits | "
+             "--micro_split that fits (total) |", "|---|---:|---|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        if r["fits_unsplit"]:
+            verdict = "-"
+        elif r["micro_split"]:
+            verdict = f"{r['micro_split']} ({g(r['total'])}, {r['tried'][-1]['peak_phase']})"
+        else:
+            last = r["tried"][-1]
+            verdict = (f"does not fit: {last['peak_phase']} peaks at {g(last['total'])} with --micro_split="
+                       f"{last['micro_split']}" + (" (the split cannot lower it)"
+                                                   if last["peak_phase"] == "validation" else ""))
+        lines.append(f"| {r['card']} | {r['gb']} | {r['capability']} | {r['path']} | {r['gpus']} | {g(r['limit'])} | "
+                     f"{g(r['total_unsplit'])} ({r['phase_unsplit']}) | {'yes' if r['fits_unsplit'] else 'no'} | "
+                     f"{verdict} |")
+    return "\n".join(lines) + (
+        f"\n\nGiB per rank. limit: the card's GB as 10^9 bytes less {RESERVE_BYTES / GiB:.0f} GiB (RESERVE_BYTES: the "
+        f"CUDA context and the allocator's fragmentation). Kernel paths: train_gpt.resolve_for_device at the card's "
+        f"capability (gpt_kernels.RUNS_ON). --micro_split=N cuts each training sequence into N micro-steps of "
+        f"seq_len / N tokens: it lowers a training micro-step's activations only (static, the warmup snapshot and "
+        f"validation's {T.Config.val_seq_len:,}-token forward stay); tried: {', '.join(map(str, SPLITS))}.")
 
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -530,8 +665,12 @@ def comparison(columns: list[tuple[str, dict]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--json", type=Path, help="also write the rows here (with --cards, the card table's too)")
+    parser.add_argument("--cards", action="store_true", help="also the per-card table: each card's total per rank "
+                        "and the smallest --micro_split that fits it (the repository's trainer only)")
     args = parser.parse_args()
+    if args.cards and not hasattr(T.Config, "micro_split"):
+        parser.error(f"--cards: {TRAINER} has no --micro_split")
     rows = [row for name, preset in PRESETS.items() for row in estimate(name, preset)]
     if "recipe torch path" in PRESETS:  # the repository's trainer: #89 ran this recipe
         one = {r["preset"]: r for r in rows if r["gpus"] == 1}
@@ -541,10 +680,14 @@ def main() -> int:
     print(markdown(rows))
     for r in rows:
         if not r["ok"]:
-            print(f"FAIL {r['preset']} on {r['gpus']} GPU(s): {r['total'] / 1e9:.1f} GB > {LIMIT_BYTES / 1e9:.0f} GB")
+            print(f"FAIL {r['preset']} on {r['gpus']} GPU(s): {r['total'] / 1e9:.1f} GB > {LIMIT_BYTES / 1e9:.1f} GB "
+                  f"(80 GB less the reserve)")
+    cards = card_rows() if args.cards else []
+    if cards:
+        print("\n" + card_markdown(cards))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(rows + cards, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1
 
 

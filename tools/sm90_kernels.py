@@ -4,7 +4,9 @@ matrix of what runs where.
     python tools/sm90_kernels.py [--targets sm80,sm89,sm90,sm100 | --targets all] [--json FILE]
 
 Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
-the MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel) in its three modes at model_dim 768
+the MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel; on each target at the tiles its launcher
+takes there, gpt_kernels.mlp_config: 128 x 256 on sm90 and sm100, 128 x 128 on sm80 and sm89; the persistent width
+is an H100's 132 SMs everywhere) in its three modes at model_dim 768
 and hidden 3072 over each stage's rows per micro-step (16,384, 32,768, 49,152): the FP8 forward and the backward
 in training, the bf16 forward in validation (262,144 rows) and in training without FP8; the FP8 MLP's down-weight
 quantizer over the 12 x 3072 x 768 bank and its scale reduction; the softcapped multi-token cross-entropy
@@ -67,35 +69,37 @@ def descriptor(dtype: torch.dtype, rows: int, cols: int, block: list[int]) -> Te
     return TensorDescriptor(torch.empty(8, dtype=dtype), [rows, cols], [cols, 1], block)
 
 
-def mlp_gemm_cases(dim: int, hidden: int, val_rows: int) -> list[tuple[str, object, tuple, dict]]:
-    """linear_relu_square's launches: a (rows, K) @ b (N, K)^T into (rows, N) halves of 128 x 128."""
-    kernel, cases = K.linear_relu_square_launcher().kernel, []
+def mlp_gemm_cases(dim: int, hidden: int, val_rows: int, target: str = "sm90") -> list[tuple[str, object, tuple, dict]]:
+    """linear_relu_square's launches on target, in its configuration (gpt_kernels.mlp_config: sm90's tiles of 128 x
+    256, their halves 128 x 128): a (rows, K) @ b (N, K)^T into (rows, N) halves of a tile."""
+    kernel, cases, config = K.linear_relu_square_launcher().kernel, [], K.mlp_config(K.TARGETS[target])
     bf16, e4m3, f32 = torch.bfloat16, torch.float8_e4m3fn, torch.empty(8)
     runs = [("fp8 forward", rows) for rows in STAGE_ROWS] + [("backward", rows) for rows in STAGE_ROWS] + [
         ("bf16 forward", rows) for rows in (*STAGE_ROWS, val_rows)]
     for mode, rows in runs:
-        block_k, stages = K.MLP_GEMM_MODES[mode]
+        block_k, stages = config.modes[mode]
         fp8 = mode == "fp8 forward"
         a_dtype = e4m3 if fp8 else bf16  # x8 and W8_fc; x and W_fc; g and W_proj
-        half = [K.MLP_BLOCK_M, K.MLP_BLOCK_N // 2]
-        args = (descriptor(a_dtype, rows, dim, [K.MLP_BLOCK_M, block_k]),
-                descriptor(a_dtype, hidden, dim, [K.MLP_BLOCK_N, block_k]), descriptor(bf16, rows, hidden, half),
+        half = [config.block_m, config.block_n // 2]
+        args = (descriptor(a_dtype, rows, dim, [config.block_m, block_k]),
+                descriptor(a_dtype, hidden, dim, [config.block_n, block_k]), descriptor(bf16, rows, hidden, half),
                 None if mode != "backward" else descriptor(bf16, rows, hidden, half),  # aux: post, backward only
                 descriptor(e4m3, rows, hidden, half) if fp8 else None,
                 *((f32, f32, f32) if fp8 else (None, None, None)), rows, hidden, dim)
         cases.append((f"linear_relu_square {mode} M={rows}", kernel, args,
-                      {"BLOCK_M": K.MLP_BLOCK_M, "BLOCK_N": K.MLP_BLOCK_N, "BLOCK_K": block_k, "NUM_SMS": H100_SMS,
-                       "FORWARD": mode != "backward", "FP8": fp8, "num_warps": 8, "num_stages": stages}))
+                      {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "NUM_SMS": H100_SMS,
+                       "FORWARD": mode != "backward", "FP8": fp8, "num_warps": config.num_warps,
+                       "num_stages": stages}))
     return cases
 
 
-def cases(cfg: T.Config, rows: int = 49_152) -> list[tuple[str, object, tuple, dict]]:
-    """(name, kernel, arguments, keywords) of every launch a run of the recipe makes, arguments as the launchers
-    pass them at one micro-step's rows: small host tensors of the launch's dtypes stand in for the device buffers
-    (only their dtype and 16-byte alignment reach the compiler), integers are the real sizes and strides."""
+def cases(cfg: T.Config, rows: int = 49_152, target: str = "sm90") -> list[tuple[str, object, tuple, dict]]:
+    """(name, kernel, arguments, keywords) of every launch a run of the recipe makes on target, arguments as the
+    launchers pass them at one micro-step's rows: small host tensors of the launch's dtypes stand in for the device
+    buffers (only their dtype and 16-byte alignment reach the compiler), integers are the real sizes and strides."""
     bf16 = torch.empty(8, dtype=torch.bfloat16)
     dim, hidden, vocab = cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.vocab_size
-    out = mlp_gemm_cases(dim, hidden, cfg.val_seq_len)
+    out = mlp_gemm_cases(dim, hidden, cfg.val_seq_len, target)
     # the down-weight quantizer over the whole bank (its layers one W_proj apart in the (L, 2, hidden, d) bank), then
     # the reduction of its 48 x 12 tile maxima per layer to the next scales
     layers, tiles = cfg.num_layers + 1, -(-hidden // K.QUANT_BLOCK) * -(-dim // K.QUANT_BLOCK)
@@ -249,7 +253,7 @@ def main() -> int:
                      f"{', '.join(TARGETS)}")
     rows = []
     for target in targets:
-        for case in cases(T.Config()):
+        for case in cases(T.Config(), target=target):
             r = check(*case, target=target)
             rows.append(r)
             figures = (f"shared {r['shared_bytes'] / 1024:6.1f} KB  registers {r['registers']:3d}  "
