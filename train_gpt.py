@@ -42,6 +42,9 @@ if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) ar
 class UsageError(Exception):
     """A problem the user can fix (config, launch, data); printed as one line, no traceback."""
 
+class OutOfMemory(UsageError):
+    """A GPU ran out of memory: one line on the rank it happened on, saying which setting fits (exit code 2)."""
+
 class RankLost(Exception):
     """Another rank's process is gone (killed, crashed): this rank's collective lost its connection. One line on
     every rank that is left (rank 0 may be the one gone), exit code 1."""
@@ -3797,6 +3800,15 @@ def lost_rank(e: BaseException, rt: Runtime | None) -> RankLost | None:
     return RankLost(f"rank {rt.rank} lost the connection to another rank ({detail}): a rank stopped or died; its "
                     f"own output says why")
 
+def out_of_memory(e: BaseException, rt: Runtime | None) -> OutOfMemory | None:
+    """torch's out-of-memory error (a page of allocator figures) as one line saying what fits; None for others."""
+    if not isinstance(e, torch.OutOfMemoryError):
+        return None
+    return OutOfMemory(f"rank {rt.rank if rt else 0} ran out of GPU memory: `python tools/memory_estimate.py --cards` "
+                       f"gives the peak per rank on each card at 1 and 8 GPUs and the --micro_split=N that fits (each "
+                       f"sequence cut into N micro-steps: less memory, an update measured close to the record's), "
+                       f"or use more GPUs")
+
 def run(argv: list[str]) -> TrainResult:
     """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
     is checked before anything is written; a run that stops after its log was opened says why in the log, and
@@ -3839,7 +3851,7 @@ def run(argv: list[str]) -> TrainResult:
         return result
     except BaseException as e:
         STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the cleanup short
-        error = lost_rank(e, rt) or e
+        error = lost_rank(e, rt) or out_of_memory(e, rt) or e
         stop = f"error: {error}" if isinstance(error, (UsageError, RankLost)) else STOPS.get(
             type(error), f"failed: {type(error).__name__}: {error}")
         if error is not e:
@@ -3866,7 +3878,8 @@ def main() -> None:
         with STOP.installed():
             run(argv)
     except UsageError as e:
-        print0("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)
+        say = print if isinstance(e, OutOfMemory) else print0  # every rank its own; else rank 0 for all
+        say("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
         if _rank_and_world()[0] != 0:  # rank 0 says why and exits first: the launcher then stops this one
             time.sleep(5)
         sys.exit(2)

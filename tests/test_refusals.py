@@ -203,3 +203,20 @@ def test_an_older_python_is_refused_in_one_line():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stdout == ""
     assert run.stderr.strip() == "error: train_gpt.py needs Python 3.11 or newer (this is 3.10.14)"
+
+
+def test_a_gpu_out_of_memory_is_one_line_naming_the_split_that_fits(tmp_path, monkeypatch, capsys):
+    # torch's OutOfMemoryError (a page of allocator figures) becomes one line on the rank it happened on, exit 2,
+    # pointing at the card table and --micro_split; the run's log is kept aside as for any failed run.
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.38 GiB. GPU 0 has a total capacity of "
+                                     "23.55 GiB of which 1.02 GiB is free.")
+
+    monkeypatch.setattr(T, "train", out_of_memory)
+    code, out, err = main_in_process(tiny_args(tmp_path, run_id="oom"), monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[0].startswith("error: rank 0 ran out of GPU memory: "), err
+    assert "python tools/memory_estimate.py --cards" in lines[0] and "--micro_split=N" in lines[0]
+    assert lines[1:] == [f"(its log is kept as {tmp_path / 'logs' / 'oom.failed.txt'}; the run id is free for a "
+                         f"rerun)"], err
+    assert "Tried to allocate" not in err
