@@ -200,7 +200,7 @@ class MLPConfig(NamedTuple):
 # blocks of 64: at 128 it spills 104 B). A tile's shape decides only which program computes an output element, and
 # the K loop chains the same k-steps of the tensor core instruction into the accumulator in the same order at K
 # blocks of 64 or 128, so neither changes an element's arithmetic on a given GPU (by construction; not run on an
-# sm80 or sm89 here; another GPU's instructions may round differently). sm100's FP8 forward does not compile at any
+# sm80 or sm89 GPU yet; another GPU's instructions may round differently). sm100's FP8 forward does not compile at any
 # tile tried (128 x 256 at 2 stages or 4 warps, 128 x 128, 64 x 128: Triton 3.6.0's TMEM layout pass fails).
 MLP_CONFIGS: dict[tuple[int, int], MLPConfig] = {
     SM80: MLPConfig(128, 128, 8, MLP_GEMM_MODES),  # its FP8 mode never runs (no e4m3 before sm89)
@@ -230,10 +230,11 @@ def _persistent_width(device: torch.device) -> int:
         MLP_PROGRAMS_OFF_GPU
 
 
-def mlp_programs(rows: int, hidden: int, device: torch.device, width: int | None = None) -> int:
+def mlp_programs(rows: int, hidden: int, device: torch.device, width: int | None = None,
+                 config: MLPConfig | None = None) -> int:
     """Programs the ReLU^2 GEMM launches for (rows, hidden) outputs: one per SM (width), or one per tile where
     fewer. The FP8 forward's partial maxima are one per program: the fake kernels size them by this too."""
-    config = mlp_config(device)
+    config = config or mlp_config(device)  # the launcher passes the one it launches with
     return torch.sym_min(width or _persistent_width(device),
                          -(-rows // config.block_m) * -(-hidden // config.block_n))
 
@@ -313,7 +314,7 @@ def linear_relu_square_launcher() -> Callable:
         config = mlp_config(a.device)  # the tiles of this GPU generation (MLP_CONFIGS)
         bk, stages = config.modes["fp8 forward" if fp8 else "bf16 forward" if forward else "backward"]
         width = num_sms or _persistent_width(a.device)  # the loop's stride: a constant per GPU, one compile
-        programs = mlp_programs(M, N, a.device, width)
+        programs = mlp_programs(M, N, a.device, width, config)
         out_dtype = torch.bfloat16 if fp8 else a.dtype
         c = a.new_empty(M, N, dtype=out_dtype)
         aux = None if forward else aux.contiguous()  # the forward reads none: a None descriptor, a constant

@@ -1326,7 +1326,8 @@ class Bucket:
         if self.kind == "muon":
             self.state = muon_state(self.shard)
             group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier (padding: 1)
-            muls = [m for n in names for m in group_mul[n]] + [1.0] * (self.shard_units * world_size)
+            muls = [m for n in names for m in group_mul[n]]
+            muls += [1.0] * (self.shard_units * world_size - len(muls))
             self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units], dtype=torch.float64,
                                        device=self.data.device).view(-1, 1, 1)
         else:
@@ -1352,6 +1353,15 @@ class Bucket:
         if self.reduce_work is not None:
             self.reduce_work.wait()
             self.reduce_work = None
+
+    def gather_params(self) -> None:
+        if self.world_size > 1:
+            self.gather_work = all_gather_into(self.data, self.shard.view(-1), async_op=True)
+
+    def wait_params(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
 
     def zero_grad(self) -> None:
         self.grad.zero_()
@@ -1471,7 +1481,9 @@ class ShardedMuonAdam:
         for b in self.buckets:  # every rank launches its collectives in the same order
             if self._updates(b):
                 b.reduce_grads()
-        self.step_count, self.adam_steps, c = self.step_count + 1, self.adam_steps + self.adam_step, self.cfg
+        self.step_count += 1
+        self.adam_steps += self.adam_step
+        c = self.cfg
         for b in self.work_order:
             if not self._updates(b):
                 continue
@@ -1483,15 +1495,12 @@ class ShardedMuonAdam:
             else:
                 adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
                              c.adam_eps, b.wd, self.steps)
-            if self.world_size > 1:
-                b.gather_work = all_gather_into(b.data, b.shard.view(-1), async_op=True)
+            b.gather_params()
 
     def wait_for_params(self) -> None:
         """Block until the last step's all-gathers have written every parameter."""
         for b in self.buckets:
-            if b.gather_work is not None:
-                b.gather_work.wait()
-                b.gather_work = None
+            b.wait_params()
 
     @torch.no_grad()
     def zero_grad(self, everything: bool = False) -> None:
@@ -1758,10 +1767,10 @@ class TrainBatches:
         step = self.stream.next_step()[self.rank::self.world_size]
         piece = (sum(end - start for start, end in step[0]) - 1) // self.split  # seq_len / split of this step's
         out = buffer[: len(step) * self.split * (piece + 1)].reshape(len(step) * self.split, piece + 1)
-        for m, pieces in enumerate(step):
+        for m, pieces in enumerate(step):  # piece j: tokens j piece .. (j + 1) piece, the last one shared with j + 1
             sequence = np.concatenate([self.stream.tokens[start:end] for start, end in pieces])
-            for j in range(self.split):
-                out[m * self.split + j] = sequence[j * piece: (j + 1) * piece + 1]
+            out[m * self.split: (m + 1) * self.split] = np.lib.stride_tricks.sliding_window_view(
+                sequence, piece + 1)[::piece]
         return out.shape
 
     def close(self) -> None:
@@ -2350,17 +2359,18 @@ def gpu_report(cfg: Config) -> str:
     return (f"gpu: {name} (sm{capability[0]}{capability[1]}{memory}): {'; '.join(items)}; attention {cfg.attention} "
             f"(FA3 on sm90 only)")
 
-def resolve_for_device(cfg: Config, cuda: bool) -> str:
+def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | None = None) -> str:
     """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
     apply DISABLE_FP8, so that from here on the config (and its log copy) says what the run does; then refuse what the
     device cannot run (FP8 sizes on the CPU too: a CPU rehearsal of the GPU path refuses what the GPU would; without
-    gpt_kernels.py, auto is the torch path and true is refused). Returns the attention path in words."""
+    gpt_kernels.py, auto is the torch path and true is refused). capability: the GPU to resolve for when it is not
+    this one's (tools/memory_estimate.py's cards). Returns the attention path in words."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
                          "drop it (or use --device=cpu)")
     cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
-    kernels, capability = gpt_kernels is not None, gpu_capability(cuda)
+    kernels, capability = gpt_kernels is not None, capability or gpu_capability(cuda)
     triton = importlib.util.find_spec("triton") is not None
     for name, fp8 in (("fp8_head", None), ("fp8_mlp", None), *KERNEL_FLAGS):  # the FP8 paths first: kernels read them
         runs, why = gpu_runs(name, capability, cfg, fp8)

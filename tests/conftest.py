@@ -5,6 +5,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -120,3 +121,25 @@ def main_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+# Compute capability -> (device name, GiB): the GPUs the resolution tests fake (fake_gpu).
+GPUS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 80), (8, 6): ("NVIDIA GeForce RTX 3090", 24),
+        (8, 9): ("NVIDIA L40S", 48), (9, 0): ("NVIDIA H100 80GB HBM3", 80), (10, 0): ("NVIDIA B200", 180),
+        (12, 0): ("NVIDIA GeForce RTX 5090", 32)}
+
+
+def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
+    """A CUDA GPU of this compute capability (a GPUS entry) to train_gpt's resolution, its FA3 loading faked."""
+    import train_gpt as T
+
+    name, gib = GPUS[capability]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(name=name, total_memory=gib * 2**30))
+    fa3 = (lambda *args, **kwargs: None, "") if capability == (9, 0) else (None, "FA3 runs on Hopper GPUs (sm90) only")
+    monkeypatch.setattr(T, "load_fa3", lambda: fa3)  # the hub kernel itself is not here: its loading, faked
+    monkeypatch.delenv("DISABLE_FP8", raising=False)

@@ -3,18 +3,14 @@ resolution reads gpt_kernels.RUNS_ON (the compile matrix's facts, tools/sm90_ker
 Triton kernel where it compiles cleanly, FA3 on sm90 only; an explicit flag the GPU cannot run is one `error:` line
 before any work; the CPU's resolution is untouched."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import gpt_kernels as K
 import train_gpt as T
-from conftest import main_in_process, tiny_args
+from conftest import GPUS, fake_gpu, main_in_process, tiny_args
 
-GPUS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 80), (8, 6): ("NVIDIA GeForce RTX 3090", 24),
-        (8, 9): ("NVIDIA L40S", 48), (9, 0): ("NVIDIA H100 80GB HBM3", 80), (10, 0): ("NVIDIA B200", 180),
-        (12, 0): ("NVIDIA GeForce RTX 5090", 32)}
 FLAGS = ("fp8_head", "fp8_mlp", "relu2_kernel", "fused_head", "dc_kernel", "polar_express", "attention")
 
 
@@ -35,19 +31,6 @@ EXPECTED = {
     (10, 0): (True, True, relu2_expected((10, 0), True), True, True, True, "flex"),  # B200
     (12, 0): (False, False, False, False, False, False, "flex"),
 }
-
-
-def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
-    name, gib = GPUS[capability]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(name=name, total_memory=gib * 2**30))
-    fa3 = (lambda *args, **kwargs: None, "") if capability == (9, 0) else (None, "FA3 runs on Hopper GPUs (sm90) only")
-    monkeypatch.setattr(T, "load_fa3", lambda: fa3)  # the hub kernel itself is not here: its loading, faked
-    monkeypatch.delenv("DISABLE_FP8", raising=False)
 
 
 def resolved(*args: str) -> T.Config:

@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from conftest import REPO
+from conftest import REPO, fake_gpu
 
 sys.path.insert(0, str(REPO / "tools"))
 import memory_estimate as M  # noqa: E402
@@ -215,16 +214,6 @@ def test_the_split_halves_the_recipes_micro_step_at_the_real_shapes(card_table):
             assert larger["micro_split"] == 2 * smaller["micro_split"]
             assert larger["saved"] < 0.75 * smaller["saved"] and larger["train_peak"] < smaller["train_peak"]
             assert (larger["static"], larger["validation_peak"]) == (smaller["static"], smaller["validation_peak"])
-
-
-def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
-    """A CUDA device of this capability to train_gpt's resolution (as tests/test_gpu_kinds.py fakes one)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(name="a card", total_memory=80 * 2**30))
-    monkeypatch.setattr(M.T, "load_fa3", lambda: (None, "faked: no FA3"))
 
 
 @pytest.mark.parametrize("card", M.CARDS, ids=[c[0] for c in M.CARDS])

@@ -416,17 +416,12 @@ def estimate(name: str, args: list[str]) -> list[dict]:
 
 
 def card_config(capability: tuple[int, int], micro_split: int, world_size: int) -> T.Config:
-    """The recipe as the trainer resolves it on a GPU of this compute capability (train_gpt.resolve_for_device with
-    train_gpt.gpu_capability faked, as tests/test_gpu_kinds.py fakes the device: gpt_kernels.RUNS_ON decides), at
+    """The recipe as the trainer resolves it on a GPU of this compute capability (train_gpt.resolve_for_device told
+    the capability: gpt_kernels.RUNS_ON decides), at
     --micro_split, checked by validate_config. --attention=flex: FA3 (sm90's auto) saves the same tensors (FlexStandIn)
     and resolving it would load it from the hub."""
     cfg = T.parse_config([f"--micro_split={micro_split}", "--attention=flex"])
-    real = T.gpu_capability
-    T.gpu_capability = lambda cuda: capability if cuda else None
-    try:
-        T.resolve_for_device(cfg, cuda=True)
-    finally:
-        T.gpu_capability = real
+    T.resolve_for_device(cfg, cuda=True, capability=capability)
     T.validate_config(cfg, world_size)
     return cfg
 
