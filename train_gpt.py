@@ -1,10 +1,8 @@
 """Speedrun GPT trainer: the NanoGPT speedrun's current recipe (upstream's f411b3d: record #89 with #85-#88) in one
-file, the recipe first, then the plumbing.
-
-The FP8 head's ops and the Triton kernels live beside it in gpt_kernels.py (without it: the torch path).
-Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or
-`python train_gpt.py --preset=tiny` on a CPU. Importing it has no side effects; earlier recipes live in records/.
-"""
+file, the recipe first, then the plumbing; the FP8 head's ops and the Triton kernels live beside it in gpt_kernels.py
+(without it: the torch path). Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
+(N in 1, 2, 4, 8) or `python train_gpt.py --preset=tiny` on a CPU. Importing it has no side effects; earlier recipes
+live in records/."""
 
 from __future__ import annotations
 
@@ -46,15 +44,13 @@ class OutOfMemory(UsageError):
     """A GPU ran out of memory: one line on the rank it happened on, saying which setting fits (exit code 2)."""
 
 class RankLost(Exception):
-    """Another rank's process is gone (killed, crashed): this rank's collective lost its connection. One line on
-    every rank that is left (rank 0 may be the one gone), exit code 1."""
+    """Another rank's process is gone: one line on every rank left (rank 0 may be the one gone), exit code 1."""
 
 # -----------------------------------------------------------------------------
 # Hyperparameters
-# Upstream's current code (modded-nanogpt f411b3d, 2026-08-01: record #89 with #85 v3's MUDD gates and DC attention,
-# #86's XSA, #87's ReLU^2 backward, #88's prefix-token loss) on 8xH100. One dataclass holds every number a user tunes
-# and every systems switch, each overridable as --field=value; a recipe change is an edit here and in the model.
-# Earlier recipes run from their snapshots in records/snapshots/ (#28, #70, #89: *_record28/, _record70/, _record89/).
+# Upstream modded-nanogpt f411b3d (2026-08-01, 8xH100): record #89 with #85 v3's MUDD gates and DC attention, #86's
+# XSA, #87's ReLU^2 backward, #88's prefix-token loss. Every number a user tunes and every systems switch, each a
+# --field=value; earlier recipes run from records/snapshots/ (#28, #70, #89: *_record28/, _record70/, _record89/).
 
 @dataclass
 class Config:
@@ -159,8 +155,7 @@ class Config:
     preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
     seed: int = -1  # -1 draws a random seed (printed first, with the run id)
     run_id: str = ""  # a plain name (no '/', '\', whitespace or control characters, not '..'); default: a fresh one
-    overwrite: bool = False  # reuse a --run_id whose log exists: replace it and the summary (not while that run is
-    #                          still running; never its checkpoints)
+    overwrite: bool = False  # replace an existing --run_id's log and summary (not while it runs; never its checkpoints)
     log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints); not empty
     #                        (. for the current folder)
     val_every: int = 250  # validate every N steps; 0: only at the start and the end
@@ -182,23 +177,20 @@ PRESETS: dict[str, dict[str, object]] = {
         train_seq_len=512, val_seq_len=1024, val_tokens=16384,
         num_layers=5, model_dim=128, num_heads=2, head_dim=64, attn_pattern="SL-SL", paired_layers="0",
         value_embeds="0--12", skip="1:2", attn_input_layer=3, xsa_layers="1,3", attn_gate_layers="1,4",
-        bigram_rows=50304, mudd_dim=16,
-        block_size=128,
+        bigram_rows=50304, mudd_dim=16, block_size=128,
         num_steps=40, extension_steps=2, muon_momentum_warmup_steps=10, muon_momentum_cooldown_steps=5,
         window_stages="0/1,1/2,1/3,2/4", seq_len_stages="256,384,512", doc_len_stages="224,512,512",
-        final_val_windows="2/6",
-        val_every=20, warmup_steps=2,
+        final_val_windows="2/6", val_every=20, warmup_steps=2,
     ),
 }
 
 # -----------------------------------------------------------------------------
 # Model
 # Upstream's current GPT: token, value and bigram embeddings, per-sublayer residual lambdas, per-token gates from a
-# small network (x0 and bigram injections, XSA shares, head gates, the skip, DC's weights), QK-norm, half-truncated
-# RoPE with YaRN, paired-head, key-offset and XSA attention, DC attention on the last layer, later layers attending
-# over one saved layer's output, MUDD mixes, ReLU^2 MLP (FP8 in training), soft-capped multi-token and prefix-token
-# loss. One mask rule (FA3's token windows within documents), two kernels: FlexAttention block masks on CUDA, a dense
-# SDPA mask on CPU (FlexAttention has no CPU backward). The windows come in as a tensor.
+# small network, QK-norm, half-truncated RoPE with YaRN, paired-head, key-offset and XSA attention, DC attention on the
+# last layer, later layers attending over one saved layer's output, MUDD mixes, ReLU^2 MLP (FP8 in training),
+# soft-capped multi-token and prefix-token loss. One mask rule (FA3's token windows within documents), two kernels:
+# FlexAttention block masks on CUDA, a dense SDPA mask on CPU (FlexAttention has no CPU backward).
 
 BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
@@ -215,10 +207,9 @@ def init_matrix_(w: Tensor, bound: float) -> None:
         w.copy_(w.uniform_(-bound, bound).bfloat16())
 
 def bigram_index(input_seq: Tensor | np.ndarray, rows: int) -> Tensor | np.ndarray:
-    """Each position's row of the bigram table: ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1) in int32 (#62), the
-    last row at position 0. #89 writes that row's index into x_0 before hashing: position 1 hashes it, not x_0, and
-    its product wraps around int32 (emulated in int64: inductor's integers must not overflow). Along the last axis;
-    the same arithmetic on a tensor (the model's) or a numpy array (the rows a host batch touches, ShardedMuonAdam)."""
+    """Each position's row of the bigram table (#62): ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), products
+    wrapping around int32 (emulated in int64: inductor's integers must not overflow); the last row at position 0, whose
+    index #89 writes into x_0 before hashing. Along the last axis, of a tensor or a numpy array (ShardedMuonAdam's)."""
     xp = torch if isinstance(input_seq, Tensor) else np
     x = input_seq.long() if xp is torch else input_seq.astype(np.int64)
     x = xp.concatenate([x[..., :1] * 0 + (rows - 1), x[..., 1:]], -1)
@@ -235,13 +226,11 @@ def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
 
 def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
-    Visible: at most `window` blocks back, document ranges overlapping; full (no per-token mask): fewer than
-    `window` back, both in one document. `window` is a 0-dim tensor: a new size never recompiles."""
-    nb = docs.numel() // block_size
-    blocks = docs.view(nb, block_size)
-    first, last = blocks[:, 0], blocks[:, -1]
-    q = torch.arange(nb, device=docs.device)[:, None]
-    k = torch.arange(nb, device=docs.device)[None, :]
+    Visible: at most `window` (a tensor: never recompiles) blocks back, document ranges overlapping; full (no
+    per-token mask): fewer than `window` back, both in one document."""
+    blocks = docs.view(-1, block_size)
+    nb, first, last = blocks.size(0), blocks[:, 0], blocks[:, -1]
+    q, k = torch.arange(nb, device=docs.device)[:, None], torch.arange(nb, device=docs.device)[None, :]
     visible = (q >= k) & (first[:, None] <= last[None, :]) & (q - k <= window)
     full = (q > k) & (last[:, None] == first[None, :]) & (q - k < window)
     partial = visible & ~full
@@ -254,9 +243,8 @@ def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tup
 
 def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: bool
                     ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """may_attend's first key and block_window_selection over the tokens, or (paired) the 2T interleaved positions
-    (position i is token i // 2's). Both bounds only grow, so one running max gives the first key: one buffer, which
-    the CPU's compiled flex kernel accepts (an elementwise max of two it refuses)."""
+    """may_attend's first key and block_window_selection over the tokens, or (paired) the 2T positions (i: token i//2).
+    Both bounds only grow: one running max, one buffer (the CPU's compiled flex refuses an elementwise max of two)."""
     bos, docs = input_seq == BOS_ID, (input_seq == BOS_ID).cumsum(0)
     if paired:
         bos, docs = torch.stack([bos, torch.zeros_like(bos)], 1).flatten(), docs.repeat_interleave(2)
@@ -266,12 +254,9 @@ def document_blocks(input_seq: Tensor, block_size: int, window: Tensor, paired: 
 
 def block_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> BlockMask:
     first_key, (partial_n, partial_idx, full_n, full_idx) = document_blocks(input_seq, block_size, window, paired)
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return may_attend(q_idx, kv_idx, first_key)
-
     return BlockMask.from_kv_blocks(partial_n[None, None], partial_idx[None, None], full_n[None, None],
-                                    full_idx[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod)
+                                    full_idx[None, None], BLOCK_SIZE=block_size,
+                                    mask_mod=lambda b, h, q_idx, kv_idx: may_attend(q_idx, kv_idx, first_key))
 
 def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool = False) -> Tensor:
     """The same mask as block_mask, as a (T, T) (paired: (2T, 2T)) boolean for scaled_dot_product_attention."""
@@ -285,10 +270,9 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
-# FA3 (#89's kernel, on Hopper) takes the same rule as one varlen call per layer: the packed sequence's documents as
-# cu_seqlens, causal, a window of (w, 0) tokens, YaRN's scale as its softmax scale. Those are Python numbers, so each
-# distinct set is a graph of its own, as in #89: a VarlenPlan per training stage and per validation, every training
-# one compiled in the warmup. cu_seqlens has a fixed length per plan; the run's data sizes it at start-up.
+# FA3 (#89's kernel, on Hopper) takes the same rule as one varlen call per layer: documents as cu_seqlens, causal, a
+# window of (w, 0) tokens, YaRN's scale as softmax scale. Python numbers: each distinct set is a graph, as in #89 (a
+# VarlenPlan per training stage and per validation); cu_seqlens' fixed length per plan is sized from the run's data.
 VARLEN_SLOTS = {16384: 64, 32768: 96, 49152: 128}  # #89's cu_seqlens lengths per micro-step length (#78: FineWeb's)
 
 @dataclass(frozen=True)
@@ -302,21 +286,20 @@ class VarlenPlan:
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # q, k, v (1, positions, heads, D) -> attention's output, alike
 
 def varlen_slots(seq_len: int, most_documents: int) -> int:
-    """cu_seqlens' length for sequences of seq_len tokens holding at most most_documents documents: #89's (its table,
-    else seq_len // 300 rounded up to 128) where they fit, else the next multiple of 16 that does. #89 crashes there."""
+    """cu_seqlens' length for seq_len tokens holding at most most_documents documents: #89's (its table, else
+    seq_len // 300 rounded up to 128) where they fit, else (where #89 crashes) the next multiple of 16 that does."""
     record = VARLEN_SLOTS.get(seq_len, -(-(seq_len // 300) // 128) * 128)
     return max(record, -(-(most_documents + 1) // 16) * 16)
 
 def cu_seqlens(input_seq: Tensor, slots: int) -> Tensor:
-    """FA3's cu_seqlens of one packed sequence in #89's layout: 0, each later document's start (a BOS), then the length,
-    repeated to `slots` entries (zero-length sequences, which FA3 skips). Static shape: no host sync, no recompile."""
+    """FA3's cu_seqlens in #89's layout: 0, each later document's start, then T repeated up to `slots` entries (empty
+    sequences, which FA3 skips). Static shape: no host sync, no recompile."""
     T = input_seq.numel()
     starts = (input_seq == BOS_ID) | (torch.arange(T, device=input_seq.device) == 0)
     return torch.nonzero_static(starts, size=slots, fill_value=T).flatten().int()
 
 def yarn_scale(long_windows: tuple[int, ...], base: float) -> float:
-    """base times YaRN's attention-scale growth, 1 + 0.2 ln(W' / W) at each change W -> W' of the long window (#31), in
-    #89's order of multiplication."""
+    """base times YaRN's scale growth, 1 + 0.2 ln(W' / W) per change W -> W' of the long window (#31), #89's order."""
     for old, new in zip(long_windows, long_windows[1:]):
         base *= 1 + YARN_SCALE_GROWTH * math.log(new / old)
     return base
@@ -361,13 +344,11 @@ DC_WINDOW = 112  # DC attention's keys per query: itself and the 111 before it i
 
 def dc_attention(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
                  scale: float | Tensor, window: int = DC_WINDOW, block: int = 64) -> Tensor:
-    """DC attention's correction added to attention's output base (T, H, D) (#85): per token t and head h, a fresh
+    """DC attention (#85; gpt_kernels' op's torch path) on attention's output base (T, H, D): per token t and head h a
     softmax P_h of scale q_t.k_j over the keys j of its window in its document (cu_seqlens: FA3's, padded with T),
-    the heads' mix A = sum_h w1_h P_h, and out_h = base_h + sum_j bf16(w2_h A_j) v_j; fp32 sums, one rounding at the
-    end. q, k, v: (1, T, H, D); w1, w2: (1, T, H). By blocks of queries against the block + window - 1 keys they can
-    reach: memory T x (block + window) per head, never T x T (validation's T is 262,144), and a few batched matmuls,
-    which torch.compile takes quickly. The torch path of gpt_kernels' dc_attention op."""
-    T, H, D = base.shape
+    A = sum_h w1_h P_h, out_h = base_h + sum_j bf16(w2_h A_j) v_j, in fp32 rounded once. q, k, v: (1, T, H, D); w1, w2:
+    (1, T, H). Query blocks against the keys they reach: T x (block + window) memory per head, never T x T."""
+    T = base.size(0)
     acc = torch.promote_types(base.dtype, torch.float32)  # fp32 sums (float64 in the tests)
     n, keys = -(-T // block), block + window - 1
     pos = torch.arange(n * block, device=base.device)
@@ -393,10 +374,9 @@ def dc_attention(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: 
 
 @dataclass(frozen=True)
 class GateSlots:
-    """Where each per-token gate sits in the outputs of the MUDD gate network's two blocks (#85 v3): block 0 reads x0
-    and gates the layers up to the skip's source, block 1 reads the skip's source's output and gates the rest. In a
-    block: the XSA shares' logits (H per layer), the head gates (H per layer), an (x0, bigram) pair per layer that
-    injects them; then in block 1 the skip's gate and DC's w1 and w2 (H each). Layer -> (block, first slot)."""
+    """Layer -> (block, first slot) of its per-token gates in the gate network's outputs (#85 v3): block 0 reads x0,
+    gates the layers up to the skip's source; block 1 reads its output, gates the rest. In a block: XSA logits and head
+    gates (H per layer each), an (x0, bigram) pair per layer; block 1 then the skip's gate, DC's w1 and w2 (H each)."""
     xsa: dict[int, tuple[int, int]]
     attn_gate: dict[int, tuple[int, int]]
     inject: dict[int, tuple[int, int]]  # x0's gate at the slot, the bigram's after it (not the last layer: MUDD's)
@@ -490,23 +470,20 @@ def softcap(logits: Tensor, cfg: Config) -> Tensor:
     return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
 class SoftcappedMTPLoss(torch.autograd.Function):
-    """The loss in torch, as upstream's fused kernel computes it (gpt_kernels' softcap_ce on the GPU): per position t,
-    sum_k w_k CE(z_t, y_(t+k)) over the k inside the sequence (#53), plus w_p CE(z_t, prefix_t) where y_t's prefix
-    token prefix_t exists (>= 0, #88), z = cap bf16(sigmoid((l + shift) / temp)). The gradient is the kernel's: its
-    softmax term weighs every w_k, also past the sequence's end, so the last K - 1 positions' gradient is not their
-    loss's (#89's quirk, ported as it ran)."""
+    """The loss as upstream's fused kernel (gpt_kernels' softcap_ce) computes it: per position t, sum_k w_k CE(z_t,
+    y_(t+k)) over the k inside the sequence (#53), plus w_p CE(z_t, prefix_t) where y_t's prefix token exists (>= 0,
+    #88), z = cap bf16(sigmoid((l + shift) / temp)). The kernel's gradient: its softmax term weighs every w_k, also past
+    the sequence's end, so the last K - 1 positions' gradient is not their loss's (#89's quirk, ported as it ran)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, prefix: Tensor, prefix_weight: Tensor,
                 cap: float, shift: float, temp: float) -> Tensor:
-        # In place where it can: five (T, vocab) fp32 passes, not a dozen (the CPU's tiny run spends most of a step
-        # here).
+        # In place where it can: five (T, vocab) fp32 passes, not a dozen (most of a CPU tiny run's step is here).
         s = torch.sigmoid((logits.float() + shift).div_(temp)).bfloat16().float()
         z = s * cap
         lse = z.logsumexp(dim=-1)
         T, rows = targets.numel(), torch.arange(targets.numel(), device=targets.device)
-        has_prefix = prefix >= 0
-        prefix_w = prefix_weight * has_prefix  # (T,): 0 where there is no prefix token
+        prefix_w = prefix_weight * (prefix >= 0)  # (T,): 0 where there is no prefix token
         losses = torch.zeros_like(lse)
         for k in range(weights.numel()):
             losses[: T - k] += weights[k] * (lse[: T - k] - z[rows[: T - k], targets[k:]])
@@ -525,8 +502,8 @@ class SoftcappedMTPLoss(torch.autograd.Function):
         return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None, None, None
 
 def read_vocabulary(cfg: Config) -> list[bytes]:
-    """GPT-2's byte-level BPE tokens by id, from --vocab_file (tiktoken's r50k_base file, bundled under data/tokenizer/:
-    GPT-2's ranks, a base64 token and its id per line). Read at start-up: a run without it stops before any work."""
+    """GPT-2's BPE tokens by id from --vocab_file (tiktoken's r50k_base, in data/tokenizer/: a base64 token and its
+    rank per line). Read at start-up: a run without it stops before any work."""
     path = Path(cfg.vocab_file)
     if not path.is_absolute() and not path.exists():
         path = Path(__file__).resolve().parent / path
@@ -550,20 +527,18 @@ def prefix_table(tokens: list[bytes], vocab_size: int) -> Tensor:
     return torch.tensor(prefixes + [-1] * (vocab_size - len(tokens)))
 
 def train_loss_scale(cfg: Config) -> float:
-    """Each micro-step's summed loss is scaled by this: gradients summed over micro-steps and ranks are then
-    grad_scale x the mean over the step's sequences at every world size."""
+    """Each micro-step's summed loss times this: the gradient summed over micro-steps and ranks is grad_scale x mean."""
     return cfg.grad_scale / cfg.global_batch_seqs
 
 def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
-    """The FP8 head's (x, W, gradient) scales; loss_scale folded into the gradient's keeps its e5m2 values the
-    record's (unscaled per-rank loss)."""
+    """The FP8 head's (x, W, gradient) scales; loss_scale in the gradient's keeps its e5m2 values the record's."""
     return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
 class GPT(nn.Module):
-    """Upstream's current model. Attention: fa3 (FA3's flash_attn_varlen_func, or a stand-in with its signature), else
-    use_flex: FlexAttention block masks (CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone
-    (an uncompiled model on CUDA: unfused flex would materialize the score matrix). Parameter names are upstream's
-    optimizer labels; the Muon banks (qk, vo, mlp) are bf16, their fp32 masters completed by the optimizer's state."""
+    """Upstream's current model. Attention: fa3 (flash_attn_varlen_func or a stand-in), else use_flex (FlexAttention
+    block masks, CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone (unfused, it would
+    materialize the score matrix). Parameter names are upstream's optimizer labels; the Muon banks (qk, vo, mlp) are
+    bf16, their fp32 masters completed by the optimizer's state."""
 
     def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False,
                  fa3: Callable | None = None):
@@ -587,23 +562,19 @@ class GPT(nn.Module):
         # The bigram hash table (#62), narrower than the residual, times a fixed +-1 row per token pair (#83).
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, d, dtype=torch.bfloat16)
         nn.init.zeros_(self.bigram_embed.weight)
-        self.register_buffer("bigram_sign_table",
-                             torch.randn(cfg.bigram_sign_rows, d).sign().bfloat16())
-        # The smear's input gate (#34): zero, open.
+        self.register_buffer("bigram_sign_table", torch.randn(cfg.bigram_sign_rows, d).sign().bfloat16())
         self.smear_gate = nn.Linear(cfg.gate_channels, 1, bias=False, dtype=torch.bfloat16)
-        nn.init.zeros_(self.smear_gate.weight)
+        nn.init.zeros_(self.smear_gate.weight)  # the smear's input gate (#34): zero, open
         # Per VE layer: the VE gates, 2 sigmoid(W [u, ve]) (#55, #70).
         self.ve_gate_bank = nn.Parameter(torch.zeros(n_ve, H, cfg.gate_channels, dtype=torch.bfloat16))
-        # Muon's matrices (#80): Q and K in head pairs, per attention layer H/2 of Q then H/2 of K, (2D, d) each; V and
-        # W_o per layer, (HD, d) each; W_fc and W_proj per layer, (4d, d) each (W_proj read as h W_proj).
-        # Drawn in fp32, stored bf16 as #89's: the optimizer keeps their low 16 bits (muon_state's mantissa).
+        # Muon's banks (#80), drawn in fp32, stored bf16 as #89's (muon_state keeps the low 16 bits): per attention
+        # layer H/2 head pairs (2D, d) of Q then H/2 of K, V and W_o (HD, d) each; per layer W_fc, W_proj (4d, d).
         qk, vo, mlp = torch.empty(n_attn * H, 2 * D, d), torch.empty(2 * n_attn, H * D, d), torch.zeros(
             L, 2, cfg.mlp_ratio * d, d)
         for bank in (qk, vo, mlp[:, 0]):
             init_matrix_(bank, bound)
         self.qk_bank, self.vo_bank, self.mlp_bank = (nn.Parameter(bank.bfloat16()) for bank in (qk, vo, mlp))
-        # Per layer: (lambda_qkv, lambda_o) folded into the attention weights (#47/#48); then the smear's lambda and
-        # the skip's s of sigmoid(s) (init -1.5, #32).
+        # Per layer (lambda_qkv, lambda_o), folded into attention's weights (#47/#48); the smear's lambda; the skip's s.
         self.scalars = nn.Parameter(torch.cat([torch.tensor((0.5, 1.0)).repeat(L), torch.tensor((0.0, -1.5))]))
         # Per layer and sublayer (attention, MLP): the residual's scale (sqrt(1.1): 1.1 a layer) and the output's.
         self.resid_lambdas = nn.Parameter(torch.full((L, 2), 1.1**0.5))
@@ -618,13 +589,11 @@ class GPT(nn.Module):
         # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
         self.register_buffer("q_gain", torch.ones(()), persistent=False)
         self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
-        # 1 while the embedding is a lookup into the head (until the schedule unties it): a buffer the loop writes
-        # in place (tie_embedding), so untying never recompiles.
+        # 1 while the embedding reads the head: a buffer tie_embedding writes in place, so untying never recompiles.
         self.register_buffer("embed_tied", torch.ones(()), persistent=False)
         self.embed_tied_now = True  # what tie_embedding last wrote into embed_tied
-        # FP8 MLP state (#84, #89), in the checkpoint: e4m3 copies of W_fc (current scale) and of W_proj^T (delayed
-        # weight scale), made after each optimizer step (quantize_mlp_), and each layer's delayed input scale of the
-        # down-projection, set by each training forward for the next.
+        # FP8 MLP state (#84, #89), checkpointed: e4m3 W_fc (current scale) and W_proj^T (delayed weight scale), made
+        # by quantize_mlp_ after each optimizer step; per layer the down-projection's input scale, set for the next.
         hidden = cfg.mlp_ratio * d
         self.register_buffer("fp8_w_fc", torch.zeros(L, hidden, d, dtype=torch.float8_e4m3fn))
         self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, hidden, dtype=torch.float8_e4m3fn))
@@ -643,9 +612,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
-        """YaRN (#31) at each change W -> W' of the long window (blocks): frequency w with r = B W w / 2pi turns in
-        the old window becomes w (s + g (1 - s)), s = W / W', g = clamp((r - 1) / 31, 0, 1); the attention scale
-        grows by 1 + 0.2 ln(W' / W). Written in place, only when the windows change."""
+        """YaRN (#31) at each change W -> W' of the long window (blocks): frequency w with r = B W w / 2pi turns in the
+        old window becomes w (s + g (1 - s)), s = W / W', g = clamp((r - 1) / 31, 0, 1); q_gain: yarn_scale."""
         if long_windows[1:] == self.yarn_windows[1:]:
             return
         freqs = self.rotary.base.to(self.rotary.cos.device)  # fp32 throughout, #89's order of operations
@@ -682,15 +650,13 @@ class GPT(nn.Module):
     def gates(self, x: Tensor, block: int) -> Tensor:
         """The gate network's block of gates for each token of x, (1, T, slots)."""
         h = F.gelu(F.linear(x, self.mudd_gate_w1[block]))
-        n = self.slots.sizes[block]
-        return (F.linear(h, self.mudd_gate_w2[block, :n]) + self.mudd_gate_b2[block, :n]) * \
-            self._mudd_gate_scale.type_as(x)
+        n, scale = self.slots.sizes[block], self._mudd_gate_scale.type_as(x)
+        return (F.linear(h, self.mudd_gate_w2[block, :n]) + self.mudd_gate_b2[block, :n]) * scale
 
     def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan, cu: Tensor) -> dict[str, Attend]:
-        """Per window kind (long, short, paired: the short window over 2T positions), attention over q, k, v of shape
-        (1, positions, heads, D), same shape out: FA3's varlen call (windows: a VarlenPlan of tokens; cu: the
-        sequence's cu_seqlens), else the masks of may_attend (windows: (long, short) blocks, a tensor: a new size
-        never recompiles) with YaRN's gain on q, by FlexAttention (CUDA) or SDPA with a dense mask (CPU)."""
+        """Per window kind (long, short, paired: the short window over 2T positions) an Attend: FA3's varlen call
+        (windows: a VarlenPlan; cu: cu_seqlens), else may_attend's masks (windows: (long, short) blocks, a tensor) with
+        YaRN's gain on q, by FlexAttention (CUDA) or SDPA (CPU)."""
         if self.fa3 is not None:
             def varlen(window: int, paired: bool) -> Attend:
                 n = 1 + paired  # paired: every position twice, so are the offsets and the longest document
@@ -717,9 +683,8 @@ class GPT(nn.Module):
         return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
 
     def dc_attention(self, windows: Tensor | VarlenPlan, cu: Tensor) -> Callable[..., Tensor]:
-        """DC attention (dc_attention's arguments after base, q, k, v, w1, w2) over the documents of cu (cu_seqlens) at
-        the attention's softmax scale: FA3's plan's, else YaRN's gain on q (as attend applies it); the Triton kernels
-        with --dc_kernel."""
+        """dc_attention over cu's documents at attention's softmax scale (FA3's plan's, else with YaRN's gain on q);
+        the Triton kernels with --dc_kernel."""
         def dc(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
             q, scale = (q, windows.scale) if self.fa3 is not None else (q * self.q_gain, self.cfg.attn_scale)
             if self.cfg.dc_kernel:
@@ -782,8 +747,7 @@ class GPT(nn.Module):
         return out
 
     def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
-        """The head's input, (T, model_dim), for one packed (T,) sequence; windows: (long, short) blocks, a tensor, or
-        with FA3 a VarlenPlan (attention_kernels)."""
+        """The head's input (T, model_dim) for one packed (T,) sequence; windows as attention_kernels takes them."""
         cfg, L, H, D = self.cfg, self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim
         T, last, half = input_seq.numel(), self.cfg.num_layers - 1, self.cfg.gate_channels // 2
         # The documents as FA3's cu_seqlens, once per sequence: FA3's calls and DC attention read them.
@@ -857,8 +821,7 @@ class GPT(nn.Module):
         return F.linear(x, self.lm_head.weight)
 
     def logits(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
-        """Soft-capped logits, (T, vocab), in fp32: what validation's cross-entropy reads (#89 rounds the softcap to
-        the head's dtype there)."""
+        """Soft-capped logits (T, vocab) in fp32 for validation's cross-entropy (#89 rounds them to the head's dtype)"""
         raw = self.head(self.hidden(input_seq, windows))
         return softcap(raw, self.cfg).to(raw.dtype).float()
 
@@ -873,11 +836,10 @@ class GPT(nn.Module):
             prefix_weight = target_seq.new_zeros(1, dtype=torch.float32)
         prefix = self.prefix_table[target_seq]  # the next token's prefix token (#88), -1: none
         if cfg.fused_head:  # validation too: its logits are the largest tensor of a run (val_seq_len x vocab)
+            scales = fp8_scales(cfg, 1.0) if self.training and self.fp8_head else []
             loss = torch.ops.speedrun.softcap_ce(self.hidden(input_seq, windows), self.lm_head.weight, target_seq,
                                                  mtp, prefix, prefix_weight, cfg.logit_cap, cfg.logit_shift,
-                                                 cfg.logit_temp,
-                                                 fp8_scales(cfg, 1.0) if self.training and self.fp8_head else [],
-                                                 self.training)[0]
+                                                 cfg.logit_temp, scales, self.training)[0]
             return loss if self.training else loss / target_seq.numel()
         if self.training:
             return SoftcappedMTPLoss.apply(self.head(self.hidden(input_seq, windows)), target_seq, mtp, prefix,
@@ -886,15 +848,12 @@ class GPT(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Schedule
-# Everything that varies with the step, in one place, rounded as #89 rounds it: the training loop sets the
-# optimizer from it and hands the windows and multi-token weights to the model (rows of device tables, so a new
-# value never recompiles), and the FLOP model and the metrics read the same values.
+# Everything that varies with the step, rounded as #89 rounds it: the optimizer's settings, the model's windows and
+# loss weights (rows of device tables: a new value never recompiles), the FLOP model's and the metrics' values.
 
 @dataclass(frozen=True)
 class StepSchedule:
-    lr_mult: float  # of every group's lr: the stage's, then a linear cooldown from it to final_lr_frac over the
-    #                 last cooldown_frac of the scheduled steps (num_steps - extension_steps), then final_lr_frac
-    #                 through the extension
+    lr_mult: float  # of every lr: the stage's, cooled down linearly to final_lr_frac (cooldown_frac), then kept
     muon_momentum: float  # start -> end over muon_momentum_warmup_steps; back over muon_momentum_cooldown_steps
     long_window: int  # attention window of the long layers, in blocks
     short_window: int  # of the short layers
@@ -908,8 +867,8 @@ class StepSchedule:
     tied: bool  # the embedding still reads the head (untied after the last tied step's update)
 
 def stage_starts(cfg: Config) -> list[int]:
-    """The first step of each equal stage, of the extension, then num_steps: stage k of n starts at round(N (1/n +
-    ... + 1/n)), k float terms, Python's round (ties to even), N = num_steps - extension_steps, as #89 rounds."""
+    """The first step of each equal stage, of the extension, then num_steps: stage k of n at round(N (1/n + ... + 1/n)),
+    k float terms, ties to even, N = num_steps - extension_steps, as #89 rounds."""
     n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
     return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
 
@@ -969,9 +928,8 @@ class DocumentCounts:
     val: int
 
 class StepKnobs:
-    """What the model takes from the schedule besides the batch, made once per run: the multi-token weights, a row of
-    a device table, and the attention windows: rows of a device table of (long, short) blocks (FlexAttention, SDPA: a
-    new value never recompiles), or with FA3 (documents given) a VarlenPlan of plain numbers."""
+    """The schedule's inputs to the model, made once per run: rows of device tables (multi-token weights, prefix weight,
+    (long, short) windows in blocks: a new value never recompiles), or with FA3 (documents given) a VarlenPlan."""
 
     def __init__(self, cfg: Config, schedules: list[StepSchedule], device: torch.device,
                  documents: DocumentCounts | None = None):
@@ -997,8 +955,8 @@ class StepKnobs:
                           yarn_scale(s.yarn_windows, cfg.attn_scale))
 
     def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor, Tensor]:
-        return (self.windows[step] if self.documents is None else self.plan(step, True)), self.mtp[step], \
-            self.prefix[step]
+        windows = self.windows[step] if self.documents is None else self.plan(step, True)
+        return windows, self.mtp[step], self.prefix[step]
 
     def val(self, step: int) -> Tensor | VarlenPlan:
         return self.windows[step] if self.documents is None else self.plan(step, False)
@@ -1015,10 +973,10 @@ def validates_at(cfg: Config, step: int) -> bool:
 
 # -----------------------------------------------------------------------------
 # Optimizer
-# Muon (momentum, Polar Express orthogonalization, NorMuon) for the block matrices, Adam for
-# embeddings, head and scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket after
-# backward (#89's order), each rank updates its own shard (whole matrices for Muon) with the plain update
-# functions, and the shards are all-gathered back into the parameters, awaited only where next read.
+# Muon (momentum, Polar Express orthogonalization, NorMuon) for the block matrices, Adam for embeddings, head and
+# scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket after backward (#89's order), each
+# rank updates its own shard (whole matrices for Muon) with the plain update functions, and the shards are
+# all-gathered back into the parameters, awaited only where next read.
 
 # Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
 # 2% safety factor on the normalization.
@@ -1029,16 +987,14 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 SPLIT_ROWS = 1024  # #89: a block of more rows forms its product, then adds a X to it (two roundings; the MLP's)
 
-# The update functions round once per op, in fp32 (bf16 where stored), so that their compiled graphs (ShardedMuonAdam
-# with compile_ns) compute eager's bits: eager's CPU kernels fuse a multiply-add into one rounding in lerp, addcmul
-# and add(alpha=), inductor's C++ rounds twice; eager's fp32 sqrt is an ulp off in one value in six (fast vector math),
-# inductor's correctly rounded; inductor's reductions sum in another order. Hence explicit products (in place where
-# eager's memory wants it), sqrt32 and eager_sum. (The GPU's compiled graphs fuse multiply-adds as #89's did.)
+# The update functions round once per op, in fp32 (bf16 where stored), so that their compiled graphs (compile_ns)
+# compute eager's bits: eager's CPU kernels fuse a multiply-add into one rounding (lerp, addcmul, add(alpha=)) where
+# inductor's C++ rounds twice, eager's fp32 sqrt is an ulp off in one value in six (inductor's correctly rounded),
+# inductor's reductions sum in another order. Hence explicit products (in place where eager's memory wants it),
+# sqrt32 and eager_sum. (The GPU's compiled graphs fuse multiply-adds as #89's did.)
 
 def sqrt32(x: Tensor) -> Tensor:
-    """Correctly rounded fp32 sqrt: torch's, compiled, on CUDA or traced (a tensor subclass: a fake tensor has no
-    numpy); eager on the CPU numpy's (IEEE's instruction, as inductor's C++), as torch's vector kernel there is an ulp
-    off in one fp32 value in five."""
+    """Correctly rounded fp32 sqrt: numpy's for an eager CPU fp32 tensor, else torch's (a fake tensor has no numpy)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling() or type(x) is not Tensor:
         return x.sqrt()
     return torch.as_tensor(np.sqrt(x.numpy()))
@@ -1050,15 +1006,12 @@ def eager_sum(x: Tensor, dims: list[int]) -> Tensor:
 
 @eager_sum.register_fake
 def _(x: Tensor, dims: list[int]) -> Tensor:
-    reduced = {d % x.dim() for d in dims}
-    return x.new_empty([1 if i in reduced else n for i, n in enumerate(x.shape)])
+    return x.sum(dim=dims, keepdim=True)  # a fake tensor's: the shape only
 
 def polar_express(G: Tensor, kernels: bool = False) -> Tensor:
-    """Approximately orthogonalize each matrix of G (batched) in bf16, as #89: X = bf16(G) / (1.02 |X|_F + 1e-6) (the
-    norm rounded to bf16, the quotient once), then per iteration, for a wide or square X, A = X X^T, B = b A + c A^2,
-    X <- a X + B X; for a tall X, A = X^T X and X <- a X + X B (the same in exact arithmetic, without transposes).
-    Each product rounds to bf16 once, as #89's kernels (kernels=True: gpt_kernels' xxt, xtx and ba_plus_caa; else
-    torch's GEMMs); a block of more than SPLIT_ROWS rows adds a X to its rounded product (two roundings)."""
+    """Orthogonalize each matrix of G (batched) approximately in bf16, as #89: X = bf16(G) / (1.02 |X|_F + 1e-6), then
+    per iteration X <- a X + B X with B = b A + c A^2, A = X X^T (a tall X: X <- a X + X B, A = X^T X). Each product
+    rounds to bf16 once (kernels: gpt_kernels' Triton GEMMs, as #89's; else torch's)."""
     X = G.bfloat16()
     norm = sqrt32(eager_sum(X.float().square(), [-2, -1])).bfloat16()
     X = (X.float() / (norm.float() * 1.02 + 1e-6)).bfloat16()
@@ -1079,20 +1032,17 @@ def polar_express(G: Tensor, kernels: bool = False) -> Tensor:
     return X.view(shape)
 
 def lerp(start: Tensor, end: Tensor, weight: Tensor) -> Tensor:
-    """torch.lerp's two formulas (exact at both ends: start + w (end - start) below w = 0.5, end - (end - start)(1 - w)
-    from it), one rounding per op so that compiled and eager agree; weight a 0-d fp32 tensor."""
+    """torch.lerp's two formulas (exact at both ends), one rounding per op so that compiled and eager agree."""
     diff = end - start
     return torch.where(weight < 0.5, start + weight * diff, end - diff * (1 - weight))
 
 def nesterov_(grad: Tensor, buf: Tensor, momentum: Tensor) -> Tensor:
-    """Nesterov momentum in fp32, #89's two lerps: buf <- lerp(buf, grad, 1 - mu) in place; returns lerp(grad, buf,
-    mu). momentum: a 0-d fp32 tensor (1 - mu in fp32, as #89's)."""
+    """Nesterov momentum in fp32 as #89's two lerps (1 - mu in fp32, as #89's); buf is updated in place."""
     buf.copy_(lerp(buf, grad, 1 - momentum))
     return lerp(grad, buf, momentum)
 
 def momentum_polar_express(grad: Tensor, buf: Tensor, momentum: Tensor, kernels: bool = False) -> Tensor:
-    """nesterov_ then polar_express, #89's graph (compiled, the fp32 Nesterov update never reaches memory); momentum
-    a 0-d tensor, so that a new value recompiles nothing."""
+    """nesterov_ then polar_express: #89's graph (compiled, the fp32 Nesterov update never reaches memory)."""
     return polar_express(nesterov_(grad, buf, momentum), kernels)
 
 def muon_state(p: Tensor) -> dict[str, Tensor]:
@@ -1109,9 +1059,8 @@ def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
 
 def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
-    """NorMuon (#41) in #89's algebra: r = the mean square of each row (of a wide matrix: each column, as Q's and K's
-    head pairs, #80) of the bf16 update O, v <- v + (r - v)(1 - beta2) (fp32, in place), and each row scaled by
-    v^-1/2 times the factor restoring O's Frobenius norm, that scale rounded to bf16 and applied to O in bf16."""
+    """NorMuon (#41) in #89's algebra: v <- v + (r - v)(1 - beta2), r the mean square of each row of O (of a wide O:
+    column, as Q's and K's head pairs, #80); O's rows scaled by v^-1/2 and back to O's Frobenius norm, in bf16."""
     dim = -1 if v.size(-1) == 1 else -2
     n = O.size(dim)
     mean_sq = eager_sum(O.float().square(), [dim]) / n
@@ -1122,8 +1071,7 @@ def normuon_(O: Tensor, v: Tensor, beta2: float) -> Tensor:
     return O * (scale * (norm / new_norm.clamp_min(1e-10))).type_as(O)
 
 def master_of(p: Tensor, mantissa: Tensor) -> Tensor:
-    """The fp32 value that a bf16 parameter (its upper 16 bits) and its int16 mantissa (the lower ones) make: #89's
-    master weight, never stored whole."""
+    """#89's fp32 master weight, never stored whole: the bf16 p's bits above its int16 mantissa's."""
     return ((p.view(torch.int16).to(torch.int32) << 16) | (mantissa.to(torch.int32) & 0xFFFF)).view(torch.float32)
 
 def split_master_(p: Tensor, mantissa: Tensor, master: Tensor) -> None:
@@ -1132,11 +1080,8 @@ def split_master_(p: Tensor, mantissa: Tensor, master: Tensor) -> None:
     p.view(torch.int16).copy_((bits >> 16).to(torch.int16))
     mantissa.copy_(((bits << 16) >> 16).to(torch.int16))  # the low 16 bits, sign-extended: exact in int16
 
-def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor, mantissa: Tensor | None = None
-                     ) -> None:
-    """#89's step on the fp32 master (p, or the bf16 p and its mantissa): master - master decay step_lr where the
-    update has its sign or is zero (cautious weight decay), minus step_lr x the update; decay (wd x lr) a 0-d,
-    step_lr a 0-d or per-matrix fp32 tensor."""
+def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor, mantissa: Tensor | None = None) -> None:
+    """#89's step on the fp32 master (p, or the bf16 p and its mantissa): cautious weight decay, then the update."""
     master = p if mantissa is None else master_of(p, mantissa)
     update = update.float()
     new = master - master * (update * master >= 0) * decay * step_lr - update * step_lr
@@ -1147,9 +1092,8 @@ def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor, 
 
 def adam_step_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float, eps: float,
                step_size: Tensor, decay: Tensor) -> None:
-    """Adam's step in #89's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v), the bias
-    correction in step_size; cautious weight decay (#50): the update grows by decay x p where it has p's sign. p (bf16
-    without a master, as #89's, or fp32) takes the update in one rounding. step_size, decay: 0-d fp32 tensors."""
+    """Adam in #89's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v), the bias correction
+    in step_size; cautious weight decay (#50) where the update has p's sign. p (bf16 or fp32) rounds once."""
     grad = grad.float()
     m.mul_(beta1).add_(grad * (1 - beta1))
     v.mul_(beta2).add_(grad.mul(1 - beta2).mul_(grad))
@@ -1169,14 +1113,13 @@ class UpdateSteps:
 EAGER_STEPS = UpdateSteps()
 
 def polar_express_kernels(device: torch.device) -> bool:
-    """Whether Polar Express runs gpt_kernels' Triton GEMMs: on CUDA, with gpt_kernels.py and triton there, where
-    they compile cleanly for the GPU (gpu_runs)."""
+    """Whether Polar Express runs gpt_kernels' Triton GEMMs: on CUDA, where they compile for the GPU (gpu_runs)."""
     return device.type == "cuda" and gpt_kernels is not None and importlib.util.find_spec("triton") is not None \
         and gpu_runs("polar_express", gpu_capability(True))[0] is True
 
 def update_steps(compiled: bool, kernels: bool) -> UpdateSteps:
-    """Each function compiled as #89 compiles it (fullgraph, static shapes; the scalars that change per step are
-    0-d tensors, so only a new shape compiles a graph) and rounding where eager rounds (emulate_precision_casts)."""
+    """Each function compiled as #89 compiles it (fullgraph, static shapes; the per-step scalars are 0-d tensors, so
+    only a new shape compiles a graph) and rounding where eager rounds (emulate_precision_casts)."""
     def wrap(fn: Callable) -> Callable:
         return (torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
                 if compiled else fn)
@@ -1189,9 +1132,8 @@ def scalar(x: float) -> Tensor:
 
 def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
                  lr_mul: float | Tensor = 1.0, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
-    """Nesterov momentum and orthogonalization, NorMuon, then #89's cautious step on the fp32 master (p, or the bf16
-    p with state["mantissa"]: muon_state) with step_lr =
-    lr x lr_mul (a float or a per-matrix tensor) x sqrt(max(1, rows/cols)) and decay wd x lr, both fp32 as #89's."""
+    """Nesterov momentum, orthogonalization and NorMuon, then cautious_update_ (state: muon_state(p)) with step_lr =
+    lr x lr_mul (a float or per matrix) x sqrt(max(1, rows/cols)) and decay wd x lr, both fp32 as #89's."""
     assert (p.dtype == torch.bfloat16) == ("mantissa" in state), "a bf16 bank updates with its mantissa (muon_state)"
     O = steps.orthogonalize(grad.float(), state["momentum"], scalar(momentum))
     update = steps.normuon(O, state["v"], normuon_beta2)
@@ -1200,8 +1142,7 @@ def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, m
 
 def adam_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                  eps: float, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
-    """Bias-corrected Adam (adam_step_) at Adam step `step`: step size lr sqrt(1 - beta2^step) / (1 - beta1^step) and
-    decay lr^2 wd computed in double, passed in fp32, as #89's."""
+    """adam_step_ at Adam step `step`, the bias-corrected step size and decay lr^2 wd in double, passed in fp32."""
     steps.adam(p, grad, m, v, beta1, beta2, eps, scalar(lr * ((1 - beta2**step) ** 0.5 / (1 - beta1**step))),
                scalar(lr * lr * wd))
 
@@ -1259,11 +1200,6 @@ def _reduce_scatter(out: Tensor, inp: Tensor) -> dist.Work:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=dist.ReduceOp.SUM, async_op=True)
 
-def all_to_all(out: Tensor, inp: Tensor, out_counts: list[int], in_counts: list[int], async_op: bool = False
-               ) -> dist.Work | None:
-    """All-to-all of rows along dim 0: in_counts[r] of inp's to rank r, out_counts[r] of out's from it."""
-    return dist.all_to_all_single(out, inp, out_counts, in_counts, async_op=async_op)
-
 def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Work | None:
     """All-gather into one tensor; inp may be this rank's slice of out (in place)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -1275,10 +1211,10 @@ def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
     parameter is never split, a Muon bucket takes a multiple of world_size matrices where it can (padding goes to a
     shape's last). Sorted by last parameter: the order every rank launches its reduce-scatters in."""
     pos = {n: i for i, n in enumerate(order)}
-    entries = sorted(((pos[n], g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: e[0])
+    entries = sorted(((g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: pos[e[1]])
     open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
-    closed: list[tuple[int, ParamGroup, list[str]]] = []
-    for i, g, name, p in entries:
+    closed: list[tuple[ParamGroup, list[str]]] = []
+    for g, name, p in entries:
         unit = tuple(p.shape[-2:]) if g.kind == "muon" else ()
         unit_bytes, units = math.prod(unit) * p.element_size(), p.numel() // math.prod(unit)
         limit = max(1, int(bucket_mb * 2**20) // unit_bytes)
@@ -1287,15 +1223,15 @@ def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
         key = (id(g), p.dtype, unit)
         _, names, held = open_buckets.pop(key, (g, [], 0))
         if names and held + units > limit:
-            closed.append((pos[names[-1]], g, names))
+            closed.append((g, names))
             names, held = [], 0
         names, held = names + [name], held + units
         if held >= limit:
-            closed.append((i, g, names))
+            closed.append((g, names))
         else:
             open_buckets[key] = (g, names, held)
-    closed += [(pos[names[-1]], g, names) for g, names, _ in open_buckets.values()]
-    return [(g, names) for _, g, names in sorted(closed, key=lambda c: c[0])]
+    closed += [(g, names) for g, names, _ in open_buckets.values()]
+    return sorted(closed, key=lambda c: pos[c[1][-1]])
 
 class Bucket:
     """Parameters of one group, dtype and (Muon) matrix shape in one flat buffer of units (a matrix for Muon, an
@@ -1378,23 +1314,17 @@ class Bucket:
                 yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
 
 class RowBucket(Bucket):
-    """The bigram table alone, its gradient exchanged sparse as #89 does (§5.6): an embedding's gradient is exactly
-    zero in the rows no token hashed to, so each rank sends each owner only the rows of its shard that this rank's
-    batches touched since the last update (ids on the host, from the tokens: no device sync), which the owner adds
-    into its rows of its local gradient: a SUM reduce-scatter in another summation order. The updated shard is
-    all-gathered dense. Needs rows % W == 0 (exchanges_rows). The touched rows are cleared with the gradient: a
-    checkpoint (between Adam steps only, validate_config) holds none."""
+    """The bigram table, its gradient exchanged sparse as #89's (§5.6): zero in the rows no token hashed to, so each
+    rank sends each owner the rows of its shard that its batches touched since the last update (known on the host),
+    added into the owner's local gradient (a SUM reduce-scatter, another summation order); gathered dense. The touched
+    rows clear with the gradient: a checkpoint (between Adam steps only, validate_config) holds none."""
 
     def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
         super().__init__(group, names, params, rank, world_size)
         self.rank, (rows, self.dim) = rank, params[0].shape
         self.shard_rows, self.touched = rows // world_size, np.zeros(rows, dtype=bool)  # touched: since the update
         self.grad_shard = self.grad.view(world_size, -1)[rank]  # its own rows of its local gradient
-        # announce()'s: the row ids and counts this rank sends to and receives from each rank
-        self.send_ids = self.recv_ids = torch.zeros(0, dtype=torch.int32)
-        self.send_counts = self.recv_counts = [0] * world_size
-        self.recv_rows = torch.zeros(0, self.dim, dtype=self.grad.dtype)
-        self.ids_work: dist.Work | None = None
+        self.ids_work: dist.Work | None = None  # set by announce(), with the row ids and counts sent and received
 
     def announce(self) -> None:
         """Before the forward of an update's step (rows touched): tell each rank how many rows it will get (a
@@ -1403,11 +1333,12 @@ class RowBucket(Bucket):
         owner = ids // self.shard_rows
         ids, owner = ids[owner != self.rank], owner[owner != self.rank]  # its own rows are in its gradient already
         send, recv = np.bincount(owner, minlength=self.world_size), torch.zeros(self.world_size, dtype=torch.int64)
-        all_to_all(recv, torch.from_numpy(send), [1] * self.world_size, [1] * self.world_size)
+        dist.all_to_all_single(recv, torch.from_numpy(send), [1] * self.world_size, [1] * self.world_size)
         self.send_counts, self.recv_counts, device = send.tolist(), recv.tolist(), self.grad.device
         self.send_ids = torch.from_numpy(ids.astype(np.int32)).to(device, non_blocking=True)
         self.recv_ids = torch.empty(sum(self.recv_counts), dtype=torch.int32, device=device)
-        self.ids_work = all_to_all(self.recv_ids, self.send_ids, self.recv_counts, self.send_counts, async_op=True)
+        self.ids_work = dist.all_to_all_single(self.recv_ids, self.send_ids, self.recv_counts, self.send_counts,
+                                               async_op=True)
 
     def reduce_grads(self) -> None:
         if self.ids_work is None:
@@ -1415,7 +1346,8 @@ class RowBucket(Bucket):
         self._bind_grads()
         send = self.grad.view(-1, self.dim)[self.send_ids]
         self.recv_rows = send.new_empty(sum(self.recv_counts), self.dim)
-        self.reduce_work = all_to_all(self.recv_rows, send, self.recv_counts, self.send_counts, async_op=True)
+        self.reduce_work = dist.all_to_all_single(self.recv_rows, send, self.recv_counts, self.send_counts,
+                                                  async_op=True)
 
     def wait_grads(self) -> None:
         for work in (self.ids_work, self.reduce_work):
@@ -1428,14 +1360,12 @@ class RowBucket(Bucket):
         self.touched[:] = False
 
 def exchanges_rows(rows: int, world_size: int) -> bool:
-    """Whether the bigram table's gradient goes as touched rows (RowBucket): with several ranks, and only where each
-    rank's shard is whole rows; otherwise a row would have two owners, and the dense reduce-scatter does."""
+    """Whether the bigram table's gradient goes as touched rows (RowBucket): several ranks, each shard whole rows."""
     return world_size > 1 and rows % world_size == 0
 
 class ShardedMuonAdam:
-    """Muon + Adam, ZeRO-1: per step, after the last micro-step's backward, reduce-scatter each bucket's gradients
-    (#89's order: SCATTER_ORDER), update this rank's shard, all-gather it back. Between Adam steps the Adam gradients
-    accumulate in place on every rank. Call wait_for_params() before anything reads the parameters."""
+    """Muon + Adam, ZeRO-1 (see the section's comment; buckets reduce-scattered in SCATTER_ORDER). Between Adam steps
+    the Adam gradients accumulate in place on every rank. Call wait_for_params() before anything reads a parameter."""
 
     def __init__(self, model: nn.Module, cfg: Config, rank: int, world_size: int, compile_ns: bool):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -1448,7 +1378,6 @@ class ShardedMuonAdam:
         self.buckets = [(RowBucket if rows_exchanged and names == [BIGRAM_TABLE] else Bucket)(
             g, names, [named[n] for n in names], rank, world_size) for g, names in plan]
         self.work_order = sorted(self.buckets, key=lambda b: min(WORK_ORDER.index(n) for n in b.names))
-        assert [TIED_EMBEDDING] in [b.names for b in self.buckets], "the tied embedding rests in a bucket of its own"
         self.row_bucket = next((b for b in self.buckets if isinstance(b, RowBucket)), None)
 
     def set_step(self, s: StepSchedule) -> None:
@@ -1471,7 +1400,7 @@ class ShardedMuonAdam:
 
     def _updates(self, bucket: Bucket) -> bool:
         # While tied the embedding's gradient is exactly zero and so is its Adam update (m = v = 0, no decay where
-        # u p = 0): its bucket is neither reduced, updated nor gathered, as #89 skips it. The untie copies locally.
+        # u p = 0): its bucket (its group's alone) is neither reduced, updated nor gathered, as #89 skips it.
         if bucket.names == [TIED_EMBEDDING]:
             return self.adam_step and not self.tied
         return bucket.kind == "muon" or self.adam_step
@@ -1530,8 +1459,7 @@ class ShardedMuonAdam:
 
     def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
         """This rank's shard and the bucket layout a load checks: params[name] = {"bucket": i, "units": (lo, hi),
-        <state>: tensor}, the units lo..hi-1 of name it owns, each through `copy` (the checkpointer's, into pinned host
-        buffers)."""
+        <state>: tensor} for the units of name it owns, each through `copy` (the checkpointer's: into pinned memory)."""
         params = {name: {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
                   for i, b in enumerate(self.buckets) for name, lo, hi, state in b.owned()}
         layouts = [{"kind": b.kind, "dtype": str(b.data.dtype), "unit": b.unit, "names": b.names, "counts": b.counts,
@@ -1575,7 +1503,6 @@ class ShardedMuonAdam:
 # the schedule), in a fixed global order, so any world size sees the same token stream.
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS, BOS_ID = 20240520, 1, 256, 50256
-DOWNLOAD_HINT = "python data/cached_fineweb10B.py 8"
 HERE = Path(__file__).resolve().parent  # the repository: where data/ and tools/ are
 
 @contextlib.contextmanager
@@ -1631,9 +1558,7 @@ def load_shard(path: Path, vocab_size: int) -> np.ndarray:
 
 def find_shards(pattern: str) -> list[Path]:
     """The shards a glob names, in order; a relative one is also tried under this file's folder."""
-    files = sorted(Path(p) for p in glob.glob(pattern))
-    if not files and not Path(pattern).is_absolute():
-        files = sorted(Path(p) for p in glob.glob(str(HERE / pattern)))
+    files = sorted(map(Path, glob.glob(pattern))) or sorted(map(Path, glob.glob(str(HERE / pattern))))
     if not files:
         hint = ("the bundled sample is missing from this checkout: restore it with `git checkout data/sample`"
                 if pattern in (PRESETS["tiny"]["train_files"], PRESETS["tiny"]["val_files"])
@@ -1644,7 +1569,7 @@ def find_shards(pattern: str) -> list[Path]:
 def more_data_hint(pattern: str, missing: bool = False) -> str:
     """Where more (or any) data for a glob comes from: FineWeb's downloader for its shards, else your own text."""
     if "fineweb10B" in pattern:
-        return f"download {'' if missing else 'more '}FineWeb shards with `{DOWNLOAD_HINT}`"
+        return f"download {'' if missing else 'more '}FineWeb shards with `python data/cached_fineweb10B.py 8`"
     return ("check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py" if missing
             else "make more shards from text with data/tokenize_text.py")
 
@@ -1655,9 +1580,8 @@ Pieces = list[tuple[int, int]]  # one sequence: (start, end) token ranges of the
 POSITIONS_KEPT = 64  # recent steps whose stream position is kept: far more than a prefetch runs ahead
 
 class TrainTokenStream:
-    """Step k: global_batch_seqs BOS-aligned sequences of step_shape(k) = (seq_len, max_doc_len) in one global order,
-    whatever the world size, each seq_len + 1 tokens: the documents in order, each cut to max_doc_len, the last to fit;
-    all from one shard."""
+    """Step k: global_batch_seqs sequences of step_shape(k) = (seq_len, max_doc_len), in one order for any world size,
+    each seq_len + 1 tokens of one shard: documents in order from a BOS, each cut to max_doc_len, the last to fit."""
 
     def __init__(self, files: list[Path], seq_len: int, batch_seqs: int, vocab_size: int,
                  step_shape: Callable[[int], tuple[int, int]], epochs: int = 1, preload: bool = False):
@@ -1742,8 +1666,7 @@ class TrainTokenStream:
         return self.positions[steps]
 
     def most_documents(self, step: list[Pieces]) -> int:
-        """The most documents (BOS tokens) one of a step's sequences holds among its inputs: all but its last token,
-        a target only."""
+        """The most documents (BOS tokens) among the inputs (all but the last token) of one of a step's sequences."""
         def documents(pieces: Pieces) -> int:
             starts, ends = [s for s, _ in pieces], [e for _, e in pieces[:-1]] + [pieces[-1][1] - 1]
             return int(np.searchsorted(self.bos, ends).sum() - np.searchsorted(self.bos, starts).sum())
@@ -1753,8 +1676,7 @@ class TrainBatches:
     """This rank's rows of each training step: global sequences r, r + W, ... in order, each cut into `split` pieces of
     seq_len / split inputs (a piece's last input is the next one's first target): a row, a micro-step, each."""
 
-    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None,
-                 split: int = 1):
+    def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None, split: int = 1):
         self.stream, self.rank, self.world_size, self.split = stream, rank, world_size, split
         self.shape = (stream.batch_seqs // world_size * split, stream.seq_len // split + 1)  # the longest step's
         self.steps_left = steps  # None: until the data runs out; a run asks for exactly what it trains on
@@ -1791,8 +1713,7 @@ class ValTokens:
         self.tokens = np.concatenate(parts)
 
     def most_documents(self, seq_len: int) -> int:
-        """The most documents one validation sequence of seq_len inputs holds: its BOS tokens, and the part before
-        its first (the chunks are not document-aligned)."""
+        """The most documents in one validation sequence of seq_len inputs: its BOSes, +1 if it starts mid-document."""
         chunks = self.tokens[: (len(self.tokens) - 1) // seq_len * seq_len].reshape(-1, seq_len)
         return int(((chunks == BOS_ID).sum(1) + (chunks[:, 0] != BOS_ID)).max())
 
@@ -1814,8 +1735,7 @@ class ValBatches:
 
 def count_documents(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
                     ) -> tuple[int, dict[tuple[int, int], int]]:
-    """Serve `steps` steps of the given shapes from the stream's start, as a loader would: how many the files supply,
-    and the most documents one sequence of each shape holds in them."""
+    """How many of `steps` steps the files supply, served as a loader would; the most documents per sequence shape."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, step_shape,
                               cfg.train_epochs)
     most: dict[tuple[int, int], int] = {}
@@ -1829,8 +1749,7 @@ def count_documents(cfg: Config, files: list[Path], steps: int, step_shape: Call
 
 def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
                      ) -> dict[tuple[int, int], int]:
-    """Refuse up front a run whose training files cannot supply its `steps` steps, counted by the stream itself;
-    return the most documents one sequence of each shape holds in them."""
+    """Refuse up front a run whose files cannot supply its `steps` steps; return count_documents' most documents."""
     supplied, most = count_documents(cfg, files, steps, step_shape)
     if supplied < steps:
         raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
@@ -1844,12 +1763,10 @@ def bind_thread_to_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 class PrefetchLoader:
-    """Batches from a source (TrainBatches or ValBatches), prepared ahead, copied to the device off the compute stream.
-    A thread fills a ring of `depth` pinned host buffers; batch N+1 is copied on a copy stream when batch N is handed
-    out, the compute stream waits on its event (record_stream ties it there), and a buffer is refilled only once its
-    copy is done. depth=0: the same work in the main thread. The thread's errors surface in the caller. digest: what the
-    host needs of a batch (ShardedMuonAdam.batch_rows), computed by the thread from the host buffer; self.digest is the
-    last handed-out batch's."""
+    """Batches from a TrainBatches or ValBatches: a thread (depth=0: the caller) fills a ring of `depth` pinned host
+    buffers, each refilled once its copy is done; batch N+1's copy runs on a copy stream while batch N computes, and
+    the compute stream waits on its event (record_stream). The thread's errors surface in the caller. digest: what the
+    host needs of a batch (ShardedMuonAdam.batch_rows), from the host buffer; self.digest: the last batch's."""
 
     def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device,
                  digest: Callable[[np.ndarray], object] | None = None):
@@ -1916,8 +1833,7 @@ class PrefetchLoader:
         if i is None:
             self.done = True
             return None
-        rows, cols = self.filled[i]  # type: ignore[misc]
-        host = self.buffers[i][: rows * cols].view(rows, cols)
+        host = self.buffers[i][: math.prod(self.filled[i])].view(self.filled[i])  # type: ignore[arg-type]
         if self.copy_stream is None:
             batch, event = host.clone(), None
         else:
@@ -1971,27 +1887,24 @@ class PrefetchLoader:
 # --field=value parsing, --help from the Config's own comments, and validate_config, which refuses in one line any
 # value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
 
-ATTENTIONS = ("auto", "fa3", "flex")  # --attention
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
 BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", AUTO)  # what may follow a bare bool flag
-FIELD_KINDS: dict[str, type | str] = {f.name: {"int": int, "float": float, "bool": bool, "str": str, "bool | None":
-                                               "bool | None"}[f.type] for f in dataclasses.fields(Config)}
+FIELD_KINDS: dict[str, str] = {f.name: f.type for f in dataclasses.fields(Config)}  # int, float, str, bool, bool | None
 
-def _parse_value(name: str, kind: type | str, text: str) -> object:
-    if kind not in (bool, "bool | None"):
+def _parse_value(name: str, kind: str, text: str) -> object:
+    if kind not in ("bool", "bool | None"):
         try:
-            return kind(text)
+            return {"int": int, "float": float, "str": str}[kind](text)
         except ValueError:
-            raise UsageError(f"--{name} expects {kind.__name__}, got {text!r}") from None
+            raise UsageError(f"--{name} expects {kind}, got {text!r}") from None
     low = text.lower()
-    if low not in BOOL_WORDS[:8] + ("",) and (kind is bool or low != AUTO):
-        raise UsageError(f"--{name} expects true or false{'' if kind is bool else ' or auto'}, got {text!r}")
+    if low not in BOOL_WORDS[:8] + ("",) and (kind == "bool" or low != AUTO):
+        raise UsageError(f"--{name} expects true or false{'' if kind == 'bool' else ' or auto'}, got {text!r}")
     return None if low == AUTO else low in ("1", "true", "yes", "on", "")
 
 def read_options(argv: list[str]) -> dict[str, str]:
-    """The command line as {field: text}, read as argparse reads it: --field=value or --field value; a bool field alone
-    is true or takes a true/false word. Refuses unknown fields, a missing value and a field given twice (ambiguous)."""
+    """{field: text}, read as argparse reads them: --field=value, --field value, a bool field alone (true)."""
     kinds, options, args = FIELD_KINDS, {}, list(argv)
     while args:
         arg = args.pop(0)
@@ -2003,7 +1916,7 @@ def read_options(argv: list[str]) -> dict[str, str]:
                     or [k for k in kinds if set(name.split("_")) & set(k.split("_"))][:6])
             hint = f"; did you mean --{' or --'.join(near)}?" if near else ""
             raise UsageError(f"unknown option --{name}{hint} (see --help)")
-        flag = kinds[name] in (bool, "bool | None")
+        flag = kinds[name] in ("bool", "bool | None")
         if not eq and args and not args[0].startswith("--") and (not flag or args[0].lower() in BOOL_WORDS):
             text = args.pop(0)
         elif not eq and not flag:
@@ -2026,8 +1939,7 @@ def parse_config(argv: list[str]) -> Config:
     return Config(**{**fields, **overrides})
 
 def config_help() -> str:
-    """--help: Config's fields in their groups, read from this file's source: the comment beside a field is its
-    documentation; a comment line indented past its '#' continues it."""
+    """--help from Config's source: its group comments, each field's comment (continued on lines indented past '#')."""
     groups: list[tuple[str, list[list[str]]]] = []
     for line in inspect.getsource(Config).splitlines()[2:]:
         code, _, comment = line.strip().partition("  # ")
@@ -2061,21 +1973,20 @@ def config_help() -> str:
 
 def profile_steps(spec: str, num_steps: int) -> range:
     """--profile=START:END as the training steps it traces, range(START, END); UsageError when malformed."""
-    start, sep, end = spec.partition(":")
+    start, _, end = spec.partition(":")
     try:
         a, b = int(start), int(end)
     except ValueError:
         raise UsageError(f"--profile expects START:END (0-based training steps, e.g. --profile=10:15), "
                          f"got {spec!r}") from None
-    if not sep or not 0 <= a < b:
+    if not 0 <= a < b:  # (no ':' fails int() above)
         raise UsageError(f"--profile={spec}: needs 0 <= START < END (it traces steps START..END-1)")
     if b > num_steps:
         raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
     return range(a, b)
 
-# The staged fields: "A,B,..." holds an entry per stage (--window_stages: then the extension's), an entry "X/Y/..."
-# numbers. name -> (numbers per entry, their type, what each may be, what an entry is, an example). The lr multiplier
-# scales every group's lr (the records use 1 to 1.73); at most 100 keeps it far from an fp32 update's overflow.
+# The staged fields: "A,B,..." an entry per stage (--window_stages: then the extension's), an entry "X/Y/..." numbers.
+# name -> (numbers per entry, type, what each may be, what an entry is, example). lr: the records' 1 to 1.73 (<= 100).
 STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] = {
     "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks, LONG >= 1", "1/3,3/7,5/11,6/13"),
     "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
@@ -2165,12 +2076,10 @@ def run_length(cfg: Config) -> int:
     """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
     return bench_length(cfg) if cfg.bench else cfg.num_steps
 
-# The allowed range of every numeric field (checked for a finite value too): a NaN, a negative learning rate or a
-# beta of 1.5 stops the run at start-up with one line instead of training on it. Every float field has both bounds:
-# the upper ones lie far above any recipe's values (lrs <= 0.6, weight decay multipliers 150) and keep each update's
-# scalars (lr x stage multiplier <= 100 x decay) finite in fp32, so a typo such as --muon_lr=1e30 is refused here.
-# The start-up work grows with --num_steps and --train_epochs before the corpus is read (the step table, the list
-# of shards to pass over): bounded, so that a typo (--num_steps=10000000) is refused at once, not after minutes.
+# Every numeric field's range (and a finite value): a NaN, a negative lr or a beta of 1.5 is one line at start-up,
+# not a run. Float upper bounds lie far above any recipe's (lrs <= 0.6, weight decay multipliers 150) and keep each
+# update's scalars (lr x stage multiplier <= 100 x decay) finite in fp32. --num_steps and --train_epochs bound the
+# start-up work done before the corpus is read (the step table, the shard list): a typo is refused at once.
 FIELD_RULES: dict[str, str] = {name: rule for rule, names in {
     "> 0": "train_seq_len global_batch_seqs val_seq_len val_tokens vocab_size num_layers model_dim num_heads head_dim "
            "mlp_ratio block_size log_every bench_steps adam_every gate_channels untie_stage bigram_sign_rows mudd_dim "
@@ -2247,12 +2156,12 @@ def validate_config(cfg: Config, world_size: int) -> int:
         (cfg.gate_channels > cfg.model_dim, f"--gate_channels={cfg.gate_channels} exceeds --model_dim={cfg.model_dim}"),
         (cfg.num_heads * cfg.head_dim != cfg.model_dim, f"--num_heads={cfg.num_heads} x --head_dim={cfg.head_dim} "
          f"must equal --model_dim={cfg.model_dim} (value embeddings and skips add model_dim vectors to the values)"),
-        *((getattr(cfg, n) % cfg.block_size, f"--{n}={getattr(cfg, n)} must be a multiple of --block_size="
-           f"{cfg.block_size}") for n in ("train_seq_len", "val_seq_len")),
-        (cfg.val_tokens % cfg.val_seq_len,
-         f"--val_tokens={cfg.val_tokens} must be a multiple of --val_seq_len={cfg.val_seq_len}"),
-        (cfg.attention not in ATTENTIONS, f"--attention must be {', '.join(ATTENTIONS)}, got {cfg.attention!r}"),
-        (stages < 1, "--window_stages with --extension_steps > 0 needs a pair per stage and one for the extension"),
+        # save_every: between Adam steps its summed gradients are pending, a checkpoint could not resume exactly.
+        *((getattr(cfg, n) % getattr(cfg, m), f"--{n}={getattr(cfg, n)} must be a multiple of --{m}={getattr(cfg, m)}")
+          for n, m in (("train_seq_len", "block_size"), ("val_seq_len", "block_size"), ("val_tokens", "val_seq_len"),
+                       ("save_every", "adam_every"))),
+        *((getattr(cfg, n) not in choices, f"--{n} must be {', '.join(choices)}, got {getattr(cfg, n)!r}")
+          for n, choices in (("attention", ("auto", "fa3", "flex")), ("cpu_bf16_gemm", CPU_BF16_GEMMS))),
         (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
          f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
         (any(n % (cfg.micro_split * cfg.block_size) for n in seq_lens), f"--micro_split={cfg.micro_split}: every "
@@ -2265,14 +2174,9 @@ def validate_config(cfg: Config, world_size: int) -> int:
          f"--num_steps or list fewer stages"),
         (cfg.untie_stage > stages, f"--untie_stage={cfg.untie_stage}: the stages are 1 to {stages} (the last: the "
          f"extension)"),
-        # Between Adam steps its summed gradients are pending: a checkpoint there could not resume exactly.
-        (cfg.save_every % cfg.adam_every,
-         f"--save_every={cfg.save_every} must be a multiple of --adam_every={cfg.adam_every}"),
         (cfg.save_final and cfg.num_steps % cfg.adam_every,
          f"--save_final needs --num_steps={cfg.num_steps} to be a multiple of --adam_every={cfg.adam_every}"),
         (cfg.device not in ("auto", "cuda", "cpu"), f"--device must be auto, cuda or cpu, got {cfg.device!r}"),
-        (cfg.cpu_bf16_gemm not in CPU_BF16_GEMMS,
-         f"--cpu_bf16_gemm must be {', '.join(CPU_BF16_GEMMS)}, got {cfg.cpu_bf16_gemm!r}"),
         (cfg.bench and cfg.profile, "--bench traces its own steps; leave out --profile"),
         (cfg.bench and bench_length(cfg) > cfg.num_steps, f"--bench with --bench_steps={cfg.bench_steps} runs "
          f"{bench_length(cfg)} steps but --num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps"),
@@ -2323,9 +2227,8 @@ def gpu_capability(cuda: bool) -> tuple[int, int] | None:
 
 def gpu_runs(path: str, capability: tuple[int, int] | None, cfg: Config | None = None,
              fp8: str | None = None) -> tuple[bool | None, str]:
-    """Whether a path (a gpt_kernels.RUNS_ON key) runs on a GPU of this capability, and why not: False where it cannot
-    (no FP8 before sm89; Triton kernels that fail or spill), None where unmeasured (auto: torch; true: user's call).
-    For a Triton kernel's flag whose FP8 mode (fp8, a field of cfg) is on, that mode's kernels must run too."""
+    """Whether a path (a gpt_kernels.RUNS_ON key) runs on this GPU, and why not: False where it cannot (no FP8 before
+    sm89, Triton kernels that fail or spill), None where unmeasured (auto: torch); `fp8` on in cfg: its kernels too."""
     if capability is None or gpt_kernels is None:
         return True, ""
     target = f"sm{capability[0]}{capability[1]}"
@@ -2341,7 +2244,8 @@ def gpu_runs(path: str, capability: tuple[int, int] | None, cfg: Config | None =
         return runs, why and f"{why} (its FP8 mode, with --{fp8})"
     return True, ""
 
-KERNEL_FLAGS = (("relu2_kernel", "fp8_mlp"), ("fused_head", "fp8_head"), ("dc_kernel", None))  # (flag, FP8 mode's)
+KERNEL_FLAGS = (("fp8_head", None), ("fp8_mlp", None), ("relu2_kernel", "fp8_mlp"), ("fused_head", "fp8_head"),
+                ("dc_kernel", None))  # (flag, its FP8 mode's), resolved in this order: the kernels read the FP8 paths
 
 def gpu_report(cfg: Config) -> str:
     """The log's line on the GPU: its name, capability and memory, each path as resolved (or given), why one is off."""
@@ -2349,7 +2253,7 @@ def gpu_report(cfg: Config) -> str:
     name, memory = (props.name, f", {props.total_memory / 2**30:.0f} GiB") if props else (
         "no GPU visible (resolved as the H100's)", "")
     items = []
-    for flag, fp8 in (("fp8_head", None), ("fp8_mlp", None), *KERNEL_FLAGS, ("polar_express", None)):
+    for flag, fp8 in (*KERNEL_FLAGS, ("polar_express", None)):
         on = getattr(cfg, flag) if flag != "polar_express" else polar_express_kernels(torch.device("cuda"))
         runs, why = gpu_runs(flag, capability, cfg, fp8)
         if not on and runs and "fp8" in flag and os.environ.get("DISABLE_FP8"):
@@ -2361,10 +2265,8 @@ def gpu_report(cfg: Config) -> str:
 
 def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | None = None) -> str:
     """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
-    apply DISABLE_FP8, so that from here on the config (and its log copy) says what the run does; then refuse what the
-    device cannot run (FP8 sizes on the CPU too: a CPU rehearsal of the GPU path refuses what the GPU would; without
-    gpt_kernels.py, auto is the torch path and true is refused). capability: the GPU to resolve for when it is not
-    this one's (tools/memory_estimate.py's cards). Returns the attention path in words."""
+    apply DISABLE_FP8, so the config (and its log copy) says what the run does; refuse what the device cannot run (FP8
+    sizes on the CPU too). capability: another GPU's (memory_estimate --cards). Returns the attention path in words."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
@@ -2372,31 +2274,29 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
     cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
     kernels, capability = gpt_kernels is not None, capability or gpu_capability(cuda)
     triton = importlib.util.find_spec("triton") is not None
-    for name, fp8 in (("fp8_head", None), ("fp8_mlp", None), *KERNEL_FLAGS):  # the FP8 paths first: kernels read them
+    dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
+    bad_dims = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
+    for name, fp8 in KERNEL_FLAGS:
         runs, why = gpu_runs(name, capability, cfg, fp8)
-        if getattr(cfg, name) and runs is False:
+        on, ops = getattr(cfg, name), name.startswith("fp8")  # ops: gpt_kernels' FP8 ops; the others: Triton kernels
+        if on and runs is False:
             raise UsageError(f"--{name}=true: {why}; use --{name}=false (or auto)")
-        ops = name.startswith("fp8")  # gpt_kernels' FP8 ops; the others are Triton kernels
-        if getattr(cfg, name) is None:  # auto: where the GPU runs it cleanly (gpu_runs), the torch path elsewhere
-            setattr(cfg, name, cuda and kernels and (ops or triton) and bool(runs))
-        if ops:
-            setattr(cfg, name, getattr(cfg, name) and not os.environ.get("DISABLE_FP8"))
-        if getattr(cfg, name) and ops and not kernels:
+        if on is None:  # auto: where the GPU runs it cleanly (gpu_runs), the torch path elsewhere
+            on = cuda and kernels and (ops or triton) and bool(runs)
+        on = on and not (ops and os.environ.get("DISABLE_FP8"))
+        setattr(cfg, name, on)
+        if on and ops and not kernels:
             raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
                              f"--{name}=false")
-        if getattr(cfg, name) and not ops and (not kernels or not triton or
-                                               not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        if on and not ops and (not kernels or not triton or not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
             raise UsageError(f"--{name} runs a Triton kernel: it needs gpt_kernels.py beside train_gpt.py, triton "
                              f"installed and a CUDA device (or TRITON_INTERPRET=1 on the CPU, slow); or use "
                              f"--{name}=false")
-    dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
-    for name, what in (("fp8_head", "the FP8 head"), ("fp8_mlp", "the FP8 MLP")):
-        bad = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
-        if getattr(cfg, name) and bad:
-            raise UsageError(f"{what} needs --{', --'.join(dims)} divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm), "
-                             f"got {', '.join(bad)}; change it or use --{name}=false")
-    # Last, as auto may load FA3 from the hub: auto -> fa3 where FA3 loads (a Hopper GPU with the kernels package),
-    # else flex; an explicit fa3 that cannot load is refused.
+        if on and ops and bad_dims:
+            raise UsageError(f"the FP8 {'head' if name == 'fp8_head' else 'MLP'} needs --{', --'.join(dims)} divisible "
+                             f"by {FP8_DIM_MULTIPLE} (torch._scaled_mm), got {', '.join(bad_dims)}; change it or use "
+                             f"--{name}=false")
+    # Last, as auto may load FA3 from the hub: fa3 where it loads (a Hopper GPU with the kernels package), else flex.
     kernel, why = load_fa3() if cfg.attention == "fa3" or cuda and cfg.attention == AUTO else (None, "")
     if cfg.attention == "fa3" and kernel is None:
         raise UsageError(f"--attention=fa3: {why}; use --attention=flex (or auto: FA3 where it loads)")
@@ -2414,10 +2314,9 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-# CPU bf16 matmuls. torch runs them through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX) and through a
-# scalar reference loop elsewhere (AVX2-only CPUs: tens to hundreds of times slower than fp32). There a CPU run's bf16
-# GEMMs run as fp32 GEMMs of the same bf16 values, rounded once to bf16: a bf16 GEMM with fp32 accumulation, as on the
-# GPU, up to summation order. --cpu_bf16_gemm chooses; one dispatch mode serves eager and compiled code.
+# CPU bf16 matmuls run through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX), else through a scalar
+# reference loop (AVX2-only CPUs: tens to hundreds of times slower than fp32). There they can run as fp32 GEMMs of the
+# same bf16 values rounded once to bf16: fp32 accumulation, as on the GPU (--cpu_bf16_gemm, eager and compiled).
 CPU_BF16_GEMMS = ("auto", "native", "fp32")
 CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
                   "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
@@ -2429,9 +2328,8 @@ def native_bf16_gemm() -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 class Fp32Gemms(TorchDispatchMode):
-    """Inside it, every bf16 mm/addmm/bmm/baddbmm on the CPU (and its out= form) runs in fp32 and rounds its
-    result to bf16. It ignores compile internals, so torch.compile still compiles under it (it falls back to eager
-    under other modes): compiled code calls its GEMMs as extern kernels, which come through here when they run."""
+    """Inside it, every bf16 mm/addmm/bmm/baddbmm (or out=) on the CPU runs in fp32, its result rounded to bf16. As it
+    ignores compile internals, torch.compile compiles under it: compiled code's extern GEMMs come through here."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -2465,10 +2363,9 @@ def cpu_report() -> str:
     return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
             f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
-# The bundled CPU records' arithmetic, the "record" path: torch's AVX2 kernels, oneDNN and MKL (the fp32 GEMMs)
-# held to AVX2, the fp32 GEMM path. Every x86-64 CPU with AVX2 computes it, to the same bits at the same torch,
-# threads and world size. The libraries read these variables when torch loads, so run.sh sets them (CPU_PATH=native:
-# not); an AVX2-only CPU runs this path without them.
+# The bundled CPU records' arithmetic, the "record" path: torch's kernels, oneDNN and MKL held to AVX2, fp32 GEMMs; the
+# same bits on every x86-64 CPU with AVX2 at the same torch, threads and world size. The libraries read these variables
+# when torch loads, so run.sh sets them (not with CPU_PATH=native); an AVX2-only CPU needs none of them.
 RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 CPU_PATHS = {"record": "record (AVX2 kernels, oneDNN and MKL at AVX2, fp32 GEMMs: the bundled CPU records' "
                        "arithmetic, the same bits on any x86-64 CPU with AVX2)",
@@ -2518,9 +2415,8 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
     return "\n".join(lines)
 
 def lock_log(f: IO, exclusive: bool = True) -> bool:
-    """Take a run's lock, an exclusive flock on its open text log: held until the file is closed or the process
-    ends (the kernel drops it after a kill -9). False when another process holds it: that run is still going.
-    A shared lock tests for it: the ranks' tests at start-up do not collide."""
+    """Take a run's lock, an exclusive flock on its open text log, held until the file is closed or the process ends
+    (even by kill -9); False while another process holds it. A shared lock only tests for it (ranks at start-up)."""
     try:
         fcntl.flock(f.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -2530,7 +2426,6 @@ def lock_log(f: IO, exclusive: bool = True) -> bool:
     return True
 
 def recorded_event(timing: bool = True) -> torch.cuda.Event:
-    """A CUDA event recorded now on the current stream."""
     event = torch.cuda.Event(enable_timing=timing)
     event.record()
     return event
@@ -2542,18 +2437,15 @@ class RunLog:
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
-        self.file, self.jsonl = (None if p is None else self._io(p, functools.partial(self._open, p, lock))
-                                 for p, lock in ((path, True), (jsonl_path, False)))
         self.records = 0  # JSONL entries written: none until the first validation or step
-
-    @staticmethod
-    def _open(path: Path, lock: bool) -> IO:
-        f = open(path, "a", buffering=1 << 16)  # appending: nothing is cut before the lock is held
-        if lock and not lock_log(f):
-            f.close()
+        # opened for appending, cut only once the text log's lock is held
+        self.file, self.jsonl = (None if p is None else self._io(p, functools.partial(open, p, "a", buffering=1 << 16))
+                                 for p in (path, jsonl_path))
+        if self.file is not None and not lock_log(self.file):
+            self.close()
             raise UsageError(still_running(path))
-        f.truncate(0)
-        return f
+        for f in filter(None, (self.file, self.jsonl)):
+            self._io(f.name, functools.partial(f.truncate, 0))
 
     @staticmethod
     def _io(name: object, action: Callable[[], Any]) -> Any:
@@ -2572,7 +2464,6 @@ class RunLog:
                 print0(line)
 
     def record(self, entry: dict[str, object]) -> None:
-        """Append one JSON object as one line of the JSONL log."""
         if self.jsonl is not None:
             self._io(self.jsonl.name, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
             self.records += 1
@@ -2641,8 +2532,7 @@ def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
 
 def flops_per_token(model: GPT, s: StepSchedule) -> float:
     """Model FLOPs per trained token (forward + backward) at schedule entry `s`, an upper bound (document masking is
-    ignored): 6 matmul_weights + 12 heads head_dim mean_keys_per_query(window tokens, micro_len) per attention layer
-    (paired: half the heads over 2 micro_len), and the last layer's DC attention as one more over DC_WINDOW keys."""
+    ignored): 6 per matmul weight, 12 heads head_dim per key a query sees, DC attention as one more over DC_WINDOW."""
     cfg = model.cfg
     windows, per_key = {"long": s.long_window, "short": s.short_window}, 12 * cfg.num_heads * cfg.head_dim
     attention = sum(per_key * mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size,
@@ -2701,7 +2591,7 @@ class Metrics:
         self.t0 = time.perf_counter()
 
     def add_loss(self, loss_sum: Tensor, tokens: int) -> None:
-        """Add a micro-step's summed token loss (detached, on the device) and its token count."""
+        """A micro-step's summed token loss (detached, on the device) and its token count."""
         self.loss_sum += loss_sum
         self.tokens += tokens
 
@@ -2813,7 +2703,6 @@ def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, flo
             "config": dataclasses.asdict(cfg), "val_losses": [list(p) for p in val_points]}
 
 def write_json_atomic(path: Path, data: dict[str, object]) -> None:
-    """Write JSON to a temporary file beside path, then rename it over path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "w") as f:
         f.write(json.dumps(data, indent=2) + "\n")
@@ -2827,17 +2716,6 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
 STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
 TRACE_REPORT = Path(__file__).resolve().parent / "tools" / "trace_report.py"
 
-def trace_report(folder: Path, log: RunLog) -> dict | None:
-    """tools/trace_report.py's report on a run folder, printed through the log; without that tool beside this file
-    (a copied train_gpt.py), a line saying where the raw figures are."""
-    if not TRACE_REPORT.exists():
-        log(f"bench: raw figures in {folder}/bench_rank<R>.json; tools/trace_report.py reports on them")
-        return None
-    spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.bench_report(folder, print_line=log)
-
 class StepProfiler:
     """The --profile / --bench hooks of the training loop; inert when neither is set. --profile=START:END traces
     training steps START..END-1 (CPU, and CUDA kernels and copies) to trace_rank<R>.json.gz. --bench runs the
@@ -2850,14 +2728,13 @@ class StepProfiler:
         self.timed = range(BENCH_SETTLE_STEPS, BENCH_SETTLE_STEPS + cfg.bench_steps) if cfg.bench else None
         self.traced = (range(self.timed.stop + 1, self.timed.stop + 1 + cfg.bench_steps) if cfg.bench else
                        profile_steps(cfg.profile, cfg.num_steps) if cfg.profile else None)
-        self.folder, self.exported = Path(cfg.log_dir) / cfg.run_id, False
+        self.folder = Path(cfg.log_dir) / cfg.run_id
         self.prof: torch.profiler.profile | None = None
         self.marks: dict[int, torch.cuda.Event | float] = {}  # step -> its start: CUDA event, or host clock
 
     def _export(self, prof: torch.profiler.profile) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.folder / f"trace_rank{self.rt.rank}.json.gz"))
-        self.exported = True
 
     def close(self) -> None:
         if self.prof is not None:
@@ -2875,7 +2752,7 @@ class StepProfiler:
             self.marks[step] = recorded_event() if self.cuda else time.perf_counter()
             if step == self.timed.start and self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.rt.device)
-        if step == max(self.traced.start - 1, 0) and self.prof is None and not self.exported:
+        if step == max(self.traced.start - 1, 0):  # the profiler's warmup step (none for --profile=0:END)
             activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
             steps = torch.profiler.schedule(wait=0, warmup=int(self.traced.start > 0), active=len(self.traced),
                                             repeat=1)
@@ -2901,7 +2778,8 @@ class StepProfiler:
         return [a.elapsed_time(b) if self.cuda else 1000 * (b - a) for a, b in zip(marks, marks[1:])]
 
     def finish(self, log: RunLog, model: GPT) -> dict | None:
-        """Close the profiler; with --bench, write this rank's raw figures and return (rank 0) the report."""
+        """Close the profiler; with --bench, write this rank's raw figures and return (rank 0) tools/trace_report.py's
+        report, printed through the log (without that tool beside this file, a line saying where the figures are)."""
         self.close()
         if self.traced is None:
             return None
@@ -2928,7 +2806,15 @@ class StepProfiler:
                                                     "fp8_head", "prefetch_depth", "bench_steps")}})
         if rt.world_size > 1:
             dist.barrier()  # every rank's figures are on disk (the log dir is shared, as for checkpoints)
-        return trace_report(self.folder, log) if rt.rank == 0 else None
+        if rt.rank != 0:
+            return None
+        if not TRACE_REPORT.exists():  # a copied train_gpt.py
+            log(f"bench: raw figures in {self.folder}/bench_rank<R>.json; tools/trace_report.py reports on them")
+            return None
+        spec = importlib.util.spec_from_file_location("trace_report", TRACE_REPORT)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.bench_report(self.folder, print_line=log)
 
 # -----------------------------------------------------------------------------
 # Checkpoints
@@ -2937,8 +2823,7 @@ class StepProfiler:
 # size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 9  # bumped whenever what is saved changes: 3 added every file's sha256, 8 #89's model (banks, MUDD,
-#                  FP8 MLP state), 9 upstream's current model (the MUDD gate network)
+CKPT_FORMAT = 9  # bumped whenever what is saved changes (9: upstream's current model, with the MUDD gate network)
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
@@ -3013,9 +2898,8 @@ def still_running(text_log: Path) -> str:
             f"the logs of a run that has ended; wait for it or choose another --run_id")
 
 def check_run_paths(cfg: Config) -> None:
-    """Before anything is written: the log folder can be created and written, no earlier run's log is replaced
-    (unless --overwrite), and no checkpoint is written into: a resumed run writes under its own run id, and a
-    saving run's folder holds no checkpoints yet."""
+    """Before anything is written: the log folder is writable, no earlier run's log is replaced (unless --overwrite),
+    no checkpoint is written into (a resumed run writes under its own run id; a saving run's holds none yet)."""
     log_dir = Path(cfg.log_dir)
     run_dir, text_log = log_dir / cfg.run_id, log_dir / f"{cfg.run_id}.txt"
     try:
@@ -3081,25 +2965,34 @@ class ResumePoint:
     rng: dict
     data_position: tuple[int, int] | None  # the stream's (next file, position) after step; None: re-derive it
 
-def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam,
-                     log: RunLog) -> ResumePoint:
-    meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
-    step, saved_world, files = meta["step"], meta["world_size"], meta["files"]
-    params = model.state_dict()  # the parameters and the persistent buffers (the sign table, the FP8 MLP state)
-    state = read_part(folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"], load=True)
-    if not isinstance(state, dict) or set(state) != set(params) or \
-            any(state[n].shape != p.shape or state[n].dtype != p.dtype for n, p in params.items()):
-        raise UsageError(f"checkpoint file {folder / CKPT_MODEL} does not hold this model's parameters")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(state[n])
+def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
+    """Restore --resume into the model and optimizer (before the warmup snapshot); the returned point carries
+    the step, train time and RNG states. Every rank raises the same UsageError if any rank cannot load."""
+    folder, error = Path(cfg.resume), None
     try:
-        parts = [read_part(folder / n, files[n]["sha256"], load=True) for n in map(rank_file, range(saved_world))]
-        if any(p["step"] != step or p["optimizer"]["step_count"] != step for p in parts):
-            raise ValueError
-        optimizer.load_state_dict([p["optimizer"] for p in parts])
-    except (KeyError, TypeError, ValueError, IndexError):
-        raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} or this model") from None
+        meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
+        step, saved_world, files = meta["step"], meta["world_size"], meta["files"]
+        params = model.state_dict()  # the parameters and the persistent buffers (the sign table, the FP8 MLP state)
+        state = read_part(folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"], load=True)
+        if not isinstance(state, dict) or set(state) != set(params) or \
+                any(state[n].shape != p.shape or state[n].dtype != p.dtype for n, p in params.items()):
+            raise UsageError(f"checkpoint file {folder / CKPT_MODEL} does not hold this model's parameters")
+        model.load_state_dict(state)
+        try:
+            parts = [read_part(folder / n, files[n]["sha256"], load=True) for n in map(rank_file, range(saved_world))]
+            if any(p["step"] != step or p["optimizer"]["step_count"] != step for p in parts):
+                raise ValueError
+            optimizer.load_state_dict([p["optimizer"] for p in parts])
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise UsageError(f"checkpoint {folder}: a rank file does not match {CKPT_META} or this model") from None
+    except UsageError as e:
+        error = str(e)
+    if rt.world_size > 1:
+        errors: list[object] = [None] * rt.world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise UsageError(error)
     rng = parts[rt.rank if rt.rank < saved_world else 0]["rng"]  # a new rank takes rank 0's RNG states
     how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
@@ -3120,21 +3013,6 @@ def _load_checkpoint(folder: Path, cfg: Config, rt: Runtime, model: GPT, optimiz
             f"save (e.g. {stale[0]}); delete them once that run has stopped")
     return ResumePoint(step, float(meta["train_time_ms"]), rng, position)
 
-def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
-    """Restore --resume into the model and optimizer (before the warmup snapshot); the returned point carries
-    the step, train time and RNG states. Every rank raises the same UsageError if any rank cannot load."""
-    try:
-        point, error = _load_checkpoint(Path(cfg.resume), cfg, rt, model, optimizer, log), None
-    except UsageError as e:
-        point, error = None, str(e)
-    if rt.world_size > 1:
-        errors: list[object] = [None] * rt.world_size
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise UsageError(error)
-    return point
-
 @dataclass
 class PendingCheckpoint:
     step: int
@@ -3153,7 +3031,7 @@ class Checkpointer:
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
                  start_step: int = 0):
         self.cfg, self.rt, self.log, self.model, self.optimizer = cfg, rt, log, model, optimizer
-        self.start_step = start_step
+        self.start_step = start_step  # a resumed run does not save its first step again
         self.enabled = cfg.save_every > 0 or cfg.save_final  # periodic saves (a stop signal saves in any case)
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
@@ -3198,12 +3076,10 @@ class Checkpointer:
             self.copy_stream.wait_stream(compute)
             with torch.cuda.stream(self.copy_stream):
                 model, optim = self._host_state(self._to_host)
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
-            gpu_stall = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            gpu_stall[0].record(compute)
+                event = recorded_event(timing=False)
+            stall_start = recorded_event()
             compute.wait_event(event)  # the next step writes these tensors only after they are copied
-            gpu_stall[1].record(compute)
+            gpu_stall = (stall_start, recorded_event())
         common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size,
                   "train_time_ms": train_time_ms, "consumed_steps": step, "data_position": list(data_position),
                   "config": dataclasses.asdict(self.cfg), "source_sha256": self.source_sha}
@@ -3212,8 +3088,8 @@ class Checkpointer:
                                           "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
         folder = checkpoint_dir(self.cfg, step)
         future = self.writer.submit(self._write, folder, event, part, model, meta)
-        stall_ms = 1000 * (time.perf_counter() - t0)
-        self.pending.append(PendingCheckpoint(step, folder, stall_ms, time.perf_counter(), future, gpu_stall))
+        issued = time.perf_counter()
+        self.pending.append(PendingCheckpoint(step, folder, 1000 * (issued - t0), issued, future, gpu_stall))
 
     def _write(self, folder: Path, event: torch.cuda.Event | None, part: dict, model: dict | None,
                meta: dict | None) -> float:
@@ -3228,13 +3104,12 @@ class Checkpointer:
             if meta is not None:
                 deadline = time.monotonic() + CKPT_WAIT_S
                 for r in range(1, world_size):
-                    while not (folder / rank_file(r)).exists():
+                    while not (folder / rank_file(r)).exists():  # complete once renamed into place
                         if (failed := folder / f"rank{r}.failed").exists():
                             raise RuntimeError(f"rank {r} failed to write its part: {failed.read_text().strip()}")
                         if time.monotonic() > min(deadline, self.give_up_at):
                             raise RuntimeError(f"rank {r} did not write {rank_file(r)}")
                         time.sleep(0.01)
-                for r in range(1, world_size):  # the other ranks' files are complete once renamed into place
                     sums[rank_file(r)] = hashlib.sha256((folder / rank_file(r)).read_bytes()).hexdigest()
                 meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "sha256": h} for n, h in sums.items()}
                 write_json_atomic(folder / CKPT_META, meta)
@@ -3281,10 +3156,9 @@ class Checkpointer:
 
 # -----------------------------------------------------------------------------
 # Training
-# Untimed warmup on real batches (compiles and autotunes), then the model and optimizer state are
-# restored in place; the clock runs only over training steps, stopped (with a synchronize) around
-# every validation. Each micro-step's summed loss is scaled by train_loss_scale and the gradients are
-# summed across ranks, so every world size takes the same update.
+# Untimed warmup on real batches (compiles, autotunes), then model and optimizer state are restored in place; the
+# clock runs over training steps only, stopped (with a synchronize) around each validation. Each micro-step's summed
+# loss is scaled by train_loss_scale and gradients are summed across ranks: every world size takes the same update.
 
 @dataclass
 class TrainResult:
@@ -3348,7 +3222,14 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
         f"{len(optimizer.buckets)} buckets)")
     if rt.gpu:
         log(rt.gpu)
-    log(attention_report(rt, knobs))
+    need = knobs.documents  # with FA3: cu_seqlens' length per shape, and the data's need
+    if need is None:
+        log(f"attention: {rt.attention}")
+    else:
+        train = [f"{n}/{cut}: {knobs.train_slots(n, cut)} ({most})" for (n, cut), most in need.train.items()]
+        val = f"{cfg.val_seq_len}: {varlen_slots(cfg.val_seq_len, need.val)} ({need.val})"
+        log(f"attention: {rt.attention}; cu_seqlens slots per sequence (tokens/document cut: slots (most documents "
+            f"in this run's data)): {', '.join(train)}; validating {val}")
     if cfg.compile:  # dynamo refuses a function's graph past its limit (8 by default, a hard error): size it
         graphs = compiled_graphs(cfg, optimizer)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, *graphs.values())
@@ -3356,20 +3237,9 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
             f"{torch._dynamo.config.recompile_limit})")
     return raw, model, optimizer
 
-def attention_report(rt: Runtime, knobs: StepKnobs) -> str:
-    """The log's attention line: the path taken and, with FA3, cu_seqlens' length per shape and the data's need."""
-    if knobs.documents is None:
-        return f"attention: {rt.attention}"
-    need = knobs.documents
-    train = [f"{n}/{cut}: {knobs.train_slots(n, cut)} ({most})" for (n, cut), most in need.train.items()]
-    val = f"{knobs.cfg.val_seq_len}: {varlen_slots(knobs.cfg.val_seq_len, need.val)} ({need.val})"
-    return (f"attention: {rt.attention}; cu_seqlens slots per sequence (tokens/document cut: slots (most documents in "
-            f"this run's data)): {', '.join(train)}; validating {val}")
-
 def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
-    """The graphs torch.compile builds per function: the model one per training graph_key (a sequence length; with
-    FA3 a plan) and per validation's, each of Muon's one per shard shape, Adam's one per shard shape, dtype and betas
-    (constants of its graph), each FP8 op two (static, then dynamic)."""
+    """The graphs torch.compile builds per function: the model one per training and validation graph_key, each of
+    Muon's one per shard shape, Adam's one per shard shape, dtype and betas (graph constants), each FP8 op two."""
     schedules = schedule_table(cfg)
     training = {graph_key(cfg, s, True) for s in schedules[:-1]}
     validating = {graph_key(cfg, schedules[k], False) for k in range(run_length(cfg) + 1) if validates_at(cfg, k)}
@@ -3386,9 +3256,8 @@ def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]
 def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
                  digest: Callable[[np.ndarray], object] | None, skip_steps: int = 0,
                  position: tuple[int, int] | None = None) -> PrefetchLoader:
-    """This rank's batches for `steps` steps of the given shapes (step_shape), after the sequences of the first
-    skip_steps (a resumed run's): from the position its checkpoint saved, else re-derived from these shapes; each
-    with its digest (ShardedMuonAdam.batch_rows)."""
+    """This rank's batches (each with its digest) for `steps` steps of the given shapes (step_shape), after the first
+    skip_steps' sequences (a resumed run's): from the position its checkpoint saved, else re-derived from the shapes."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, shape, cfg.train_epochs,
                               preload=cfg.prefetch_depth > 0)
     if position is None:
@@ -3417,10 +3286,11 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows
         requantize()
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows: Tensor | VarlenPlan,
-             stoppable: bool = False) -> float | None:
-    """Mean cross-entropy over the val tokens; one all-reduce for the whole validation. stoppable: a stop signal
-    abandons it at the next batch (None), on every rank alike: the all-reduce carries whether any rank did."""
+def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
+             step: int, train_time_ms: float, stoppable: bool = False) -> tuple[int, float, float] | None:
+    """The mean cross-entropy over the val tokens (one all-reduce), logged: (step, val loss, train time so far).
+    stoppable (the loop can stop at this step): a stop signal abandons it at the next batch, on every rank alike (the
+    all-reduce carries whether any rank did), and None says so: the resumed run validates this step again."""
     model.eval()
     totals = torch.zeros(3, device=rt.device)  # loss sum, batches, ranks that abandoned it
     with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
@@ -3434,22 +3304,27 @@ def evaluate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, windows
     if rt.world_size > 1:
         dist.all_reduce(totals)
     model.train()
-    return None if totals[2].item() else (totals[0] / totals[1]).item()
+    if totals[2].item():
+        log(f"validation at step {step} abandoned: a stop signal came; the resumed run validates this step", flush=True)
+        return None
+    loss = (totals[0] / totals[1]).item()
+    step_avg = train_time_ms / max(step, 1)
+    log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
+                "step_avg_ms": step_avg})
+    log(f"step:{step}/{cfg.num_steps} val_loss:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms",
+        flush=True)
+    return step, loss, train_time_ms
 
-def stage_plan(cfg: Config, schedules: list[StepSchedule]) -> list[str]:
+def log_stage_plan(cfg: Config, schedules: list[StepSchedule], log: RunLog) -> None:
     """One line per span of training steps with the same shapes and windows: a staged run's plan."""
-    def key(s: StepSchedule) -> tuple:
-        return s.seq_len, s.max_doc_len, s.short_window, s.long_window
-
-    spans = [0] + [k for k in range(1, cfg.num_steps) if key(schedules[k]) != key(schedules[k - 1])] + [cfg.num_steps]
-    lines = []
+    keys = [(s.seq_len, s.max_doc_len, s.short_window, s.long_window) for s in schedules[:cfg.num_steps]]
+    spans = [0] + [k for k in range(1, cfg.num_steps) if keys[k] != keys[k - 1]] + [cfg.num_steps]
     for a, b in zip(spans, spans[1:]):
         s = schedules[a]
         cut = f" cut into {cfg.micro_split} x {s.micro_len}" if cfg.micro_split > 1 else ""
-        lines.append(f"stage: steps {a}-{b - 1}: {cfg.global_batch_seqs} x {s.seq_len} tokens{cut} "
-                     f"({cfg.global_batch_seqs * s.seq_len:,}/step), documents cut at {s.max_doc_len}, "
-                     f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
-    return lines
+        log(f"stage: steps {a}-{b - 1}: {cfg.global_batch_seqs} x {s.seq_len} tokens{cut} "
+            f"({cfg.global_batch_seqs * s.seq_len:,}/step), documents cut at {s.max_doc_len}, "
+            f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
 
 def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
     """The training steps the warmup replays (shape and windows): warmup_steps of each distinct training graph (a
@@ -3466,10 +3341,9 @@ def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
 
 def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
            loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, object, int], None]) -> None:
-    """Untimed steps on real batches, one micro-step each, at the shapes and windows of the steps in `plan`
-    (compile, autotune); then what training writes (with --resume: the loaded state) is put back from device-side
-    clones: the bucket buffers (every parameter is a view into one: checked), the optimizer state and the model's
-    persistent buffers (the FP8 MLP state)."""
+    """Untimed steps on real batches, one micro-step each, at the shapes and windows of `plan`'s steps; then what
+    training writes (with --resume: the loaded state) is put back from device-side clones: the bucket buffers (every
+    parameter is a view into one: checked), the optimizer state and the model's persistent buffers."""
     buffers = [b.data for b in optimizer.buckets]
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
     for name, p in model.named_parameters():
@@ -3504,26 +3378,11 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
     log(f"warmup: snapshot {1000 * snapshot:.1f} ms, {len(plan)} steps {steps:.1f} s, restore {1000 * restore:.1f} ms "
         f"(untimed; state restored)")
 
-def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
-             step: int, train_time_ms: float, stoppable: bool = False) -> tuple[int, float, float] | None:
-    """Evaluate and log a val line; (step, val loss, train time so far), or None when a stop signal abandoned it
-    (stoppable: the loop can stop at this step, and the resumed run validates it again)."""
-    loss = evaluate(model, val, cfg, rt, windows, stoppable)
-    if loss is None:
-        log(f"validation at step {step} abandoned: a stop signal came; the resumed run validates this step",
-            flush=True)
-        return None
-    step_avg = train_time_ms / max(step, 1)
-    log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
-                "step_avg_ms": step_avg})
-    log(f"step:{step}/{cfg.num_steps} val_loss:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms",
-        flush=True)
-    return step, loss, train_time_ms
-
-def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProfiler,
+def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProfiler, failures: list[str],
            val_points: list[tuple[int, float, float]], train_time_ms: float, schedules: list[StepSchedule]
            ) -> TrainResult:
-    """After the last step: peak memory, the --bench report, the run summary (rank 0)."""
+    """After the last step: peak memory, the --bench report, the run summary (rank 0); then, if any rank could not
+    write a requested checkpoint (failures: this rank's), the same error on every rank."""
     memory = peak_memory_mib(rt.device)
     if rt.device.type == "cuda":
         log(f"peak memory allocated: {int(memory['peak_memory_allocated_mib'])} MiB "
@@ -3531,16 +3390,20 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
     else:  # torch allocates from the process heap on a CPU: its peak resident size is what there is
         log(f"peak memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB resident (CPU run)")
     bench = profiler.finish(log, model)
-    gpu_names = [torch.cuda.get_device_name(rt.device)] if rt.device.type == "cuda" else []
-    if gpu_names and rt.world_size > 1:
-        every: list[object] = [None] * rt.world_size
-        dist.all_gather_object(every, gpu_names[0])
-        gpu_names = [str(n) for n in every]
+    mine = (torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "", failures)
+    every = [mine] * rt.world_size  # each rank's GPU name and failed checkpoints
+    if rt.world_size > 1:
+        dist.all_gather_object(every, mine)
+    gpu_names = [name for name, _ in every if name]
+    failures = [f for _, rank_failures in every for f in rank_failures]
     summary = None
     if rt.rank == 0:
         summary = run_summary(cfg, rt, val_points, train_time_ms, gpu_names, schedules)
         write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
+    if failures:
+        raise UsageError(f"the run finished, but {len(failures)} requested checkpoint(s) failed: {failures[0]}"
+                         f"{' and more (see the log)' if len(failures) > 1 else ''}")
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
 
 def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens, DocumentCounts]:
@@ -3573,9 +3436,8 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
           vocabulary: list[bytes], argv: list[str]) -> TrainResult:
-    """The run from its first (or resumed) step to the summary; documents: load_data's count (FA3 sizes its buffers
-    from it); vocabulary: the BPE's tokens (the prefix table); argv, the command line, for the resume command an
-    interrupted run prints."""
+    """The run from its first (or resumed) step to the summary; documents: load_data's (FA3 sizes its buffers by it);
+    vocabulary: the BPE's tokens (the prefix table); argv: for the resume command an interrupted run prints."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     schedules = schedule_table(cfg)
@@ -3598,12 +3460,10 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
         f"the final window; peak {peak} per device")
-    for line in stage_plan(cfg, schedules):
-        log(line)
+    log_stage_plan(cfg, schedules, log)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)
     loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, optimizer.batch_rows(),
-                          skip_steps=start_step,
-                          position=resumed.data_position if resumed else None)
+                          skip_steps=start_step, position=resumed.data_position if resumed else None)
     val_points: list[tuple[int, float, float]] = []
     if resumed:
         set_rng_state(resumed.rng, rt.device)
@@ -3612,7 +3472,6 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     try:
         STOP.defer(True, stop_notice(cfg, rt.world_size))
         for step in range(start_step, last_step + 1):
-            last = step == last_step
             if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
                 optimizer.copy_param("lm_head.weight", TIED_EMBEDDING)
             raw_model.tie_embedding(schedules[step].tied)
@@ -3629,9 +3488,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             if checkpointer.due(step):
                 checkpointer.save(step, clock.now(), loader.source.stream.position(step))
             if STOP.now(step, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
-                stop_with_checkpoint(step, cfg, log, checkpointer, clock.now(), loader.source.stream.position(step),
-                                     argv, rt.world_size)
-            if last:
+                stop_with_checkpoint(checkpointer, step, clock.now(), loader.source.stream.position(step), argv)
+            if step == last_step:
                 break
             optimizer.set_step(schedules[step])
             metrics.begin_step(step + 1)
@@ -3643,7 +3501,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             checkpointer.poll()
         metrics.flush()
     except BaseException:
-        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the wait short
+        STOP.ignored = True  # the run is ending: a signal now (torchrun's, after a rank died) would cut the wait short
         checkpointer.close(error=True)  # pending writes finish before the error leaves train()
         raise
     finally:
@@ -3651,16 +3509,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
     checkpointer.close()
     optimizer.wait_for_params()
-    result = finish(cfg, rt, log, raw_model, profiler, val_points, clock.ms, schedules)
-    failures = checkpointer.failures
-    if rt.world_size > 1:  # every rank exits alike, whichever rank's write failed
-        every: list[list[str]] = [[]] * rt.world_size
-        dist.all_gather_object(every, failures)
-        failures = [f for rank_failures in every for f in rank_failures]
-    if failures:
-        raise UsageError(f"the run finished, but {len(failures)} requested checkpoint(s) failed: {failures[0]}"
-                         f"{' and more (see the log)' if len(failures) > 1 else ''}")
-    return result
+    return finish(cfg, rt, log, raw_model, profiler, checkpointer.failures, val_points, clock.ms, schedules)
 
 # -----------------------------------------------------------------------------
 # Main
@@ -3678,6 +3527,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     if cfg.device != "cpu":  # read when CUDA initialises: before any CUDA call; a user's own setting wins
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cpu")
     if want == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device=cuda but no CUDA GPU is visible; use --device=cpu (or --preset=tiny)")
@@ -3688,8 +3538,6 @@ def setup_runtime(cfg: Config) -> Runtime:
                              f"launch with --nproc_per_node={visible} or fewer")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     cuda = device.type == "cuda"
     attention = resolve_for_device(cfg, cuda)
     if world_size > 1:
@@ -3702,26 +3550,17 @@ def setup_runtime(cfg: Config) -> Runtime:
                              f"give --attention=fa3 or --attention=flex")
     return Runtime(rank, world_size, local_rank, device, attention, gpu_report(cfg) if cuda else "")
 
-def agree_on_run_identity(cfg: Config, rt: Runtime) -> None:
-    """Rank 0 draws the seed and run id when they are not given; every rank uses rank 0's."""
-    ident = [cfg.seed if cfg.seed >= 0 else random.SystemRandom().randrange(2**31),
-             cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"]
-    if rt.world_size > 1:
-        dist.broadcast_object_list(ident, src=0)
-    cfg.seed, cfg.run_id = ident
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM, as SLURM, Kubernetes and torchrun stop a job: handled as Ctrl-C is."""
 
 STOPS = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}  # the last line of the log and of stderr
-EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + SIGINT, 128 + SIGTERM
+EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143, RankLost: 1}  # 128 + SIGINT, 128 + SIGTERM; a UsageError: 2
 
 class StopSignal:
-    """The first SIGINT or SIGTERM stops the run (later ones are ignored: they cannot break into the cleanup).
-    Outside the training loop at once; inside it (deferred), at the next step boundary where exact resume is
-    possible, once every rank agrees (through the metrics' collective, or a validation's, which the signal abandons:
-    the resumed run redoes it), after a checkpoint. One that comes while a failed run cleans up is ignored: the
-    error is what the run ends with."""
+    """The first SIGINT or SIGTERM stops the run (later ones cannot break into the cleanup): outside the training loop
+    at once; inside it (deferred), after a checkpoint at the next step boundary where exact resume is possible, once
+    every rank agrees (through the metrics' collective, or a validation's, which the signal abandons: the resumed run
+    redoes it). One that comes while a failed run cleans up (ignored) changes nothing: the error is the run's end."""
 
     def __init__(self):
         self.deferred, self.ignored, self.notice = False, False, ""
@@ -3739,8 +3578,7 @@ class StopSignal:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Handle SIGINT and SIGTERM for one run, then hand them back to their previous handlers: a process that
-        imports this file and calls main() keeps its own signal handling afterwards."""
+        """Handle SIGINT and SIGTERM for one run, then hand them back: a process calling main() keeps its own."""
         self.received, self.ignored = None, False
         previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -3753,10 +3591,6 @@ class StopSignal:
     def defer(self, deferred: bool, notice: str = "") -> None:
         """Inside the training loop or not; notice: what a signal there does (stderr's first line)."""
         self.deferred, self.notice = deferred, notice
-
-    def ignore(self) -> None:
-        """The run is ending on an error or a stop: from now on a signal changes nothing."""
-        self.ignored = True
 
     @staticmethod
     def boundary(step: int, cfg: Config) -> bool:
@@ -3778,16 +3612,11 @@ def stop_notice(cfg: Config, world_size: int) -> str:
     agreed = ", once the ranks agree (within two logging intervals)" if world_size > 1 else ""
     return f"stopping at {where}{agreed}{'' if cfg.bench else ', after a checkpoint'}"
 
-def resume_command(argv: list[str], folder: Path, world_size: int) -> str:
-    """The command to paste to continue this run from a checkpoint: its own options without --run_id and --resume
-    (the resumed run writes under a fresh id), then --resume=<folder>; torchrun's launch for several ranks."""
-    options = [f"--{k}={v}" for k, v in read_options(argv).items() if k not in ("run_id", "resume")]
-    launch = ["python"] if world_size == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world_size}"]
-    return shlex.join([*launch, os.path.relpath(__file__), *options, f"--resume={folder}"])
-
-def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Checkpointer", train_time_ms: float,
-                         data_position: tuple[int, int], argv: list[str], world_size: int) -> None:
-    """Write (unless the loop's schedule just did) and wait for a checkpoint, print the resume command, and stop."""
+def stop_with_checkpoint(checkpointer: Checkpointer, step: int, train_time_ms: float, data_position: tuple[int, int],
+                         argv: list[str]) -> None:
+    """Write (unless the loop's schedule just did) and wait for a checkpoint, log the command that resumes from it (this
+    run's options but --run_id and --resume: it writes under a fresh id; torchrun's for several ranks), and stop."""
+    cfg, log, world_size = checkpointer.cfg, checkpointer.log, checkpointer.rt.world_size
     kind = STOP.received or Terminated  # another rank's signal: this rank stops as that one does
     if not cfg.bench:
         if not checkpointer.due(step):
@@ -3795,42 +3624,44 @@ def stop_with_checkpoint(step: int, cfg: Config, log: RunLog, checkpointer: "Che
         checkpointer.close()
         folder = checkpoint_dir(cfg, step)
         if not checkpointer.failures:
-            log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with: "
-                f"{resume_command(argv, folder, world_size)}", flush=True)
+            options = [f"--{k}={v}" for k, v in read_options(argv).items() if k not in ("run_id", "resume")]
+            launch = ["python"] if world_size == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world_size}"]
+            command = shlex.join([*launch, os.path.relpath(__file__), *options, f"--resume={folder}"])
+            log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with: {command}", flush=True)
     raise kind()
 
-def lost_rank(e: BaseException, rt: Runtime | None) -> RankLost | None:
-    """The error of a collective whose peer process is gone, as one line; None for any other error. NCCL raises
-    DistError; gloo's transport a plain RuntimeError naming its source file, then a paragraph of advice."""
+def one_line_error(e: BaseException, rt: Runtime | None) -> BaseException:
+    """A collective's error when its peer process is gone (NCCL: DistError; gloo: a RuntimeError naming its transport's
+    source file, then advice) or torch's out-of-memory one (allocator figures) as one line saying what to do; else e."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if rt is None or rt.world_size == 1 or not (isinstance(e, dist.DistError) or
-                                                isinstance(e, RuntimeError) and "gloo/transport" in text):
-        return None
-    detail = text.split("] ", 1)[-1].split(". This is typically")[0][:200]
-    return RankLost(f"rank {rt.rank} lost the connection to another rank ({detail}): a rank stopped or died; its "
-                    f"own output says why")
-
-def out_of_memory(e: BaseException, rt: Runtime | None) -> OutOfMemory | None:
-    """torch's out-of-memory error (a page of allocator figures) as one line saying what fits; None for others."""
+    if rt is not None and rt.world_size > 1 and (isinstance(e, dist.DistError) or
+                                                 isinstance(e, RuntimeError) and "gloo/transport" in text):
+        detail = text.split("] ", 1)[-1].split(". This is typically")[0][:200]
+        return RankLost(f"rank {rt.rank} lost the connection to another rank ({detail}): a rank stopped or died; its "
+                        f"own output says why")
     if not isinstance(e, torch.OutOfMemoryError):
-        return None
+        return e
     return OutOfMemory(f"rank {rt.rank if rt else 0} ran out of GPU memory: `python tools/memory_estimate.py --cards` "
                        f"gives the peak per rank on each card at 1 and 8 GPUs and the --micro_split=N that fits (each "
                        f"sequence cut into N micro-steps: less memory, an update measured close to the record's), "
                        f"or use more GPUs")
 
 def run(argv: list[str]) -> TrainResult:
-    """Parse, set up the process group and train; raises UsageError for anything the user can fix. Everything
-    is checked before anything is written; a run that stops after its log was opened says why in the log, and
-    keeps its run id's name only when it finished or a signal stopped it after it recorded something: any other
-    end moves its logs to <run_id>.failed.*."""
+    """Parse, set up the process group and train; UsageError for anything the user can fix. All is checked before
+    anything is written; a run that stops after its log opened says why there, and keeps its run id's name only when
+    it finished or a signal stopped it after it recorded something: else its logs go to <run_id>.failed.*."""
     rt, log, stop, error = None, RunLog(None), None, None
     try:
         cfg = parse_config(argv)
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         check_resume(cfg)
         rt = setup_runtime(cfg)
-        agree_on_run_identity(cfg, rt)
+        # The seed and the run id, unless given: rank 0 draws them, every rank uses rank 0's.
+        ident = [cfg.seed if cfg.seed >= 0 else random.SystemRandom().randrange(2**31),
+                 cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"]
+        if rt.world_size > 1:
+            dist.broadcast_object_list(ident, src=0)
+        cfg.seed, cfg.run_id = ident
         check_model_fits(cfg, rt.device)
         vocabulary = read_vocabulary(cfg)
         train_files, val, documents = load_data(cfg, rt.device)
@@ -3860,8 +3691,8 @@ def run(argv: list[str]) -> TrainResult:
             raise STOP.received()
         return result
     except BaseException as e:
-        STOP.ignore()  # the run is ending: a signal now (torchrun's, after a rank died) would cut the cleanup short
-        error = lost_rank(e, rt) or out_of_memory(e, rt) or e
+        STOP.ignored = True  # the run is ending: a signal now (torchrun's, after a rank died) would cut cleanup short
+        error = one_line_error(e, rt)
         stop = f"error: {error}" if isinstance(error, (UsageError, RankLost)) else STOPS.get(
             type(error), f"failed: {type(error).__name__}: {error}")
         if error is not e:
@@ -3887,18 +3718,13 @@ def main() -> None:
     try:
         with STOP.installed():
             run(argv)
-    except UsageError as e:
-        say = print if isinstance(e, OutOfMemory) else print0  # every rank its own; else rank 0 for all
-        say("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
-        if _rank_and_world()[0] != 0:  # rank 0 says why and exits first: the launcher then stops this one
-            time.sleep(5)
-        sys.exit(2)
-    except RankLost as e:
-        print("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
-        sys.exit(1)
-    except KeyboardInterrupt as e:  # the loaders and checkpoint writers were closed on the way out
-        print0("\n".join([STOPS[type(e)], *getattr(e, "__notes__", [])]), file=sys.stderr)
-        sys.exit(EXIT_CODES[type(e)])
+    except (UsageError, RankLost, KeyboardInterrupt) as e:  # the loaders and checkpoint writers were closed by now
+        say = print if isinstance(e, (OutOfMemory, RankLost)) else print0  # every rank its own; else rank 0 for all
+        first = STOPS[type(e)] if isinstance(e, KeyboardInterrupt) else f"error: {e}"
+        say("\n".join([first, *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
+        if isinstance(e, UsageError) and _rank_and_world()[0] != 0:
+            time.sleep(5)  # rank 0 says why and exits first: the launcher then stops this one
+        sys.exit(EXIT_CODES.get(type(e), 2))
 
 if __name__ == "__main__":
     main()
