@@ -1,8 +1,7 @@
 """Speedrun GPT trainer: the NanoGPT speedrun's current recipe (upstream's f411b3d: record #89 with #85-#88) in one
-file, the recipe first, then the plumbing; the FP8 head's ops and the Triton kernels live beside it in gpt_kernels.py
-(without it: the torch path). Launch with `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]`
-(N in 1, 2, 4, 8) or `python train_gpt.py --preset=tiny` on a CPU. Importing it has no side effects; earlier recipes
-live in records/."""
+file, the FP8 head's ops and the Triton kernels beside it in gpt_kernels.py (without it: the torch path). Launch with
+`torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or `python train_gpt.py
+--preset=tiny` on a CPU. Importing it has no side effects; earlier recipes live in records/."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-# Imported before any process group exists: its functions take group.WORLD as a default argument, so torch._dynamo's
-# lazy import of it after init_process_group would hold the group past destroy_process_group, and gloo's worker
-# threads, still running, would then race the interpreter's exit (a SIGABRT at exit, one run in a few on CPU).
+# Imported before any process group exists: torch._dynamo's lazy import later would hold group.WORLD (its functions'
+# default argument) past destroy_process_group, and gloo's threads would race the exit (SIGABRT, one CPU run in a few).
 import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -49,8 +47,7 @@ class RankLost(Exception):
 # -----------------------------------------------------------------------------
 # Hyperparameters
 # Upstream modded-nanogpt f411b3d (2026-08-01, 8xH100): record #89 with #85 v3's MUDD gates and DC attention, #86's
-# XSA, #87's ReLU^2 backward, #88's prefix-token loss. Every number a user tunes and every systems switch, each a
-# --field=value; earlier recipes run from records/snapshots/ (#28, #70, #89: *_record28/, _record70/, _record89/).
+# XSA, #87's ReLU^2 backward, #88's prefix-token loss, each knob a --field=value; earlier: records/snapshots/*_record*/.
 
 @dataclass
 class Config:
@@ -60,8 +57,7 @@ class Config:
     train_epochs: int = 1  # passes over the training files, in order
     train_seq_len: int = 48 * 1024  # the longest training sequence (--seq_len_stages' longest); buffers fit it
     global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
-    micro_split: int = 1  # each sequence cut into N pieces, a micro-step each: the same tokens per step in less
-    #                       memory (a smaller GPU: tools/memory_estimate.py); attention does not reach across a cut
+    micro_split: int = 1  # N micro-steps per sequence: less memory (tools/memory_estimate.py); attention stops at a cut
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence (contiguous, not document-aligned)
     val_tokens: int = 10_485_760  # validation tokens: the first ones of the val shards
     # model
@@ -74,8 +70,7 @@ class Config:
     attn_pattern: str = "SSSLSS-SSSL"  # per layer: L long window, S short window, - no attention
     paired_layers: str = "0,2,5,9"  # short-window layers whose heads j, j + H/2 attend as pairs (#58); "": none
     value_embeds: str = "-01-----234"  # per layer: the value-embedding table (0-9) its values add, - none (#63)
-    skip: str = "3:6"  # A:B: layer A's output joins attention-less layer B under a gate (#45/#55); the MUDD gates'
-    #                    second block is computed from it, at layer A + 1's input (#85)
+    skip: str = "3:6"  # A:B: A's output joins attention-less layer B, gated (#45/#55); MUDD gate block 1 reads it (#85)
     attn_input_layer: int = 7  # later layers attend over this layer's normed output (#77); the MUDD mixes read it
     xsa_layers: str = "1,3,4,7"  # unpaired attention layers that subtract a gated share of their output along v (#82)
     attn_gate_layers: str = "3,10"  # attention layers whose heads' outputs a MUDD gate scales (#85)
@@ -122,8 +117,7 @@ class Config:
     final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
-    window_stages: str = "1/3,3/7,5/11,6/13"  # "S/L,...": short/long windows per stage, then the extension's: a
-    #                                           token sees W blocks back in its document (0: itself only)
+    window_stages: str = "1/3,3/7,5/11,6/13"  # S/L per stage, then the extension: blocks back in a document (0: itself)
     seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
     lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
     doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
@@ -156,8 +150,7 @@ class Config:
     seed: int = -1  # -1 draws a random seed (printed first, with the run id)
     run_id: str = ""  # a plain name (no '/', '\', whitespace or control characters, not '..'); default: a fresh one
     overwrite: bool = False  # replace an existing --run_id's log and summary (not while it runs; never its checkpoints)
-    log_dir: str = "logs"  # logs/<run_id>.txt, .jsonl, .json and the run's folder (traces, checkpoints); not empty
-    #                        (. for the current folder)
+    log_dir: str = "logs"  # <run_id>.txt, .jsonl, .json and <run_id>/ (traces, checkpoints) go here; not empty (.: cwd)
     val_every: int = 250  # validate every N steps; 0: only at the start and the end
     warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
     log_every: int = 1  # train metrics every N steps (and the last); N never changes training
@@ -169,9 +162,8 @@ class Config:
     resume: str = ""  # a ckpt_<step> directory: continue that run exactly (same shapes and data; own --run_id)
 
 PRESETS: dict[str, dict[str, object]] = {
-    # The recipe scaled down to a CPU on the bundled sample, through every stage, the untie and the extension in
-    # about a minute on 2 cores. On the CPU the vocabulary-sized logits dominate the cost, so few large steps learn
-    # the most per second. block_size 128 is FlexAttention's smallest H100 tile: the preset runs on CPU and GPU.
+    # The recipe scaled down to the bundled sample: every stage, the untie and the extension in about a minute on 2 CPU
+    # cores (few large steps: the logits dominate a CPU's cost). block_size 128 (FlexAttention's H100 tile): GPUs too.
     "tiny": dict(
         seed=1337, train_files="data/sample/sample_train_*.bin", val_files="data/sample/sample_val_*.bin",
         train_seq_len=512, val_seq_len=1024, val_tokens=16384,
@@ -186,11 +178,10 @@ PRESETS: dict[str, dict[str, object]] = {
 
 # -----------------------------------------------------------------------------
 # Model
-# Upstream's current GPT: token, value and bigram embeddings, per-sublayer residual lambdas, per-token gates from a
-# small network, QK-norm, half-truncated RoPE with YaRN, paired-head, key-offset and XSA attention, DC attention on the
-# last layer, later layers attending over one saved layer's output, MUDD mixes, ReLU^2 MLP (FP8 in training),
-# soft-capped multi-token and prefix-token loss. One mask rule (FA3's token windows within documents), two kernels:
-# FlexAttention block masks on CUDA, a dense SDPA mask on CPU (FlexAttention has no CPU backward).
+# Upstream's current GPT: token, value and bigram embeddings, residual lambdas, per-token gates from a small network,
+# QK-norm, half-truncated RoPE with YaRN, paired-head, key-offset, XSA and (last layer) DC attention, MUDD mixes, ReLU^2
+# MLP (FP8 in training), soft-capped multi-token and prefix-token loss. One mask rule (FA3's token windows within
+# documents), two kernels: FlexAttention block masks on CUDA, a dense SDPA mask on CPU (no CPU backward in flex).
 
 BIGRAM_MUL = (36313, 27191)  # the bigram hash's multipliers of the token and the previous one (#62)
 YARN_ALPHA, YARN_BETA = 1.0, 32.0  # a frequency's turns in the old window: below alpha interpolated, above beta kept
@@ -201,15 +192,14 @@ RMS_EPS = torch.finfo(torch.float32).eps  # what F.rms_norm adds for bf16 and fp
 def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=RMS_EPS)
 
+@torch.no_grad()
 def init_matrix_(w: Tensor, bound: float) -> None:
     """U(-bound, bound) rounded to bf16, as #89 draws its banks in fp32 and stores them in bf16 with zero mantissas."""
-    with torch.no_grad():
-        w.copy_(w.uniform_(-bound, bound).bfloat16())
+    w.copy_(w.uniform_(-bound, bound).bfloat16())
 
 def bigram_index(input_seq: Tensor | np.ndarray, rows: int) -> Tensor | np.ndarray:
-    """Each position's row of the bigram table (#62): ((36313 x_t) xor (27191 x_(t-1))) mod (rows - 1), products
-    wrapping around int32 (emulated in int64: inductor's integers must not overflow); the last row at position 0, whose
-    index #89 writes into x_0 before hashing. Along the last axis, of a tensor or a numpy array (ShardedMuonAdam's)."""
+    """Each position's row of the bigram table (#62): (36313 x_t xor 27191 x_(t-1)) mod (rows - 1), products wrapping
+    around int32 (in int64: inductor's must not overflow); the last row at position 0 (#89 writes it into x_0 first)."""
     xp = torch if isinstance(input_seq, Tensor) else np
     x = input_seq.long() if xp is torch else input_seq.astype(np.int64)
     x = xp.concatenate([x[..., :1] * 0 + (rows - 1), x[..., 1:]], -1)
@@ -226,8 +216,7 @@ def may_attend(q_idx: Tensor, kv_idx: Tensor, first_key: Tensor) -> Tensor:
 
 def block_window_selection(docs: Tensor, block_size: int, window: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query block, the key blocks it reads, nearest first: (partial count, partial idx, full count, full idx).
-    Visible: at most `window` (a tensor: never recompiles) blocks back, document ranges overlapping; full (no
-    per-token mask): fewer than `window` back, both in one document."""
+    Visible: at most `window` blocks back, documents overlapping; full (no per-token mask): fewer, in one document."""
     blocks = docs.view(-1, block_size)
     nb, first, last = blocks.size(0), blocks[:, 0], blocks[:, -1]
     q, k = torch.arange(nb, device=docs.device)[:, None], torch.arange(nb, device=docs.device)[None, :]
@@ -270,9 +259,8 @@ def dense_mask(input_seq: Tensor, block_size: int, window: Tensor, paired: bool 
     blocks_ok = chosen.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return blocks_ok & may_attend(pos[:, None], pos[None, :], first_key)
 
-# FA3 (#89's kernel, on Hopper) takes the same rule as one varlen call per layer: documents as cu_seqlens, causal, a
-# window of (w, 0) tokens, YaRN's scale as softmax scale. Python numbers: each distinct set is a graph, as in #89 (a
-# VarlenPlan per training stage and per validation); cu_seqlens' fixed length per plan is sized from the run's data.
+# FA3 (#89's kernel, on Hopper) takes the same rule as one varlen call per layer (cu_seqlens, causal, (w, 0) windows);
+# each distinct VarlenPlan is a graph, as in #89: one per training stage and per validation, sized from the run's data.
 VARLEN_SLOTS = {16384: 64, 32768: 96, 49152: 128}  # #89's cu_seqlens lengths per micro-step length (#78: FineWeb's)
 
 @dataclass(frozen=True)
@@ -292,8 +280,7 @@ def varlen_slots(seq_len: int, most_documents: int) -> int:
     return max(record, -(-(most_documents + 1) // 16) * 16)
 
 def cu_seqlens(input_seq: Tensor, slots: int) -> Tensor:
-    """FA3's cu_seqlens in #89's layout: 0, each later document's start, then T repeated up to `slots` entries (empty
-    sequences, which FA3 skips). Static shape: no host sync, no recompile."""
+    """#89's layout: 0, each later document's start, then T up to `slots` entries (static shape: no host sync)."""
     T = input_seq.numel()
     starts = (input_seq == BOS_ID) | (torch.arange(T, device=input_seq.device) == 0)
     return torch.nonzero_static(starts, size=slots, fill_value=T).flatten().int()
@@ -305,8 +292,7 @@ def yarn_scale(long_windows: tuple[int, ...], base: float) -> float:
     return base
 
 class Rotary(nn.Module):
-    """Half-truncated RoPE in #89's layout: dim pairs (2i, 2i + 1) of a head's first half turn at frequencies
-    1 .. 1/1024, its second half never. bf16 tables from fp32 angles, as #89's; YaRN rewrites them in place."""
+    """Half-truncated RoPE in #89's layout (dim pairs (2i, 2i + 1)), bf16 tables from fp32 angles, as #89's."""
 
     def __init__(self, head_dim: int, max_len: int):
         super().__init__()
@@ -345,9 +331,8 @@ DC_WINDOW = 112  # DC attention's keys per query: itself and the 111 before it i
 def dc_attention(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, cu_seqlens: Tensor,
                  scale: float | Tensor, window: int = DC_WINDOW, block: int = 64) -> Tensor:
     """DC attention (#85; gpt_kernels' op's torch path) on attention's output base (T, H, D): per token t and head h a
-    softmax P_h of scale q_t.k_j over the keys j of its window in its document (cu_seqlens: FA3's, padded with T),
-    A = sum_h w1_h P_h, out_h = base_h + sum_j bf16(w2_h A_j) v_j, in fp32 rounded once. q, k, v: (1, T, H, D); w1, w2:
-    (1, T, H). Query blocks against the keys they reach: T x (block + window) memory per head, never T x T."""
+    softmax P_h of scale q_t.k_j over the keys j of its window in its document, A = sum_h w1_h P_h, out_h = base_h +
+    sum_j bf16(w2_h A_j) v_j, in fp32 rounded once. Query blocks against the keys they reach: never T x T memory."""
     T = base.size(0)
     acc = torch.promote_types(base.dtype, torch.float32)  # fp32 sums (float64 in the tests)
     n, keys = -(-T // block), block + window - 1
@@ -375,8 +360,7 @@ def dc_attention(base: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: 
 @dataclass(frozen=True)
 class GateSlots:
     """Layer -> (block, first slot) of its per-token gates in the gate network's outputs (#85 v3): block 0 reads x0,
-    gates the layers up to the skip's source; block 1 reads its output, gates the rest. In a block: XSA logits and head
-    gates (H per layer each), an (x0, bigram) pair per layer; block 1 then the skip's gate, DC's w1 and w2 (H each)."""
+    gates the layers up to the skip's source; block 1 reads its output, gates the rest, the skip and DC."""
     xsa: dict[int, tuple[int, int]]
     attn_gate: dict[int, tuple[int, int]]
     inject: dict[int, tuple[int, int]]  # x0's gate at the slot, the bigram's after it (not the last layer: MUDD's)
@@ -401,8 +385,7 @@ def gate_slots(cfg: Config, plans: list[LayerPlan], second_from: int) -> GateSlo
     return dataclasses.replace(slots, sizes=tuple(sizes))
 
 def gate_bias_init(slots: GateSlots, cfg: Config) -> Tensor:
-    """The gate network's biases (stored / MUDD_SCALE): at init the head gates are 0.25, the bigram's 0.05, the
-    skip's 0.5 and DC's w1 1 (the x0 gates, XSA shares and DC's w2 0: DC adds nothing)."""
+    """The gate network's biases (stored / MUDD_SCALE); the rest 0 (DC's w2 too: DC adds nothing at init)."""
     b = torch.zeros(2, max(slots.sizes))
     for block, slot in slots.attn_gate.values():
         b[block, slot: slot + cfg.num_heads] = 0.25 / MUDD_SCALE
@@ -470,10 +453,9 @@ def softcap(logits: Tensor, cfg: Config) -> Tensor:
     return cfg.logit_cap * torch.sigmoid((logits.float() + cfg.logit_shift) / cfg.logit_temp)
 
 class SoftcappedMTPLoss(torch.autograd.Function):
-    """The loss as upstream's fused kernel (gpt_kernels' softcap_ce) computes it: per position t, sum_k w_k CE(z_t,
-    y_(t+k)) over the k inside the sequence (#53), plus w_p CE(z_t, prefix_t) where y_t's prefix token exists (>= 0,
-    #88), z = cap bf16(sigmoid((l + shift) / temp)). The kernel's gradient: its softmax term weighs every w_k, also past
-    the sequence's end, so the last K - 1 positions' gradient is not their loss's (#89's quirk, ported as it ran)."""
+    """The loss as gpt_kernels' softcap_ce (upstream's fused kernel) computes it: per position t, sum_k w_k CE(z_t,
+    y_(t+k)) over the k inside the sequence (#53), plus w_p CE(z_t, prefix_t) where y_t has a prefix token (#88). Its
+    gradient's softmax term weighs every w_k, also past the sequence's end: the last K - 1 positions' (#89's quirk)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, prefix: Tensor, prefix_weight: Tensor,
@@ -502,8 +484,7 @@ class SoftcappedMTPLoss(torch.autograd.Function):
         return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None, None, None
 
 def read_vocabulary(cfg: Config) -> list[bytes]:
-    """GPT-2's BPE tokens by id from --vocab_file (tiktoken's r50k_base, in data/tokenizer/: a base64 token and its
-    rank per line). Read at start-up: a run without it stops before any work."""
+    """GPT-2's BPE tokens by id from --vocab_file (tiktoken's r50k_base: a base64 token and its rank per line)."""
     path = Path(cfg.vocab_file)
     if not path.is_absolute() and not path.exists():
         path = Path(__file__).resolve().parent / path
@@ -520,8 +501,7 @@ def read_vocabulary(cfg: Config) -> list[bytes]:
     return [tokens[i] for i in range(len(tokens))]
 
 def prefix_table(tokens: list[bytes], vocab_size: int) -> Tensor:
-    """Each token's prefix token (#88): the id of the longest proper prefix of its bytes that is itself a token; -1
-    where there is none (the 256 single bytes) and past the BPE's ids (<|endoftext|>, the padding)."""
+    """Each token's prefix token (#88): its longest proper byte prefix that is a token; -1: none, or past the BPE's."""
     ids = {token: i for i, token in enumerate(tokens)}
     prefixes = [next((ids[t[:n]] for n in range(len(t) - 1, 0, -1) if t[:n] in ids), -1) for t in tokens]
     return torch.tensor(prefixes + [-1] * (vocab_size - len(tokens)))
@@ -535,10 +515,9 @@ def fp8_scales(cfg: Config, loss_scale: float) -> list[float]:
     return [cfg.fp8_x_scale, cfg.fp8_w_scale, cfg.fp8_grad_scale * loss_scale]
 
 class GPT(nn.Module):
-    """Upstream's current model. Attention: fa3 (flash_attn_varlen_func or a stand-in), else use_flex (FlexAttention
-    block masks, CUDA), else SDPA with a dense mask; compile_flex: compile flex_attention alone (unfused, it would
-    materialize the score matrix). Parameter names are upstream's optimizer labels; the Muon banks (qk, vo, mlp) are
-    bf16, their fp32 masters completed by the optimizer's state."""
+    """Attention: fa3 (flash_attn_varlen_func or a stand-in), else use_flex (FlexAttention), else SDPA with a dense
+    mask; compile_flex: flex_attention compiled alone (unfused, it would materialize the scores). Parameter names are
+    upstream's optimizer labels; the Muon banks are bf16, their fp32 masters completed by the optimizer's state."""
 
     def __init__(self, cfg: Config, use_flex: bool, fp8_head: bool, compile_flex: bool = False,
                  fa3: Callable | None = None):
@@ -559,7 +538,7 @@ class GPT(nn.Module):
         with torch.no_grad():
             self.embed.weight.copy_(self.lm_head.weight)
         self.value_embeds = nn.Parameter(0.01 * torch.randn(n_tables, cfg.vocab_size, d, dtype=torch.bfloat16))
-        # The bigram hash table (#62), narrower than the residual, times a fixed +-1 row per token pair (#83).
+        # The bigram hash table (#62), times a fixed +-1 row per token pair (#83).
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, d, dtype=torch.bfloat16)
         nn.init.zeros_(self.bigram_embed.weight)
         self.register_buffer("bigram_sign_table", torch.randn(cfg.bigram_sign_rows, d).sign().bfloat16())
@@ -583,27 +562,21 @@ class GPT(nn.Module):
         self.mudd_w1 = nn.Parameter(mudd_w1_init(cfg))
         self.mudd_w2 = nn.Parameter(torch.zeros(2, max(MUDD_COEFS), cfg.mudd_dim, dtype=torch.bfloat16))
         self.mudd_b2 = nn.Parameter(mudd_bias_init())
-        # One RoPE table per length (paired layers: 2T positions), shared by the layers.
         self.rotary = Rotary(D, max_len)
         self.rotary_paired = Rotary(D, 2 * max_len) if any(p.paired for p in self.plans) else None
-        # YaRN's attention scale as a factor on q (the kernels' scale stays fixed: a new value never recompiles)
-        self.register_buffer("q_gain", torch.ones(()), persistent=False)
+        self.register_buffer("q_gain", torch.ones(()), persistent=False)  # YaRN's scale, on q: never recompiles
         self.yarn_windows: tuple[int, ...] = ()  # the long windows apply_yarn last set RoPE for
         # 1 while the embedding reads the head: a buffer tie_embedding writes in place, so untying never recompiles.
         self.register_buffer("embed_tied", torch.ones(()), persistent=False)
         self.embed_tied_now = True  # what tie_embedding last wrote into embed_tied
-        # FP8 MLP state (#84, #89), checkpointed: e4m3 W_fc (current scale) and W_proj^T (delayed weight scale), made
-        # by quantize_mlp_ after each optimizer step; per layer the down-projection's input scale, set for the next.
-        hidden = cfg.mlp_ratio * d
-        self.register_buffer("fp8_w_fc", torch.zeros(L, hidden, d, dtype=torch.float8_e4m3fn))
-        self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, hidden, dtype=torch.float8_e4m3fn))
+        # FP8 MLP state (#84, #89), checkpointed: e4m3 W_fc (current scale), W_proj^T (delayed scale), per-layer scales.
+        self.register_buffer("fp8_w_fc", torch.zeros(L, cfg.mlp_ratio * d, d, dtype=torch.float8_e4m3fn))
+        self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, cfg.mlp_ratio * d, dtype=torch.float8_e4m3fn))
         for name in ("fp8_up_scales", "fp8_down_scales", "fp8_down_next_scales", "fp8_act_scales"):
             self.register_buffer(name, torch.ones(L))
-        # The prefix-token loss's targets (#88): each token's longest proper byte prefix that is a token, -1 (none)
-        # until the run fills it in place (set_prefix_table: after the clock starts, as upstream); not checkpointed.
+        # The prefix-token loss's targets (#88), filled by set_prefix_table once the clock starts, as upstream.
         self.register_buffer("prefix_table", torch.full((cfg.vocab_size,), -1), persistent=False)
-        # The MUDD gate network (#85 v3), registered last as upstream's: per token, every gate of gate_slots from two
-        # small MLPs like MUDD's, times one learned scale shared by both blocks (fp32, read in bf16).
+        # The MUDD gate network (#85 v3), registered last as upstream's; one scale for both blocks (fp32, read in bf16).
         self.slots = gate_slots(cfg, self.plans, self.skip_from + 1)
         self._mudd_gate_scale = nn.Parameter(torch.tensor(MUDD_SCALE))
         self.mudd_gate_w1 = nn.Parameter(mudd_w1_init(cfg))
@@ -612,8 +585,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def apply_yarn(self, long_windows: tuple[int, ...]) -> None:
-        """YaRN (#31) at each change W -> W' of the long window (blocks): frequency w with r = B W w / 2pi turns in the
-        old window becomes w (s + g (1 - s)), s = W / W', g = clamp((r - 1) / 31, 0, 1); q_gain: yarn_scale."""
+        """YaRN (#31) at each change W -> W' of the long window (blocks): RoPE's frequencies and q_gain, in fp32."""
         if long_windows[1:] == self.yarn_windows[1:]:
             return
         freqs = self.rotary.base.to(self.rotary.cos.device)  # fp32 throughout, #89's order of operations
@@ -635,16 +607,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def quantize_mlp_(self, exact_down: bool) -> None:
-        """The FP8 MLP weights from the bf16 ones, after every optimizer step (#84, #89). exact_down: the down-
-        projection's weight scale is the current amax / 448, as for the first steps, not last step's x headroom."""
+        """The FP8 MLP weights, after each optimizer step (#84, #89); exact_down: the down-projection's at its amax."""
         gpt_kernels.quantize_mlp_weights_(self.mlp_bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
                                           self.fp8_down_scales, self.fp8_down_next_scales, exact_down,
                                           self.cfg.fp8_down_w_headroom)
 
     def mudd(self, x: Tensor, block: int) -> list[Tensor]:
         """MUDD block's coefficients for each token of x, (1, T, 1) each."""
-        h = F.gelu(F.linear(x, self.mudd_w1[block]))
-        n = MUDD_COEFS[block]
+        h, n = F.gelu(F.linear(x, self.mudd_w1[block])), MUDD_COEFS[block]
         return ((F.linear(h, self.mudd_w2[block, :n]) + self.mudd_b2[block, :n]) * MUDD_SCALE).split(1, dim=-1)
 
     def gates(self, x: Tensor, block: int) -> Tensor:
@@ -654,9 +624,8 @@ class GPT(nn.Module):
         return (F.linear(h, self.mudd_gate_w2[block, :n]) + self.mudd_gate_b2[block, :n]) * scale
 
     def attention_kernels(self, input_seq: Tensor, windows: Tensor | VarlenPlan, cu: Tensor) -> dict[str, Attend]:
-        """Per window kind (long, short, paired: the short window over 2T positions) an Attend: FA3's varlen call
-        (windows: a VarlenPlan; cu: cu_seqlens), else may_attend's masks (windows: (long, short) blocks, a tensor) with
-        YaRN's gain on q, by FlexAttention (CUDA) or SDPA (CPU)."""
+        """Per window kind (long, short, paired: the short window over 2T positions) an Attend: FA3's varlen call, else
+        may_attend's masks (windows: (long, short) blocks) with YaRN's gain on q, by FlexAttention or SDPA."""
         if self.fa3 is not None:
             def varlen(window: int, paired: bool) -> Attend:
                 n = 1 + paired  # paired: every position twice, so are the offsets and the longest document
@@ -683,8 +652,7 @@ class GPT(nn.Module):
         return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
 
     def dc_attention(self, windows: Tensor | VarlenPlan, cu: Tensor) -> Callable[..., Tensor]:
-        """dc_attention over cu's documents at attention's softmax scale (FA3's plan's, else with YaRN's gain on q);
-        the Triton kernels with --dc_kernel."""
+        """dc_attention over cu's documents at attention's softmax scale; the Triton kernels with --dc_kernel."""
         def dc(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
             q, scale = (q, windows.scale) if self.fa3 is not None else (q * self.q_gain, self.cfg.attn_scale)
             if self.cfg.dc_kernel:
@@ -694,8 +662,7 @@ class GPT(nn.Module):
 
     def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], qk: Tensor, vo: Tensor,
                   gates: dict[str, Tensor], dc: Callable[..., Tensor] | None = None) -> Tensor:
-        """Layer i's attention over u (normed, (1, T, d)), aux_v added to its values; qk, vo: the banks in bf16; gates:
-        its per-token gates ((1, T, H) each: "xsa", "attn", "dc_w1", "dc_w2"); dc: the last layer's DC attention."""
+        """Layer i's attention over u (normed), aux_v added to its values; qk, vo: the banks in bf16; gates: its own."""
         plan, (T, H, D) = self.plans[i], (u.size(1), self.cfg.num_heads, self.cfg.head_dim)
         a, lambdas = plan.attn, self.scalars[2 * i: 2 * i + 2]
         w_qkv = torch.cat([qk[a * H:(a + 1) * H].flatten(0, 1), vo[2 * a]])  # rows: Q, K (head pairs), V
@@ -722,8 +689,7 @@ class GPT(nn.Module):
         return F.linear(y.flatten(-2), lambdas[1] * vo[2 * a + 1])
 
     def mlp(self, x: Tensor, i: int, w_fc: Tensor, w_proj: Tensor, amaxes: list[Tensor]) -> Tensor:
-        """relu(x W_fc^T)^2 W_proj; in training with fp8_mlp, #89's FP8 up- and down-projections (post's partial maxima
-        go to amaxes, for the next training step's scale); relu2_kernel: the ReLU^2 GEMM as a Triton kernel."""
+        """relu(x W_fc^T)^2 W_proj; fp8_mlp in training: #89's FP8 GEMMs, post's maxima to amaxes (the next scale's)."""
         if self.training and self.cfg.fp8_mlp:
             out, amax = torch.ops.speedrun.mlp_fp8(x.flatten(0, 1), w_fc, w_proj, self.fp8_w_fc[i],
                                                    self.fp8_up_scales[i], self.fp8_w_proj_t[i],
@@ -750,8 +716,7 @@ class GPT(nn.Module):
         """The head's input (T, model_dim) for one packed (T,) sequence; windows as attention_kernels takes them."""
         cfg, L, H, D = self.cfg, self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim
         T, last, half = input_seq.numel(), self.cfg.num_layers - 1, self.cfg.gate_channels // 2
-        # The documents as FA3's cu_seqlens, once per sequence: FA3's calls and DC attention read them.
-        cu = cu_seqlens(input_seq, windows.slots if self.fa3 is not None else T + 1)
+        cu = cu_seqlens(input_seq, windows.slots if self.fa3 is not None else T + 1)  # for FA3 and DC attention
         attend = self.attention_kernels(input_seq, windows, cu)
         # Both lookups, weighted by the tie flag: the same graph tied and untied.
         e = self.embed(input_seq)
@@ -808,8 +773,7 @@ class GPT(nn.Module):
         if amaxes:  # each down-projection's input scale for the next training step (#89), from post's partial maxima
             scales = torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448)
             self.fp8_act_scales.copy_(scales)
-        # MUDD block 1 (#81): the last mix, in place of #70's backout
-        nu = self.mudd(x, 1)
+        nu = self.mudd(x, 1)  # MUDD block 1 (#81): the last mix, in place of #70's backout
         x = (x + nu[0] * stream0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
              + nu[4] * saved[self.skip_from])
         return norm(x).flatten(0, 1)
@@ -827,8 +791,7 @@ class GPT(nn.Module):
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, windows: Tensor | VarlenPlan, mtp: Tensor | None = None,
                 prefix_weight: Tensor | None = None) -> Tensor:
-        """Summed multi-token and prefix-token loss in training (mtp, prefix_weight: their weights, (K,) and (1,)),
-        mean cross-entropy in eval; --fused_head: the head and loss by gpt_kernels' softcap_ce, no logits tensor."""
+        """Training: the summed multi-token and prefix-token loss; eval: mean cross-entropy; --fused_head: no logits."""
         cfg = self.cfg
         if not self.training or mtp is None:
             mtp = target_seq.new_ones(1, dtype=torch.float32)
@@ -902,11 +865,10 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     trained = parse_stages("window_stages", cfg.window_stages)[: stage + 1]
     yarn_windows = tuple(dict.fromkeys(long for _, long in trained))
     # A stage's last multi-token weight of several falls to 0 across it; padded with zeros to the most.
-    weights = parse_stages("mtp_stages", cfg.mtp_stages)
-    mtp = list(weights[min(stage, len(weights) - 1)])
+    mtp = list(staged("mtp_stages"))
     if len(mtp) > 1:
         mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #89 interpolates, a + (b - a) t, bit for bit
-    mtp = tuple(mtp) + (0.0,) * (max(map(len, weights)) - len(mtp))
+    mtp = tuple(mtp) + (0.0,) * (max(map(len, parse_stages("mtp_stages", cfg.mtp_stages))) - len(mtp))
     start, end = staged("prefix_stages")
     prefix = start + (end - start) * (0.0 if stage >= stages else progress)  # the extension keeps its start
     # The last tied step is the first Adam step at or after the untie stage's start.
@@ -922,14 +884,12 @@ def schedule_table(cfg: Config) -> list[StepSchedule]:
 
 @dataclass(frozen=True)
 class DocumentCounts:
-    """The most documents one sequence holds in the run's data, per training shape (seq_len, max_doc_len) and in
-    validation, counted at start-up (load_data): FA3's cu_seqlens are sized from them, so no batch overflows them."""
+    """The most documents one sequence of the run's data holds (load_data), per training shape and in validation."""
     train: dict[tuple[int, int], int]
     val: int
 
 class StepKnobs:
-    """The schedule's inputs to the model, made once per run: rows of device tables (multi-token weights, prefix weight,
-    (long, short) windows in blocks: a new value never recompiles), or with FA3 (documents given) a VarlenPlan."""
+    """The schedule's inputs to the model: rows of device tables made once per run, or with FA3 a VarlenPlan."""
 
     def __init__(self, cfg: Config, schedules: list[StepSchedule], device: torch.device,
                  documents: DocumentCounts | None = None):
@@ -940,8 +900,7 @@ class StepKnobs:
         self.prefix = torch.tensor([[s.prefix_weight] for s in schedules], device=device)
 
     def train_slots(self, seq_len: int, max_doc_len: int) -> int:
-        """cu_seqlens' length for a micro-step of a training sequence of this shape: with --micro_split, a piece holds
-        at most the whole sequence's documents and the one continued across its cut."""
+        """cu_seqlens' length for a micro-step of this shape (a piece: its sequence's documents + 1 across a cut)."""
         split = self.cfg.micro_split
         return varlen_slots(seq_len // split, self.documents.train[seq_len, max_doc_len] + (split > 1))
 
@@ -962,8 +921,7 @@ class StepKnobs:
         return self.windows[step] if self.documents is None else self.plan(step, False)
 
 def graph_key(cfg: Config, s: StepSchedule, training: bool) -> tuple:
-    """What the compiled model's graph for this step depends on (dynamic=False): the sequence's length in training; with
-    FA3 also its plan's numbers (document cut, windows, YaRN's scale: slots follow the shape)."""
+    """What the compiled model's graph for this step depends on (dynamic=False; FA3's slots follow the shape)."""
     shape = (s.seq_len, s.max_doc_len) if training else ()
     return shape[:1] if cfg.attention != "fa3" else (*shape, s.long_window, s.short_window, s.yarn_windows)
 
@@ -973,13 +931,11 @@ def validates_at(cfg: Config, step: int) -> bool:
 
 # -----------------------------------------------------------------------------
 # Optimizer
-# Muon (momentum, Polar Express orthogonalization, NorMuon) for the block matrices, Adam for embeddings, head and
-# scalars, sharded ZeRO-1 style: gradients are reduce-scattered bucket by bucket after backward (#89's order), each
-# rank updates its own shard (whole matrices for Muon) with the plain update functions, and the shards are
-# all-gathered back into the parameters, awaited only where next read.
+# Muon (momentum, Polar Express, NorMuon) for the block matrices, Adam for the rest, sharded ZeRO-1 style: gradients
+# reduce-scattered bucket by bucket after backward (#89's order), each rank updates its own shard (whole matrices for
+# Muon), the shards all-gathered back into the parameters, awaited only where next read.
 
-# Polar Express (Amsel et al. 2025, record #38): coefficients per iteration, computed for five iterations with a
-# 2% safety factor on the normalization.
+# Polar Express (Amsel et al. 2025, record #38): per-iteration coefficients for five iterations, 2% safety factor.
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -1009,9 +965,8 @@ def _(x: Tensor, dims: list[int]) -> Tensor:
     return x.sum(dim=dims, keepdim=True)  # a fake tensor's: the shape only
 
 def polar_express(G: Tensor, kernels: bool = False) -> Tensor:
-    """Orthogonalize each matrix of G (batched) approximately in bf16, as #89: X = bf16(G) / (1.02 |X|_F + 1e-6), then
-    per iteration X <- a X + B X with B = b A + c A^2, A = X X^T (a tall X: X <- a X + X B, A = X^T X). Each product
-    rounds to bf16 once (kernels: gpt_kernels' Triton GEMMs, as #89's; else torch's)."""
+    """Orthogonalize each matrix of G (batched) approximately, as #89: X <- a X + (b A + c A^2) X, A = X X^T (X^T X and
+    X B for a tall X), each product rounded to bf16 once (kernels: gpt_kernels' Triton GEMMs, as #89's)."""
     X = G.bfloat16()
     norm = sqrt32(eager_sum(X.float().square(), [-2, -1])).bfloat16()
     X = (X.float() / (norm.float() * 1.02 + 1e-6)).bfloat16()
@@ -1054,7 +1009,6 @@ def muon_state(p: Tensor) -> dict[str, Tensor]:
     return state
 
 def normuon_state_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
     rows, cols = shape[-2:]
     return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
 
@@ -1092,8 +1046,7 @@ def cautious_update_(p: Tensor, update: Tensor, decay: Tensor, step_lr: Tensor, 
 
 def adam_step_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float, eps: float,
                step_size: Tensor, decay: Tensor) -> None:
-    """Adam in #89's order of operations, fp32 state (#56), eps added to the uncorrected sqrt(v), the bias correction
-    in step_size; cautious weight decay (#50) where the update has p's sign. p (bf16 or fp32) rounds once."""
+    """Adam in #89's order, fp32 state (#56), eps added to the raw sqrt(v), cautious decay (#50); p rounds once."""
     grad = grad.float()
     m.mul_(beta1).add_(grad * (1 - beta1))
     v.mul_(beta2).add_(grad.mul(1 - beta2).mul_(grad))
@@ -1118,8 +1071,7 @@ def polar_express_kernels(device: torch.device) -> bool:
         and gpu_runs("polar_express", gpu_capability(True))[0] is True
 
 def update_steps(compiled: bool, kernels: bool) -> UpdateSteps:
-    """Each function compiled as #89 compiles it (fullgraph, static shapes; the per-step scalars are 0-d tensors, so
-    only a new shape compiles a graph) and rounding where eager rounds (emulate_precision_casts)."""
+    """Each function compiled as #89's (the per-step scalars are 0-d tensors: only a new shape compiles a graph)."""
     def wrap(fn: Callable) -> Callable:
         return (torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
                 if compiled else fn)
@@ -1132,8 +1084,7 @@ def scalar(x: float) -> Tensor:
 
 def muon_update_(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, momentum: float, normuon_beta2: float,
                  lr_mul: float | Tensor = 1.0, wd: float = 0.0, steps: UpdateSteps = EAGER_STEPS) -> None:
-    """Nesterov momentum, orthogonalization and NorMuon, then cautious_update_ (state: muon_state(p)) with step_lr =
-    lr x lr_mul (a float or per matrix) x sqrt(max(1, rows/cols)) and decay wd x lr, both fp32 as #89's."""
+    """Nesterov momentum, orthogonalization and NorMuon, then cautious_update_ (state: muon_state(p)), as #89's."""
     assert (p.dtype == torch.bfloat16) == ("mantissa" in state), "a bf16 bank updates with its mantissa (muon_state)"
     O = steps.orthogonalize(grad.float(), state["momentum"], scalar(momentum))
     update = steps.normuon(O, state["v"], normuon_beta2)
@@ -1207,9 +1158,8 @@ def all_gather_into(out: Tensor, inp: Tensor, async_op: bool = False) -> dist.Wo
 
 def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
                  world_size: int) -> list[tuple[ParamGroup, list[str]]]:
-    """Buckets of one group, dtype and (Muon) matrix shape of about bucket_mb, filled in `order` (#89's table's); a
-    parameter is never split, a Muon bucket takes a multiple of world_size matrices where it can (padding goes to a
-    shape's last). Sorted by last parameter: the order every rank launches its reduce-scatters in."""
+    """Buckets of one group, dtype and (Muon) matrix shape of about bucket_mb, filled in `order`, no parameter split, a
+    Muon bucket a multiple of world_size matrices where it can; sorted by last parameter: every rank's launch order."""
     pos = {n: i for i, n in enumerate(order)}
     entries = sorted(((g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: pos[e[1]])
     open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
@@ -1234,9 +1184,8 @@ def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
     return sorted(closed, key=lambda c: pos[c[1][-1]])
 
 class Bucket:
-    """Parameters of one group, dtype and (Muon) matrix shape in one flat buffer of units (a matrix for Muon, an
-    element for Adam), padded to a multiple of the world size; rank r owns units [r*k, (r+1)*k) and their state.
-    Parameters and their .grad are views into the buffers: the collectives need no copies."""
+    """One flat buffer of units (a matrix for Muon, an element for Adam), padded to a multiple of the world size: rank r
+    owns units [r*k, (r+1)*k) and their state. Parameters and their .grad are views into it: no copies."""
 
     def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
         self.kind, self.lr, self.wd, self.betas = group.kind, group.lr, group.wd, group.betas
@@ -1314,10 +1263,9 @@ class Bucket:
                 yield name, lo - start, hi - start, {k: t[rows] for k, t in self.state.items()}
 
 class RowBucket(Bucket):
-    """The bigram table, its gradient exchanged sparse as #89's (§5.6): zero in the rows no token hashed to, so each
-    rank sends each owner the rows of its shard that its batches touched since the last update (known on the host),
-    added into the owner's local gradient (a SUM reduce-scatter, another summation order); gathered dense. The touched
-    rows clear with the gradient: a checkpoint (between Adam steps only, validate_config) holds none."""
+    """The bigram table, its gradient exchanged sparse as #89's (§5.6): each rank sends each owner the rows of its
+    shard that its batches touched since the last update (known on the host; the rest are zero), added into the owner's
+    gradient (another summation order than a reduce-scatter); gathered dense. A checkpoint holds no touched rows."""
 
     def __init__(self, group: ParamGroup, names: list[str], params: list[nn.Parameter], rank: int, world_size: int):
         super().__init__(group, names, params, rank, world_size)
@@ -1385,8 +1333,7 @@ class ShardedMuonAdam:
         self.lr_mult, self.momentum, self.adam_step, self.tied = s.lr_mult, s.muon_momentum, s.adam_step, s.tied
 
     def batch_rows(self) -> Callable[[np.ndarray], np.ndarray] | None:
-        """What begin_step() needs of a host batch (micro-steps, seq_len + 1 tokens): the bigram rows its inputs hash
-        to (the loader computes it where the tokens are); None where no rows are exchanged."""
+        """For begin_step(), computed by the loader: a host batch's bigram rows; None where no rows are exchanged."""
         rows = None if self.row_bucket is None else self.row_bucket.touched.size
         return None if rows is None else lambda batch: bigram_index(batch[:, :-1], rows)
 
@@ -1427,7 +1374,6 @@ class ShardedMuonAdam:
             b.gather_params()
 
     def wait_for_params(self) -> None:
-        """Block until the last step's all-gathers have written every parameter."""
         for b in self.buckets:
             b.wait_params()
 
@@ -1458,8 +1404,7 @@ class ShardedMuonAdam:
         return sum(t.numel() * t.element_size() for t in self.state_tensors())
 
     def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
-        """This rank's shard and the bucket layout a load checks: params[name] = {"bucket": i, "units": (lo, hi),
-        <state>: tensor} for the units of name it owns, each through `copy` (the checkpointer's: into pinned memory)."""
+        """This rank's shard and the bucket layout a load checks, each tensor through `copy` (the checkpointer's)."""
         params = {name: {"bucket": i, "units": (lo, hi), **{k: copy(t) for k, t in state.items()}}
                   for i, b in enumerate(self.buckets) for name, lo, hi, state in b.owned()}
         layouts = [{"kind": b.kind, "dtype": str(b.data.dtype), "unit": b.unit, "names": b.names, "counts": b.counts,
@@ -1469,8 +1414,7 @@ class ShardedMuonAdam:
 
     @torch.no_grad()
     def load_state_dict(self, shards: list[dict]) -> None:
-        """Load every saving rank's state_dict(), at any world size and bucket layout: each parameter's state is put
-        together from the pieces, then this rank takes its units. ValueError says what does not fit."""
+        """Load every saving rank's state_dict() at any world size and bucket layout; ValueError: what does not fit."""
         saved = {n: (lay["kind"], lay["unit"], c) for lay in shards[0]["buckets"]
                  for n, c in zip(lay["names"], lay["counts"])}
         mine = {n: (b.kind, b.unit, c) for b in self.buckets for n, c in zip(b.names, b.counts)}
