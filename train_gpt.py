@@ -5,7 +5,7 @@ file, the FP8 head's ops and the Triton kernels beside it in gpt_kernels.py (wit
 
 from __future__ import annotations
 
-import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
+import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, functools, glob, hashlib
 import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, resource, shlex, shutil, signal
 import subprocess, sys, textwrap, threading, time, uuid
 from collections.abc import Callable, Iterator
@@ -149,8 +149,7 @@ class Config:
     preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
     seed: int = -1  # -1 draws a random seed (printed first, with the run id)
     run_id: str = ""  # a plain name (no '/', '\', whitespace or control characters, not '..'); default: a fresh one
-    overwrite: bool = False  # replace an existing --run_id's log and summary (not while it runs; never its checkpoints)
-    log_dir: str = "logs"  # <run_id>.txt, .jsonl, .json and <run_id>/ (traces, checkpoints) go here; not empty (.: cwd)
+    log_dir: str = "logs"  # <run_id>.txt, .jsonl, .json and <run_id>/ (traces, checkpoints) go here; not empty (.: here)
     val_every: int = 250  # validate every N steps; 0: only at the start and the end
     warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
     log_every: int = 1  # train metrics every N steps (and the last); N never changes training
@@ -2358,17 +2357,6 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
         lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
     return "\n".join(lines)
 
-def lock_log(f: IO, exclusive: bool = True) -> bool:
-    """Take a run's lock, an exclusive flock on its open text log, held until the file is closed or the process ends
-    (even by kill -9); False while another process holds it. A shared lock only tests for it (ranks at start-up)."""
-    try:
-        fcntl.flock(f.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:  # a file system without locks (some network mounts): the run goes on, unguarded
-        pass
-    return True
-
 def recorded_event(timing: bool = True) -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=timing)
     event.record()
@@ -2377,19 +2365,13 @@ def recorded_event(timing: bool = True) -> torch.cuda.Event:
 class RunLog:
     """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
     not finite is written as NaN or Infinity (Python's json reads it back); a failed write (a full disk) stops the
-    run with one line. The text log is locked while open (lock_log): --overwrite of a live run's logs is refused."""
+    run with one line."""
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
         self.records = 0  # JSONL entries written: none until the first validation or step
-        # opened for appending, cut only once the text log's lock is held
-        self.file, self.jsonl = (None if p is None else self._io(p, functools.partial(open, p, "a", buffering=1 << 16))
+        self.file, self.jsonl = (None if p is None else self._io(p, functools.partial(open, p, "w", buffering=1 << 16))
                                  for p in (path, jsonl_path))
-        if self.file is not None and not lock_log(self.file):
-            self.close()
-            raise UsageError(still_running(path))
-        for f in filter(None, (self.file, self.jsonl)):
-            self._io(f.name, functools.partial(f.truncate, 0))
 
     @staticmethod
     def _io(name: object, action: Callable[[], Any]) -> Any:
@@ -2837,15 +2819,11 @@ def check_resume(cfg: Config) -> None:
     if meta["step"] > cfg.num_steps:
         raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
 
-def still_running(text_log: Path) -> str:
-    return (f"run {text_log.stem} is still running (another process holds its log {text_log}): --overwrite replaces "
-            f"the logs of a run that has ended; wait for it or choose another --run_id")
-
 def check_run_paths(cfg: Config) -> None:
-    """Before anything is written: the log folder is writable, no earlier run's log is replaced (unless --overwrite),
-    no checkpoint is written into (a resumed run writes under its own run id; a saving run's holds none yet)."""
+    """Before anything is written: the log folder is writable, no earlier run's log is replaced, no checkpoint is
+    written into (a resumed run writes under its own run id; a saving run's holds none yet)."""
     log_dir = Path(cfg.log_dir)
-    run_dir, text_log = log_dir / cfg.run_id, log_dir / f"{cfg.run_id}.txt"
+    run_dir = log_dir / cfg.run_id
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -2853,12 +2831,9 @@ def check_run_paths(cfg: Config) -> None:
     if not os.access(log_dir, os.W_OK | os.X_OK):
         raise UsageError(f"--log_dir={cfg.log_dir} is not writable; give a writable folder")
     logs = [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]
-    if logs and not cfg.overwrite:
-        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id or "
-                         f"--overwrite=true to replace them")
-    with contextlib.suppress(OSError), open(text_log, "rb") as f:  # the live run's lock (RunLog), tested and
-        if not lock_log(f, exclusive=False):                          # released at once
-            raise UsageError(still_running(text_log))
+    if logs:
+        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id, or "
+                         f"delete or move those files")
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
         raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
                          f"its own --run_id (leave it unset for a fresh one)")
@@ -3615,7 +3590,6 @@ def run(argv: list[str]) -> TrainResult:
         torch.manual_seed(cfg.seed)
         if rt.rank == 0:
             log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt", Path(cfg.log_dir) / f"{cfg.run_id}.jsonl")
-            (Path(cfg.log_dir) / f"{cfg.run_id}.json").unlink(missing_ok=True)  # an --overwrite's old summary
             log(Path(__file__).read_text(), console=False)
             log(SEPARATOR, console=False)
             # The console's first line: what names the run's files (the config, one long line, is the log's alone).

@@ -27,7 +27,7 @@ def digest(folder: Path, run_id: str) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob(f"{run_id}.*")}
 
 
-def test_a_reused_run_id_is_refused_and_the_earlier_run_kept_unless_overwrite(tmp_path, monkeypatch, capsys):
+def test_a_reused_run_id_is_refused_and_the_earlier_run_kept(tmp_path, monkeypatch, capsys):
     T.run(tiny_args(tmp_path, run_id="same", num_steps=1, **SMALL))
     logs = tmp_path / "logs"
     before = digest(logs, "same")
@@ -37,12 +37,19 @@ def test_a_reused_run_id_is_refused_and_the_earlier_run_kept_unless_overwrite(tm
                                        monkeypatch, capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert digest(logs, "same") == before
-    assert "run same already has same.txt, same.jsonl, same.json" in main_in_process(
-        tiny_args(tmp_path, run_id="same", num_steps=1, **SMALL), monkeypatch, capsys)[2]
-    T.run(tiny_args(tmp_path, run_id="same", num_steps=2, overwrite=True, **SMALL))
-    after = digest(logs, "same")
-    assert sorted(after) == sorted(before) and all(after[n] != before[n] for n in after)
+    code, _, err = main_in_process(tiny_args(tmp_path, run_id="same", num_steps=1, **SMALL), monkeypatch, capsys)
+    assert code == 2 and err.strip() == (f"error: run same already has same.txt, same.jsonl, same.json in {logs}: use "
+                                         f"another --run_id, or delete or move those files"), err
+    assert sorted(p.name for p in logs.iterdir()) == ["same.json", "same.jsonl", "same.txt"]  # nothing written
+    for name in ("same.txt", "same.jsonl"):  # any one of the three refuses the id: here the summary alone
+        (logs / name).rename(tmp_path / name)
+    code, _, err = main_in_process(tiny_args(tmp_path, run_id="same", num_steps=1, **SMALL), monkeypatch, capsys)
+    assert code == 2 and f"run same already has same.json in {logs}:" in err, err
+    assert digest(logs, "same") == {"same.json": before["same.json"]}
+    (logs / "same.json").rename(tmp_path / "same.json")  # all three moved away: the id runs again
+    T.run(tiny_args(tmp_path, run_id="same", num_steps=2, **SMALL))
     assert json.loads((logs / "same.json").read_text())["steps"] == 2
+    assert all(hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() == h for n, h in before.items())
 
 
 @pytest.mark.parametrize("where, message", [
@@ -157,23 +164,30 @@ def test_the_stop_notice_says_it_waits_for_the_next_adam_step(tmp_path, monkeypa
     assert f"terminated after step 4: checkpoint {tmp_path / 'logs' / 'adam' / 'ckpt_4'}" in out
 
 
-def test_overwrite_is_refused_while_the_run_with_that_id_is_still_going(tmp_path, monkeypatch, capsys):
+def test_a_failed_runs_logs_are_set_aside_and_a_rerun_with_its_id_starts_and_keeps_them(tmp_path, monkeypatch):
+    forward = T.GPT.forward
+
+    def failing_in_step_2(self, *args):
+        if self.training and failing_in_step_2.calls == 2:  # two micro-steps a step: step 1 is logged first
+            raise RuntimeError("a bug in step 2")
+        failing_in_step_2.calls += self.training
+        return forward(self, *args)
+
+    failing_in_step_2.calls = 0
+    monkeypatch.setattr(T.GPT, "forward", failing_in_step_2)
+    with pytest.raises(RuntimeError, match="a bug in step 2") as failure:
+        T.run(tiny_args(tmp_path, run_id="again", num_steps=4, val_every=0, **SMALL))
     logs = tmp_path / "logs"
-    logs.mkdir()
-    live = T.RunLog(logs / "live.txt", logs / "live.jsonl")  # another run's logs, open and being written
-    live("step:1/100 train_loss:10.0000", console=False, flush=True)
-    try:
-        code, _, err = main_in_process(tiny_args(tmp_path, run_id="live", overwrite=True, num_steps=1, **SMALL),
-                                       monkeypatch, capsys)
-        assert code == 2 and err.strip() == (
-            f"error: run live is still running (another process holds its log {logs / 'live.txt'}): --overwrite "
-            f"replaces the logs of a run that has ended; wait for it or choose another --run_id"), err
-        assert (logs / "live.txt").read_text() == "step:1/100 train_loss:10.0000\n"
-    finally:
-        live.close()
-    code, _, _ = main_in_process(tiny_args(tmp_path, run_id="live", overwrite=True, num_steps=1, **SMALL), monkeypatch,
-                                 capsys)  # that run has ended: its logs are replaced
-    assert code == 0 and (logs / "live.json").exists()
+    assert failure.value.__notes__ == [f"(its log is kept as {logs / 'again.failed.txt'}; the run id is free for a "
+                                       f"rerun)"]
+    kept = digest(logs, "again")
+    assert sorted(kept) == ["again.failed.jsonl", "again.failed.txt"]
+    assert (logs / "again.failed.txt").read_text().rstrip().splitlines()[-1] == "failed: RuntimeError: a bug in step 2"
+    monkeypatch.undo()
+    T.run(tiny_args(tmp_path, run_id="again", num_steps=2, val_every=0, **SMALL))  # not refused
+    after = digest(logs, "again")
+    assert sorted(after) == ["again.failed.jsonl", "again.failed.txt", "again.json", "again.jsonl", "again.txt"]
+    assert {n: after[n] for n in kept} == kept  # the failure's logs untouched by the rerun
 
 
 @pytest.mark.slow
