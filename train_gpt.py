@@ -149,7 +149,7 @@ class Config:
     preset: str = ""  # named sets of fields (A,B: in order), applied before explicit flags
     seed: int = -1  # -1 draws a random seed (printed first, with the run id)
     run_id: str = ""  # a plain name (no '/', '\', whitespace or control characters, not '..'); default: a fresh one
-    log_dir: str = "logs"  # <run_id>.txt, .jsonl, .json and <run_id>/ (traces, checkpoints) go here; not empty (.: here)
+    log_dir: str = "logs"  # <run_id>.txt, .jsonl, .json and <run_id>/ (traces, checkpoints); not empty (.: here)
     val_every: int = 250  # validate every N steps; 0: only at the start and the end
     warmup_steps: int = 10  # untimed steps that compile and autotune; model and optimizer are restored after
     log_every: int = 1  # train metrics every N steps (and the last); N never changes training
