@@ -1442,8 +1442,7 @@ class ShardedMuonAdam:
 # -----------------------------------------------------------------------------
 # Data
 # Shards are a 256-int32 header (magic, version, token count) then uint16 GPT-2 tokens; every document starts with
-# BOS (50256). Each step takes global_batch_seqs sequences that start at a BOS (its length and document cut staged by
-# the schedule), in a fixed global order, so any world size sees the same token stream.
+# BOS (50256). Each step's sequences start at a BOS, in one global order: any world size sees the same token stream.
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS, BOS_ID = 20240520, 1, 256, 50256
 HERE = Path(__file__).resolve().parent  # the repository: where data/ and tools/ are
@@ -1462,7 +1461,6 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
         tmp.unlink(missing_ok=True)
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
-    """Write tokens in the shard format, atomically."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise ValueError("shard tokens must fit in uint16")
@@ -1473,7 +1471,6 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
         f.write(tokens.astype("<u2").tobytes())
 
 def shard_token_count(path: Path) -> int:
-    """Validate a shard's header against its file size and return its token count."""
     try:
         size, header = os.path.getsize(path), np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     except OSError as e:
@@ -1510,7 +1507,6 @@ def find_shards(pattern: str) -> list[Path]:
     return files
 
 def more_data_hint(pattern: str, missing: bool = False) -> str:
-    """Where more (or any) data for a glob comes from: FineWeb's downloader for its shards, else your own text."""
     if "fineweb10B" in pattern:
         return f"download {'' if missing else 'more '}FineWeb shards with `python data/cached_fineweb10B.py 8`"
     return ("check the glob (quote it in the shell), or make shards from text with data/tokenize_text.py" if missing
@@ -1533,8 +1529,7 @@ class TrainTokenStream:
         self.next_file, self.steps_served, self.pos = 0, 0, 0
         self.tokens, self.bos = np.zeros(0, dtype=np.uint16), np.zeros(0, dtype=np.int64)
         self.long_docs: dict[int, np.ndarray] = {}  # max_doc_len -> indices (into bos) of longer documents
-        # (next file, position in the loaded shard) after each recent step: where a checkpoint's data resumes.
-        # Written by the producer thread, read by the loop for a step it has consumed (a few steps behind).
+        # step -> (next file, shard position) after it, where a checkpoint resumes; written ahead by the producer thread
         self.positions: dict[int, tuple[int, int]] = {0: (0, 0)}
         # Reading and scanning a 100M-token shard takes a large fraction of a second: do it ahead, off the loop.
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="shard-preload") if preload else None
@@ -1593,7 +1588,6 @@ class TrainTokenStream:
         return step
 
     def skip(self, steps: int) -> None:
-        """Pass over the sequences of `steps` steps: no token is copied."""
         for _ in range(steps):
             self.next_step()
 
@@ -1690,34 +1684,21 @@ def count_documents(cfg: Config, files: list[Path], steps: int, step_shape: Call
         most[step_shape(k)] = max(most.get(step_shape(k), 0), stream.most_documents(step))
     return stream.steps_served, most
 
-def check_train_data(cfg: Config, files: list[Path], steps: int, step_shape: Callable[[int], tuple[int, int]]
-                     ) -> dict[tuple[int, int], int]:
-    """Refuse up front a run whose files cannot supply its `steps` steps; return count_documents' most documents."""
-    supplied, most = count_documents(cfg, files, steps, step_shape)
-    if supplied < steps:
-        raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
-                         f"document, but {len(files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
-                         f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
-    return most
-
 def bind_thread_to_device(device: torch.device) -> None:
     """First call of a thread making CUDA calls: a new thread's current device is GPU 0, which would get contexts."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
 class PrefetchLoader:
-    """Batches from a TrainBatches or ValBatches: a thread (depth=0: the caller) fills a ring of `depth` pinned host
-    buffers, each refilled once its copy is done; batch N+1's copy runs on a copy stream while batch N computes, and
-    the compute stream waits on its event (record_stream). The thread's errors surface in the caller. digest: what the
-    host needs of a batch (ShardedMuonAdam.batch_rows), from the host buffer; self.digest: the last batch's."""
+    """Batches from a TrainBatches or ValBatches, filled by a thread (depth=0: the caller) into a ring of `depth` pinned
+    buffers; batch N+1's copy runs on a copy stream while N computes. digest: what the host needs of a batch."""
 
     def __init__(self, source: TrainBatches | ValBatches, depth: int, device: torch.device,
                  digest: Callable[[np.ndarray], object] | None = None):
         self.source, self.depth, self.device, self.make_digest = source, depth, device, digest
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        # Flat, sized for the longest batch (a shorter one is a view in front). The thread writes them through numpy
-        # only: stopping the profiler while another thread dispatches a torch op can crash.
+        # Flat, for the longest batch; filled through numpy only: a thread's torch op can crash a stopping profiler
         self.buffers = [torch.empty(math.prod(source.shape), dtype=torch.int32, pin_memory=cuda)
                         for _ in range(max(depth, 1))]
         self.arrays = [b.numpy() for b in self.buffers]
@@ -1766,13 +1747,12 @@ class PrefetchLoader:
         while self.depth:
             try:
                 i = self.ready.get(timeout=1.0)
+                break
             except queue.Empty:
                 if not self.thread.is_alive():
                     raise RuntimeError("prefetch thread stopped without a batch or an error") from None
-                continue
-            if isinstance(i, BaseException):
-                raise i
-            break
+        if isinstance(i, BaseException):
+            raise i
         if i is None:
             self.done = True
             return None
@@ -1979,12 +1959,10 @@ def num_stages(cfg: Config) -> int:
     return max(counts.values())
 
 def paired_layers(cfg: Config) -> set[int]:
-    """--paired_layers=I,J,... as a set of layers; UsageError unless each is a short-window layer (and heads pair)."""
     return layer_list(cfg, "paired_layers")
 
 def layer_list(cfg: Config, name: str) -> set[int]:
-    """--paired_layers, --xsa_layers or --attn_gate_layers as a set of layers; UsageError unless each has attention
-    (paired: short-window layers, with an even --num_heads; XSA: unpaired ones, where v lines up with the output)."""
+    """A layer list as a set; UsageError unless each has attention (XSA: unpaired, where v lines up with the output)."""
     spec = getattr(cfg, name)
     try:
         layers = {int(i) for i in spec.split(",")} if spec else set()
@@ -2016,13 +1994,11 @@ def bench_length(cfg: Config) -> int:
     return BENCH_SETTLE_STEPS + 2 * cfg.bench_steps + 1
 
 def run_length(cfg: Config) -> int:
-    """The step the run stops after: --num_steps, or a --bench's own length (on the run's schedule)."""
     return bench_length(cfg) if cfg.bench else cfg.num_steps
 
 # Every numeric field's range (and a finite value): a NaN, a negative lr or a beta of 1.5 is one line at start-up,
 # not a run. Float upper bounds lie far above any recipe's (lrs <= 0.6, weight decay multipliers 150) and keep each
-# update's scalars (lr x stage multiplier <= 100 x decay) finite in fp32. --num_steps and --train_epochs bound the
-# start-up work done before the corpus is read (the step table, the shard list): a typo is refused at once.
+# update's scalars finite in fp32; --num_steps and --train_epochs bound the start-up work before the corpus is read.
 FIELD_RULES: dict[str, str] = {name: rule for rule, names in {
     "> 0": "train_seq_len global_batch_seqs val_seq_len val_tokens vocab_size num_layers model_dim num_heads head_dim "
            "mlp_ratio block_size log_every bench_steps adam_every gate_channels untie_stage bigram_sign_rows mudd_dim "
@@ -2050,8 +2026,7 @@ def rule_holds(rule: str, value: float) -> bool:
     op, bound = rule.split()
     return math.isfinite(value) and (value > float(bound) if op == ">" else value >= float(bound))
 
-# A run id names files and a folder inside --log_dir: a path separator or ".." would put them elsewhere, and
-# whitespace or a control character (a newline) would split the names in a listing, a log line or a shell command.
+# A run id names files inside --log_dir: a '/' or '..' would put them elsewhere, whitespace or a newline split names.
 RUN_ID_MAX = 200  # with ".failed.jsonl" added, within the 255-byte file names of common file systems
 
 def validate_config(cfg: Config, world_size: int) -> int:
@@ -2207,9 +2182,8 @@ def gpu_report(cfg: Config) -> str:
             f"(FA3 on sm90 only)")
 
 def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | None = None) -> str:
-    """Replace auto (None) in --compile, --fp8_head, --fp8_mlp, the kernels and --attention by the device's choice and
-    apply DISABLE_FP8, so the config (and its log copy) says what the run does; refuse what the device cannot run (FP8
-    sizes on the CPU too). capability: another GPU's (memory_estimate --cards). Returns the attention path in words."""
+    """Replace auto (None) by the device's choice and apply DISABLE_FP8, so the config (and its log) says what the run
+    does; refuse what it cannot run. capability: another GPU's (memory_estimate --cards). Returns the attention path."""
     cfg.compile = cuda if cfg.compile is None else cfg.compile
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
@@ -2323,9 +2297,8 @@ def cpu_path(gemm_path: str) -> str:
 
 # -----------------------------------------------------------------------------
 # Metrics
-# Rank 0 writes logs/<run_id>.txt (source, environment, config, speedrun-grammar lines), a JSONL record per
-# logged step and validation, and the run summary. Train metrics stay on the device between logging steps:
-# one collective per logging step, no host sync. MFU's FLOP count reads the matmul weights off the model.
+# Rank 0 writes logs/<run_id>.txt (source, environment, config, speedrun-grammar lines), a JSONL record per logged step
+# and validation, and the run summary. Train metrics stay on the device: one collective per logging step, no host sync.
 
 SEPARATOR = "=" * 100
 
@@ -2335,7 +2308,6 @@ def _rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 def print0(*args: object, **kwargs: object) -> None:
-    """Print on rank 0 only; every other rank stays silent. For user-facing output (flushed)."""
     if _rank_and_world()[0] == 0:
         print(*args, **{"flush": True, **kwargs})
 
@@ -2410,8 +2382,7 @@ class RunLog:
         self.file = self.jsonl = None
 
     def set_aside(self) -> Path | None:
-        """After a run that stopped before recording anything: move its logs to <run_id>.failed.<ext> (replacing
-        an older failure's), so they are kept and its run id is free again; the text log's new path."""
+        """Move a run's logs to <run_id>.failed.<ext> (kept, its run id free again); returns the text log's new path."""
         kept = None
         for path in self.paths:
             target = path.with_name(f"{path.stem}.failed{path.suffix}")
@@ -2420,8 +2391,7 @@ class RunLog:
                 kept = kept or target
         return kept
 
-# Peak dense bf16 tensor-core TFLOP/s per GPU, by a substring of the CUDA device name, most specific first ("NVIDIA
-# H100 80GB HBM3" is the SXM part). --peak_tflops overrides it.
+# Peak dense bf16 tensor-core TFLOP/s by a substring of the CUDA device name, most specific first ("H100": the SXM part)
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
                     ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
                     ("L40", 181.0), ("L4", 121.0)]
@@ -2457,8 +2427,7 @@ def mean_keys_per_query(window_tokens: int, seq_len: int) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 def flops_per_token(model: GPT, s: StepSchedule) -> float:
-    """Model FLOPs per trained token (forward + backward) at schedule entry `s`, an upper bound (document masking is
-    ignored): 6 per matmul weight, 12 heads head_dim per key a query sees, DC attention as one more over DC_WINDOW."""
+    """Model FLOPs per trained token (forward + backward) at schedule entry `s`; an upper bound: masks are ignored."""
     cfg = model.cfg
     windows, per_key = {"long": s.long_window, "short": s.short_window}, 12 * cfg.num_heads * cfg.head_dim
     attention = sum(per_key * mean_keys_per_query(max(windows[p.window], 1) * cfg.block_size,
@@ -2484,10 +2453,8 @@ class PendingLine:
     schedule: StepSchedule  # of the last of them
 
 class Metrics:
-    """Train metrics kept on the device: per step, device adds and two CUDA events, no collective, no host sync. A
-    logging step all-gathers RANK_STATS in one vector, reduces mean/sum/min/max on the device and copies it without
-    blocking to a pinned host slot; rank 0 prints the line once it has landed (poll), or at flush(). A loss that is
-    not finite stops every rank at the next logging step. tok/s and mfu use the GPU time (CPU: the host clock)."""
+    """Train metrics: per step, device adds and two CUDA events. A logging step all-gathers RANK_STATS, reduces them
+    on the device and copies them to a pinned host slot without blocking; rank 0 prints them once landed or at flush."""
 
     RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib", "stop")
     STATS = ("mean", "sum", "min", "max")
@@ -2517,7 +2484,6 @@ class Metrics:
         self.t0 = time.perf_counter()
 
     def add_loss(self, loss_sum: Tensor, tokens: int) -> None:
-        """A micro-step's summed token loss (detached, on the device) and its token count."""
         self.loss_sum += loss_sum
         self.tokens += tokens
 
@@ -2607,7 +2573,6 @@ class Metrics:
                  f"mfu:{'-' if mfu is None else f'{mfu:.1f}%'} eta:{format_eta(eta_s)}", flush=True)
 
 def git_commit(directory: Path) -> str | None:
-    """HEAD of the git checkout holding `directory`; None when it is not one, git is missing, or anything fails."""
     try:
         proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -2616,18 +2581,6 @@ def git_commit(directory: Path) -> str | None:
     ok = proc.returncode == 0 and len(commit) in (40, 64) and all(c in "0123456789abcdef" for c in commit)
     return commit if ok else None
 
-def run_summary(cfg: Config, rt: Runtime, val_points: list[tuple[int, float, float]], train_time_ms: float,
-                gpu_names: list[str], schedules: list[StepSchedule]) -> dict[str, object]:
-    """The end-of-run summary, logs/<run_id>.json (tools/compare.py reads these keys)."""
-    tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedules[:cfg.num_steps])
-    return {"run_id": cfg.run_id, "final_val_loss": val_points[-1][1] if val_points else None,
-            "train_time_ms": train_time_ms, "steps": cfg.num_steps, "step_avg_ms": train_time_ms / cfg.num_steps,
-            "tokens_per_s": tokens / (train_time_ms / 1000) if train_time_ms > 0 else None,
-            **peak_memory_mib(rt.device), "world_size": rt.world_size, "gpu_names": gpu_names,
-            "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-            "git_commit": git_commit(Path(__file__).resolve().parent), "seed": cfg.seed,
-            "config": dataclasses.asdict(cfg), "val_losses": [list(p) for p in val_points]}
-
 def write_json_atomic(path: Path, data: dict[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "w") as f:
@@ -2635,18 +2588,15 @@ def write_json_atomic(path: Path, data: dict[str, object]) -> None:
 
 # -----------------------------------------------------------------------------
 # Profiler
-# Only what must run inside training: torch.profiler around the chosen steps (--profile), the timings of a
-# --bench, and each rank's raw figures. tools/trace_report.py turns traces and figures into the report
-# (medians, MFU, GPU idle, copy and NCCL overlap); --bench runs it at its end.
+# Only what must run inside training: torch.profiler around the chosen steps, a --bench's timings, each rank's raw
+# figures. tools/trace_report.py turns them into the report (medians, MFU, GPU idle, overlap); --bench runs it at end.
 
 STEP_MARK = "train_step#"  # record_function name of a traced step: train_step#<step>
 TRACE_REPORT = Path(__file__).resolve().parent / "tools" / "trace_report.py"
 
 class StepProfiler:
-    """The --profile / --bench hooks of the training loop; inert when neither is set. --profile=START:END traces
-    training steps START..END-1 (CPU, and CUDA kernels and copies) to trace_rank<R>.json.gz. --bench runs the
-    schedule's first steps: BENCH_SETTLE_STEPS untimed, bench_steps timed (CUDA events; the CPU's clock), one
-    profiler warmup, bench_steps traced and timed; no validation; each rank writes bench_rank<R>.json."""
+    """The loop's --profile / --bench hooks (inert without them). --bench: BENCH_SETTLE_STEPS untimed steps, bench_steps
+    timed (CUDA events; the CPU's clock), one profiler warmup, bench_steps traced and timed; no validation."""
 
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt, self.cuda = cfg, rt, rt.device.type == "cuda"
@@ -2704,8 +2654,7 @@ class StepProfiler:
         return [a.elapsed_time(b) if self.cuda else 1000 * (b - a) for a, b in zip(marks, marks[1:])]
 
     def finish(self, log: RunLog, model: GPT) -> dict | None:
-        """Close the profiler; with --bench, write this rank's raw figures and return (rank 0) tools/trace_report.py's
-        report, printed through the log (without that tool beside this file, a line saying where the figures are)."""
+        """Close the profiler; with --bench, write this rank's raw figures and return (rank 0) trace_report's report."""
         self.close()
         if self.traced is None:
             return None
@@ -2744,9 +2693,8 @@ class StepProfiler:
 
 # -----------------------------------------------------------------------------
 # Checkpoints
-# --save_every / --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop (device-to-host
-# copies on a side stream, files written by a thread); --resume continues a run exactly, at the same world
-# size bit for bit, at another re-sharded. A checkpoint is used only when complete and matching.
+# --save_every / --save_final write <log_dir>/<run_id>/ckpt_<step>/ without stalling the loop; --resume continues a run
+# exactly (bit for bit at the same world size, re-sharded at another), from a complete and matching checkpoint only.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
 CKPT_FORMAT = 9  # bumped whenever what is saved changes (9: upstream's current model, with the MUDD gate network)
@@ -2772,8 +2720,7 @@ def train_files_identity(cfg: Config) -> list[list]:
     return [[p.name, shard_token_count(p)] for p in find_shards(cfg.train_files)]
 
 def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
-    """The metadata of a complete checkpoint folder (every file it lists there, at its size: read_part checks the
-    checksums); a UsageError saying what is missing or broken otherwise. taker: what the user gave the folder to."""
+    """A complete checkpoint's meta.json (each listed file there, at its size), else a UsageError; taker: its flag."""
     where, path = f"checkpoint {folder}", folder / CKPT_META
     if not folder.is_dir():
         raise UsageError(f"{where} is a file: {taker} takes a ckpt_<step> directory (the folder holding {CKPT_META})"
@@ -2801,8 +2748,7 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
     return meta
 
 def check_resume(cfg: Config) -> None:
-    """With --resume, refuse at start-up (every rank, before anything is written) an incomplete or corrupt checkpoint
-    (checksums are checked here, and again on loading), one whose shapes or data differ, or one past the last step."""
+    """Check --resume's checkpoint at start-up, on every rank before anything is written: intact, matching, in range."""
     if not cfg.resume:
         return
     folder = Path(cfg.resume)
@@ -2855,8 +2801,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
 
 def save_atomic(obj: object, path: Path) -> str:
-    """torch.save obj to path atomically; returns the file's sha256. Serialized in memory first, so that a
-    failed write is the file system's own error (a full disk: ENOSPC), not torch's zip writer's."""
+    """torch.save atomically, returning the sha256; in memory first: a failed write is the OS's error (ENOSPC)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     with atomic_file(path) as f:
@@ -2885,8 +2830,7 @@ class ResumePoint:
     data_position: tuple[int, int] | None  # the stream's (next file, position) after step; None: re-derive it
 
 def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
-    """Restore --resume into the model and optimizer (before the warmup snapshot); the returned point carries
-    the step, train time and RNG states. Every rank raises the same UsageError if any rank cannot load."""
+    """Restore --resume into model and optimizer (before the warmup snapshot); if any rank cannot, every rank raises."""
     folder, error = Path(cfg.resume), None
     try:
         meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
@@ -2942,10 +2886,8 @@ class PendingCheckpoint:
     gpu_stall: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the compute stream's wait for the copies
 
 class Checkpointer:
-    """Asynchronous checkpoints at --save_every, --save_final and a stop signal: save() copies to pinned buffers on a
-    side stream the compute stream waits for (the GPU stall); a writer thread writes model.pt (rank 0), rank<R>.pt
-    (its optimizer shard, RNG, step, config) and, on rank 0 once every rank's file is there, meta.json (each file's
-    size and sha256), which completes it. A failed write leaves rank<R>.failed and training goes on."""
+    """save() copies to pinned buffers on a side stream (the compute stream waits: the GPU stall); a writer thread
+    writes model.pt (rank 0), rank<R>.pt, then (rank 0, once every rank's is there) meta.json, which completes it."""
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
                  start_step: int = 0):
@@ -2964,15 +2906,13 @@ class Checkpointer:
         self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
 
     def _to_host(self, t: Tensor, copy: bool = True) -> Tensor:
-        """t's host buffer (kept by the tensor's address: the saved tensors are views that live for the whole run),
-        with copy, t copied into it: non-blocking on the copy stream (CUDA), or a plain copy (CPU)."""
+        """t's host buffer (keyed by address: the saved tensors live for the whole run), with copy t copied into it."""
         key = (t.data_ptr(), tuple(t.shape), t.dtype)
         if key not in self.host:
             self.host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.copy_stream is not None)
         return self.host[key].copy_(t.detach(), non_blocking=self.copy_stream is not None) if copy else self.host[key]
 
     def _host_state(self, copy: Callable[[Tensor], Tensor]) -> tuple[dict[str, Tensor] | None, dict]:
-        """(rank 0's model state dict, this rank's optimizer state dict), each tensor passed through copy."""
         model = {n: copy(t) for n, t in self.model.state_dict().items()} if self.rt.rank == 0 else None
         return model, self.optimizer.state_dict(copy=copy)
 
@@ -2983,7 +2923,6 @@ class Checkpointer:
 
     @torch.no_grad()
     def save(self, step: int, train_time_ms: float, data_position: tuple[int, int]) -> None:
-        """Checkpoint the state after `step` steps, at train_time_ms, with the token stream at data_position."""
         t0 = time.perf_counter()
         self.poll(block=True)  # the host buffers are reused: the previous write must be done with them
         self.optimizer.wait_for_params()  # the last step's all-gathers have written the parameters
@@ -3039,8 +2978,7 @@ class Checkpointer:
             raise
 
     def poll(self, block: bool = False) -> None:
-        """Log, in order, the checkpoints that are done (rank 0: complete on disk) and whose GPU stall can be read
-        (the compute stream has passed its wait for the copies); block waits for all."""
+        """Log, in order, the checkpoints written whose GPU stall can be read (its wait has passed); block: all."""
         while self.pending and (block or (self.pending[0].future.done() and
                                           (self.pending[0].gpu_stall is None or self.pending[0].gpu_stall[1].query()))):
             p = self.pending.pop(0)
@@ -3065,8 +3003,7 @@ class Checkpointer:
                      f"{done - p.issued:.2f} s later)", flush=True)
 
     def close(self, error: bool = False) -> None:
-        """Wait for every pending write (the process must not exit before); after an error rank 0 waits for the
-        other ranks' files CKPT_ERROR_GRACE_S more at most."""
+        """Wait for every pending write; after an error, rank 0 waits CKPT_ERROR_GRACE_S at most for other ranks'."""
         if error:
             self.give_up_at = time.monotonic() + CKPT_ERROR_GRACE_S
         self.poll(block=True)
@@ -3075,8 +3012,7 @@ class Checkpointer:
 
 # -----------------------------------------------------------------------------
 # Training
-# Untimed warmup on real batches (compiles, autotunes), then model and optimizer state are restored in place; the
-# clock runs over training steps only, stopped (with a synchronize) around each validation. Each micro-step's summed
+# Untimed warmup (compiles, autotunes; state restored), a clock over training steps only. Each micro-step's summed
 # loss is scaled by train_loss_scale and gradients are summed across ranks: every world size takes the same update.
 
 @dataclass
@@ -3088,8 +3024,7 @@ class TrainResult:
     bench: dict | None = None  # --bench: the report (rank 0)
 
 class TrainClock:
-    """The official train time: training steps only. stop() and start() synchronize the device around what is
-    not timed (validation); now() reads the running clock without a sync (approximate on a GPU)."""
+    """The official train time: stop()/start() synchronize around what is untimed; now() reads it without a sync."""
 
     def __init__(self, device: torch.device, ms: float = 0.0):
         self.device, self.ms = device, ms
@@ -3157,8 +3092,7 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
     return raw, model, optimizer
 
 def compiled_graphs(cfg: Config, optimizer: ShardedMuonAdam) -> dict[str, int]:
-    """The graphs torch.compile builds per function: the model one per training and validation graph_key, each of
-    Muon's one per shard shape, Adam's one per shard shape, dtype and betas (graph constants), each FP8 op two."""
+    """The graphs torch.compile builds per function (Adam's betas are graph constants)."""
     schedules = schedule_table(cfg)
     training = {graph_key(cfg, s, True) for s in schedules[:-1]}
     validating = {graph_key(cfg, schedules[k], False) for k in range(run_length(cfg) + 1) if validates_at(cfg, k)}
@@ -3175,8 +3109,7 @@ def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]
 def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
                  digest: Callable[[np.ndarray], object] | None, skip_steps: int = 0,
                  position: tuple[int, int] | None = None) -> PrefetchLoader:
-    """This rank's batches (each with its digest) for `steps` steps of the given shapes (step_shape), after the first
-    skip_steps' sequences (a resumed run's): from the position its checkpoint saved, else re-derived from the shapes."""
+    """This rank's batches for `steps` steps after skip_steps (a resume's: from its saved position, else re-derived)."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, shape, cfg.train_epochs,
                               preload=cfg.prefetch_depth > 0)
     if position is None:
@@ -3189,8 +3122,7 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
 def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows: np.ndarray | None,
                knobs: tuple[Tensor, Tensor], loss_scale: float, metrics: Metrics | None = None,
                requantize: Callable[[], None] | None = None) -> None:
-    """One optimizer step on a (micro-steps, micro_len + 1) batch, rows its bigram rows (the loader's digest).
-    requantize: the FP8 MLP weights' update, once the parameters are gathered (GPT.quantize_mlp_)."""
+    """One optimizer step on a (micro-steps, micro_len + 1) batch; rows: its bigram rows; requantize: the FP8 MLP's."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
     optimizer.begin_step(rows)
     for m in range(batch.size(0)):
@@ -3207,9 +3139,8 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows
 @torch.no_grad()
 def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
              step: int, train_time_ms: float, stoppable: bool = False) -> tuple[int, float, float] | None:
-    """The mean cross-entropy over the val tokens (one all-reduce), logged: (step, val loss, train time so far).
-    stoppable (the loop can stop at this step): a stop signal abandons it at the next batch, on every rank alike (the
-    all-reduce carries whether any rank did), and None says so: the resumed run validates this step again."""
+    """The val tokens' mean cross-entropy, logged: (step, val loss, train time). stoppable: a stop signal abandons it at
+    the next batch, on every rank alike (the all-reduce carries it), returning None: the resumed run validates again."""
     model.eval()
     totals = torch.zeros(3, device=rt.device)  # loss sum, batches, ranks that abandoned it
     with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
@@ -3246,9 +3177,8 @@ def log_stage_plan(cfg: Config, schedules: list[StepSchedule], log: RunLog) -> N
             f"windows {s.short_window}/{s.long_window} blocks, lr x{s.lr_mult:.3g} at its start")
 
 def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
-    """The training steps the warmup replays (shape and windows): warmup_steps of each distinct training graph (a
-    sequence length; with FA3 a plan), at its first step, since each compiles its own graph (dynamic=False); and the
-    first Adam step where none of those is one, since the compiled optimizer's Adam graphs are built at the first."""
+    """The steps the warmup replays: warmup_steps at the first step of each training graph (dynamic=False: each compiles
+    its own), and the first Adam step if none of those is one (the compiled Adam graphs are built there)."""
     first: dict[tuple, int] = {}
     for step, s in enumerate(schedules[:-1]):
         first.setdefault(graph_key(cfg, s, True), step)
@@ -3260,9 +3190,8 @@ def warmup_plan(cfg: Config, schedules: list[StepSchedule]) -> list[int]:
 
 def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
            loader: PrefetchLoader, plan: list[int], step: Callable[[Tensor, object, int], None]) -> None:
-    """Untimed steps on real batches, one micro-step each, at the shapes and windows of `plan`'s steps; then what
-    training writes (with --resume: the loaded state) is put back from device-side clones: the bucket buffers (every
-    parameter is a view into one: checked), the optimizer state and the model's persistent buffers."""
+    """Untimed steps on real batches, one micro-step each, at `plan`'s shapes; then what training writes (the bucket
+    buffers, each parameter a view into one; the optimizer state; persistent buffers) is restored from device clones."""
     buffers = [b.data for b in optimizer.buckets]
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
     for name, p in model.named_parameters():
@@ -3300,8 +3229,7 @@ def warmup(cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: Sharded
 def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProfiler, failures: list[str],
            val_points: list[tuple[int, float, float]], train_time_ms: float, schedules: list[StepSchedule]
            ) -> TrainResult:
-    """After the last step: peak memory, the --bench report, the run summary (rank 0); then, if any rank could not
-    write a requested checkpoint (failures: this rank's), the same error on every rank."""
+    """After the last step: peak memory, the --bench report, the summary (rank 0); any rank's failed save: an error."""
     memory = peak_memory_mib(rt.device)
     if rt.device.type == "cuda":
         log(f"peak memory allocated: {int(memory['peak_memory_allocated_mib'])} MiB "
@@ -3313,11 +3241,17 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
     every = [mine] * rt.world_size  # each rank's GPU name and failed checkpoints
     if rt.world_size > 1:
         dist.all_gather_object(every, mine)
-    gpu_names = [name for name, _ in every if name]
     failures = [f for _, rank_failures in every for f in rank_failures]
     summary = None
-    if rt.rank == 0:
-        summary = run_summary(cfg, rt, val_points, train_time_ms, gpu_names, schedules)
+    if rt.rank == 0:  # the run summary (tools/compare.py reads these keys)
+        tokens = sum(cfg.global_batch_seqs * s.seq_len for s in schedules[:cfg.num_steps])
+        summary = {"run_id": cfg.run_id, "final_val_loss": val_points[-1][1] if val_points else None,
+                   "train_time_ms": train_time_ms, "steps": cfg.num_steps, "step_avg_ms": train_time_ms / cfg.num_steps,
+                   "tokens_per_s": tokens / (train_time_ms / 1000) if train_time_ms > 0 else None,
+                   **peak_memory_mib(rt.device), "world_size": rt.world_size,
+                   "gpu_names": [name for name, _ in every if name], "torch_version": torch.__version__,
+                   "cuda_version": torch.version.cuda, "git_commit": git_commit(HERE), "seed": cfg.seed,
+                   "config": dataclasses.asdict(cfg), "val_losses": [list(p) for p in val_points]}
         write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
     if failures:
@@ -3326,8 +3260,7 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
     return TrainResult([(s, v) for s, v, _ in val_points], train_time_ms, model, summary, bench)
 
 def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens, DocumentCounts]:
-    """The training shards, checked to hold what the run trains on, the validation tokens and the most documents a
-    sequence holds in each: read before anything is written, so a run without its data leaves nothing behind."""
+    """Train shards (checked to suffice), val tokens, most documents per sequence: read before anything is written."""
     try:
         train_files = find_shards(cfg.train_files)
     except UsageError:
@@ -3342,7 +3275,12 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
         s = schedule(step, cfg)                # end, before anything of every step's (schedule_table) is built
         return s.seq_len, s.max_doc_len
 
-    most = check_train_data(cfg, train_files, run_length(cfg), shape)
+    steps = run_length(cfg)
+    supplied, most = count_documents(cfg, train_files, steps, shape)
+    if supplied < steps:
+        raise UsageError(f"the run needs {steps} steps of {cfg.global_batch_seqs} sequences, each starting at a "
+                         f"document, but {len(train_files)} file(s) x {cfg.train_epochs} epoch(s) supply {supplied}; "
+                         f"raise --train_epochs, lower --num_steps or {more_data_hint(cfg.train_files)}")
     plan = warmup_plan(cfg, schedule_table(cfg))  # the warmup's batches: the first steps' data at the plan's shapes
     supplied, warm = count_documents(cfg, train_files, len(plan), lambda k: shape(plan[k]))
     if supplied < len(plan):
@@ -3369,7 +3307,6 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     def requantize(exact_down: Callable[[], bool]) -> Callable[[], None] | None:  # after each step, with --fp8_mlp
         return (lambda: raw_model.quantize_mlp_(exact_down())) if cfg.fp8_mlp else None
 
-    # The warmup compiles every shape training meets, then puts everything (with --resume: the loaded state) back.
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
     warmup(cfg, rt, log, raw_model, optimizer,
            train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k]), optimizer.batch_rows()), plan,
@@ -3477,9 +3414,8 @@ EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143, RankLost: 1}  # 128 + SIG
 
 class StopSignal:
     """The first SIGINT or SIGTERM stops the run (later ones cannot break into the cleanup): outside the training loop
-    at once; inside it (deferred), after a checkpoint at the next step boundary where exact resume is possible, once
-    every rank agrees (through the metrics' collective, or a validation's, which the signal abandons: the resumed run
-    redoes it). One that comes while a failed run cleans up (ignored) changes nothing: the error is the run's end."""
+    at once; inside it (deferred), after a checkpoint at the next exactly resumable step boundary, once every rank
+    agrees (the metrics' or a validation's collective). While a failed run cleans up (ignored) it changes nothing."""
 
     def __init__(self):
         self.deferred, self.ignored, self.notice = False, False, ""
@@ -3513,8 +3449,7 @@ class StopSignal:
 
     @staticmethod
     def boundary(step: int, cfg: Config) -> bool:
-        """Whether the loop can stop before training `step`: a checkpoint there resumes exactly. Between Adam steps
-        the summed gradients are pending: it cannot (a --bench stops anywhere: it saves nothing)."""
+        """Whether the loop can stop before `step`: not between Adam steps (gradients pending); --bench: anywhere."""
         return cfg.bench or step % cfg.adam_every == 0
 
     def now(self, step: int, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
@@ -3525,7 +3460,6 @@ class StopSignal:
 STOP = StopSignal()
 
 def stop_notice(cfg: Config, world_size: int) -> str:
-    """What a signal in the training loop does, said when it comes: where the loop stops, and what it writes."""
     where = "the next step boundary" if cfg.bench or cfg.adam_every == 1 else \
         f"the end of the next Adam step (one in {cfg.adam_every} steps: up to {cfg.adam_every} more steps)"
     agreed = ", once the ranks agree (within two logging intervals)" if world_size > 1 else ""
@@ -3533,8 +3467,7 @@ def stop_notice(cfg: Config, world_size: int) -> str:
 
 def stop_with_checkpoint(checkpointer: Checkpointer, step: int, train_time_ms: float, data_position: tuple[int, int],
                          argv: list[str]) -> None:
-    """Write (unless the loop's schedule just did) and wait for a checkpoint, log the command that resumes from it (this
-    run's options but --run_id and --resume: it writes under a fresh id; torchrun's for several ranks), and stop."""
+    """Write (unless just written) and wait for a checkpoint, log the command resuming it (under a fresh id), stop."""
     cfg, log, world_size = checkpointer.cfg, checkpointer.log, checkpointer.rt.world_size
     kind = STOP.received or Terminated  # another rank's signal: this rank stops as that one does
     if not cfg.bench:
@@ -3550,8 +3483,7 @@ def stop_with_checkpoint(checkpointer: Checkpointer, step: int, train_time_ms: f
     raise kind()
 
 def one_line_error(e: BaseException, rt: Runtime | None) -> BaseException:
-    """A collective's error when its peer process is gone (NCCL: DistError; gloo: a RuntimeError naming its transport's
-    source file, then advice) or torch's out-of-memory one (allocator figures) as one line saying what to do; else e."""
+    """A collective's error for a lost peer, or torch's out-of-memory one, as one line saying what to do; else e."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if rt is not None and rt.world_size > 1 and (isinstance(e, dist.DistError) or
                                                  isinstance(e, RuntimeError) and "gloo/transport" in text):
@@ -3599,9 +3531,7 @@ def run(argv: list[str]) -> TrainResult:
             log(SEPARATOR)
         with cpu_gemms(cfg.cpu_bf16_gemm):
             result = train(cfg, rt, log, train_files, val, documents, vocabulary, argv)
-        if rt.world_size > 1:
-            # No rank tears the process group down while another still uses it: without this, a rank that
-            # finished first (e.g. after exporting a profiler trace) could abort its peer at exit.
+        if rt.world_size > 1:  # no rank tears the process group down while another uses it: that would abort its peer
             dist.barrier()
         if STOP.received is not None:  # no boundary to stop at came before the end (StopSignal.now): it finished
             log(f"{STOPS[STOP.received]}: the run finished before a step boundary where a checkpoint resumes it "
