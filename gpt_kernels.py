@@ -6,7 +6,8 @@ Each is a torch.library op under torch.ops.speedrun with a fake kernel (what tor
 autograd rule; the torch path each one replaces stays in train_gpt.py's model as the reference. Importing this
 module registers the ops and nothing else: triton is imported when a kernel is first launched, and the FP8
 bodies are compiled on first call. tools/sm90_kernels.py compiles the Triton kernels offline for each GPU generation
-(RUNS_ON: what runs where).
+(RUNS_ON: what runs where). Also the device paths train_gpt.py resolves: which path runs on a GPU (gpu_runs), FA3's
+loader, the CPU's fp32 GEMMs of bf16 matmuls (Fp32Gemms) and the optimizer's fixed-order sum (eager_sum).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # What runs where, the facts train_gpt's `auto` (resolve_for_device) and tools/sm90_kernels.py's compile matrix both
 # read. The GPU generations measured, by compute capability: A100 (sm80), L40S and RTX 4090 (sm89), H100 and H200
@@ -48,6 +50,26 @@ def launch_group(name: str) -> str:
     if words[0] == "linear_relu_square":
         return f"linear_relu_square {'fp8' if words[1] == 'fp8' else 'bf16'}"
     return "softcap_ce e5m2" if words[0] == "softcap_ce" and "e5m2" in words else words[0]
+
+
+def gpu_runs(path: str, capability: tuple[int, int] | None, cfg: Any = None,
+             fp8: str | None = None) -> tuple[bool | None, str]:
+    """Whether a path (a RUNS_ON key) runs on this GPU, and why not: False where it cannot (no FP8 before sm89, Triton
+    kernels that fail or spill), None where unmeasured (auto: torch); `fp8` on in cfg (a Config): its kernels too."""
+    if capability is None:
+        return True, ""
+    target = f"sm{capability[0]}{capability[1]}"
+    if "fp8" in path and capability < FP8_MIN:
+        return False, f"{target} has no FP8 tensor cores (torch._scaled_mm: sm89 and later)"
+    if capability not in TARGETS.values():
+        return None, f"{target} is not in the compile matrix (tools/sm90_kernels.py: {', '.join(TARGETS)})"
+    if capability not in RUNS_ON[path]:
+        return False, (f"its Triton kernels ({', '.join(PATH_KERNELS[path])}) do not compile for {target} "
+                       f"within its shared memory and without spills (tools/sm90_kernels.py)")
+    if fp8 and getattr(cfg, fp8):
+        runs, why = gpu_runs(f"{path}+{fp8}", capability)
+        return runs, why and f"{why} (its FP8 mode, with --{fp8})"
+    return True, ""
 
 
 # FP8 LM head (training only): x and W are scaled into float8_e4m3 and multiplied by torch._scaled_mm into
@@ -1181,3 +1203,59 @@ def _dc_attention_grad(ctx, grad_out: Tensor, _: Tensor) -> tuple:
 
 
 dc_attention.register_autograd(_dc_attention_grad, setup_context=_dc_attention_setup)
+
+
+FA3_HUB_KERNEL = ("kernels-community/flash-attn3", 1)  # the hub kernel and version #89 loads FA3 from
+
+
+@functools.cache
+def load_fa3() -> tuple[Callable | None, str]:
+    """(FA3's flash_attn_varlen_func, "") from #89's hub kernel, or (None, why it cannot run here)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None, "FA3 runs on Hopper GPUs (sm90) only"
+    try:
+        from kernels import get_kernel
+    except ImportError:
+        return None, "FA3 comes from the `kernels` package, which is not installed (pip install kernels)"
+    name, version = FA3_HUB_KERNEL
+    try:
+        return get_kernel(name, version=version).flash_attn_interface.flash_attn_varlen_func, ""
+    except Exception as e:  # the hub (offline, no build for this torch) or the build itself: say which
+        return None, f"{name} version {version} did not load: {type(e).__name__}: {e}"
+
+
+# CPU bf16 matmuls run through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX), else through a scalar
+# reference loop (AVX2-only CPUs: tens to hundreds of times slower than fp32). There they can run as fp32 GEMMs of the
+# same bf16 values rounded once to bf16: fp32 accumulation, as on the GPU (--cpu_bf16_gemm, eager and compiled).
+GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+class Fp32Gemms(TorchDispatchMode):
+    """Inside it, every bf16 mm/addmm/bmm/baddbmm (or out=) on the CPU runs in fp32, its result rounded to bf16. As it
+    ignores compile internals, torch.compile compiles under it: compiled code's extern GEMMs come through here."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func.overloadpacket not in GEMM_OPS or func._overloadname not in ("default", "out")
+                or not any(isinstance(a, Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
+                           for a in args)):
+            return func(*args, **kwargs)
+        wide = [a.float() if isinstance(a, Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+        out = kwargs.pop("out", None)
+        result = func.overloadpacket.default(*wide, **kwargs)
+        return result.bfloat16() if out is None else out.copy_(result)
+
+
+@torch.library.custom_op("speedrun::eager_sum", mutates_args=())
+def eager_sum(x: Tensor, dims: list[int]) -> Tensor:
+    """x.sum(dims, keepdim=True) by torch's kernel, compiled code too (an op inductor does not fuse or reorder)."""
+    return x.sum(dim=dims, keepdim=True)
+
+
+@eager_sum.register_fake
+def _(x: Tensor, dims: list[int]) -> Tensor:
+    return x.sum(dim=dims, keepdim=True)  # a fake tensor's: the shape only

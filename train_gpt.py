@@ -23,14 +23,23 @@ import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from torch.utils._python_dispatch import TorchDispatchMode
 
-try:  # the FP8 head's ops and the Triton kernels (custom ops under torch.ops.speedrun), beside this file
+try:  # the FP8 head's ops, the Triton kernels (custom ops under torch.ops.speedrun) and device paths, beside it
     import gpt_kernels
+    from gpt_kernels import eager_sum, gpu_runs, load_fa3
 except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for_device turns them off)
     if e.name != "gpt_kernels":
         raise
     gpt_kernels = None
+
+    def eager_sum(x: Tensor, dims: list[int]) -> Tensor:  # eager's sum; compiled code sums in its own order
+        return x.sum(dim=dims, keepdim=True)
+
+    def gpu_runs(*args: object) -> tuple[bool, str]:  # the kernels are off here: no GPU path to rule out
+        return True, ""
+
+    def load_fa3() -> tuple[Callable | None, str]:
+        return None, "FA3's loader is in gpt_kernels.py: put that file beside train_gpt.py"
 
 if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) are 3.11's
     raise SystemExit(f"error: train_gpt.py needs Python 3.11 or newer (this is {platform.python_version()})")
@@ -953,15 +962,6 @@ def sqrt32(x: Tensor) -> Tensor:
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling() or type(x) is not Tensor:
         return x.sqrt()
     return torch.as_tensor(np.sqrt(x.numpy()))
-
-@torch.library.custom_op("speedrun::eager_sum", mutates_args=())
-def eager_sum(x: Tensor, dims: list[int]) -> Tensor:
-    """x.sum(dims, keepdim=True) by torch's kernel, compiled code too (an op inductor does not fuse or reorder)."""
-    return x.sum(dim=dims, keepdim=True)
-
-@eager_sum.register_fake
-def _(x: Tensor, dims: list[int]) -> Tensor:
-    return x.sum(dim=dims, keepdim=True)  # a fake tensor's: the shape only
 
 def polar_express(G: Tensor, kernels: bool = False) -> Tensor:
     """Orthogonalize each matrix of G (batched) approximately, as #89: X <- a X + (b A + c A^2) X, A = X X^T (X^T X and
@@ -2122,45 +2122,9 @@ class Runtime:
 
 FLEX_BLOCK_MULTIPLE = 128  # FlexAttention's tiles on H100 (sm90) divide no smaller block, forward or backward
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs every matrix dimension divisible by 16
-FA3_HUB_KERNEL = ("kernels-community/flash-attn3", 1)  # the hub kernel and version #89 loads FA3 from
-
-@functools.cache
-def load_fa3() -> tuple[Callable | None, str]:
-    """(FA3's flash_attn_varlen_func, "") from #89's hub kernel, or (None, why it cannot run here)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return None, "FA3 runs on Hopper GPUs (sm90) only"
-    try:
-        from kernels import get_kernel
-    except ImportError:
-        return None, "FA3 comes from the `kernels` package, which is not installed (pip install kernels)"
-    name, version = FA3_HUB_KERNEL
-    try:
-        return get_kernel(name, version=version).flash_attn_interface.flash_attn_varlen_func, ""
-    except Exception as e:  # the hub (offline, no build for this torch) or the build itself: say which
-        return None, f"{name} version {version} did not load: {type(e).__name__}: {e}"
-
 def gpu_capability(cuda: bool) -> tuple[int, int] | None:
     """The GPU's compute capability; None on the CPU; with no GPU visible (tests' traces), the recipe's H100's: sm90."""
     return None if not cuda else tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else (9, 0)
-
-def gpu_runs(path: str, capability: tuple[int, int] | None, cfg: Config | None = None,
-             fp8: str | None = None) -> tuple[bool | None, str]:
-    """Whether a path (a gpt_kernels.RUNS_ON key) runs on this GPU, and why not: False where it cannot (no FP8 before
-    sm89, Triton kernels that fail or spill), None where unmeasured (auto: torch); `fp8` on in cfg: its kernels too."""
-    if capability is None or gpt_kernels is None:
-        return True, ""
-    target = f"sm{capability[0]}{capability[1]}"
-    if "fp8" in path and capability < gpt_kernels.FP8_MIN:
-        return False, f"{target} has no FP8 tensor cores (torch._scaled_mm: sm89 and later)"
-    if capability not in gpt_kernels.TARGETS.values():
-        return None, f"{target} is not in the compile matrix (tools/sm90_kernels.py: {', '.join(gpt_kernels.TARGETS)})"
-    if capability not in gpt_kernels.RUNS_ON[path]:
-        return False, (f"its Triton kernels ({', '.join(gpt_kernels.PATH_KERNELS[path])}) do not compile for {target} "
-                       f"within its shared memory and without spills (tools/sm90_kernels.py)")
-    if fp8 and getattr(cfg, fp8):
-        runs, why = gpu_runs(f"{path}+{fp8}", capability)
-        return runs, why and f"{why} (its FP8 mode, with --{fp8})"
-    return True, ""
 
 KERNEL_FLAGS = (("fp8_head", None), ("fp8_mlp", None), ("relu2_kernel", "fp8_mlp"), ("fused_head", "fp8_head"),
                 ("dc_kernel", None))  # (flag, its FP8 mode's), resolved in this order: the kernels read the FP8 paths
@@ -2188,6 +2152,9 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
                          "drop it (or use --device=cpu)")
+    if cfg.cpu_bf16_gemm == "fp32" and gpt_kernels is None:
+        raise UsageError("--cpu_bf16_gemm=fp32 runs gpt_kernels.py's Fp32Gemms: put that file beside train_gpt.py, or "
+                         "use --cpu_bf16_gemm=native")
     cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
     kernels, capability = gpt_kernels is not None, capability or gpu_capability(cuda)
     triton = importlib.util.find_spec("triton") is not None
@@ -2218,7 +2185,7 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
     if cfg.attention == "fa3" and kernel is None:
         raise UsageError(f"--attention=fa3: {why}; use --attention=flex (or auto: FA3 where it loads)")
     cfg.attention = "fa3" if kernel is not None else "flex"
-    attention = (f"fa3 ({FA3_HUB_KERNEL[0]} version {FA3_HUB_KERNEL[1]}, varlen)" if kernel is not None else
+    attention = ("fa3 ({} version {}, varlen)".format(*gpt_kernels.FA3_HUB_KERNEL) if kernel is not None else
                  "flex (FlexAttention block masks)" + (f"; FA3 not taken: {why}" if why else "") if cuda else
                  "flex (on the CPU: SDPA with the same masks, dense; FlexAttention has no CPU backward)")
     if cuda and cfg.attention == "flex" and cfg.block_size % FLEX_BLOCK_MULTIPLE:
@@ -2231,45 +2198,23 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-# CPU bf16 matmuls run through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX), else through a scalar
-# reference loop (AVX2-only CPUs: tens to hundreds of times slower than fp32). There they can run as fp32 GEMMs of the
-# same bf16 values rounded once to bf16: fp32 accumulation, as on the GPU (--cpu_bf16_gemm, eager and compiled).
 CPU_BF16_GEMMS = ("auto", "native", "fp32")
 CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
                   "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
-GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
-
 def native_bf16_gemm() -> bool:
     """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
     return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
-class Fp32Gemms(TorchDispatchMode):
-    """Inside it, every bf16 mm/addmm/bmm/baddbmm (or out=) on the CPU runs in fp32, its result rounded to bf16. As it
-    ignores compile internals, torch.compile compiles under it: compiled code's extern GEMMs come through here."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func.overloadpacket not in GEMM_OPS or func._overloadname not in ("default", "out")
-                or not any(isinstance(a, Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
-                           for a in args)):
-            return func(*args, **kwargs)
-        wide = [a.float() if isinstance(a, Tensor) and a.dtype == torch.bfloat16 else a for a in args]
-        out = kwargs.pop("out", None)
-        result = func.overloadpacket.default(*wide, **kwargs)
-        return result.bfloat16() if out is None else out.copy_(result)
-
 def bf16_gemm_path(choice: str, cuda: bool) -> str:
-    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
-    return "native" if cuda or choice == "native" or (choice == AUTO and native_bf16_gemm()) else "fp32"
+    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM; this file alone:
+    native, as gpt_kernels.py holds Fp32Gemms)."""
+    native = cuda or choice == "native" or gpt_kernels is None or choice == AUTO and native_bf16_gemm()
+    return "native" if native else "fp32"
 
 def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
     """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
-    return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
+    return gpt_kernels.Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
 
 def cpu_report() -> str:
     """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""

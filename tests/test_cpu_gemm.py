@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gpt_kernels
 import train_gpt as T
 from conftest import MATMULS, REPO, SMALL, tiny_args
 
@@ -61,7 +62,7 @@ def test_fp32_path_leaves_no_bf16_matmul_in_a_run_and_trains_as_the_native_path(
 def test_fp32_gemms_round_an_fp32_product_of_the_bf16_values_once():
     a, b, c = (torch.randn(*shape).bfloat16() for shape in ((3, 40, 24), (3, 24, 16), (3, 40, 16)))
     exact = lambda t: t.double()  # noqa: E731
-    with T.Fp32Gemms():
+    with gpt_kernels.Fp32Gemms():
         got = {"mm": a[0] @ b[0], "addmm": torch.addmm(c[0], a[0], b[0], beta=0.5, alpha=2.0), "bmm": a @ b,
                "baddbmm": torch.baddbmm(c, a, b, beta=0.5, alpha=2.0), "out": torch.mm(a[1], b[1], out=c[2].clone())}
     want = {"mm": exact(a[0]) @ exact(b[0]), "addmm": 0.5 * exact(c[0]) + 2.0 * exact(a[0]) @ exact(b[0]),
@@ -134,7 +135,7 @@ def test_compiled_code_under_fp32_gemms_compiles_and_calls_fp32_gemms():
 
     x = torch.randn(2, 48, 32).bfloat16()
     compiled = torch.compile(mlp, fullgraph=True, dynamic=False)  # fullgraph: fails if dynamo skips the frame
-    with MatmulInputs() as below, T.Fp32Gemms(), MatmulInputs() as above:
+    with MatmulInputs() as below, gpt_kernels.Fp32Gemms(), MatmulInputs() as above:
         loss = compiled(x)
         loss.backward()
     got = loss.detach(), w1.grad.clone(), w2.grad.clone()
@@ -142,7 +143,7 @@ def test_compiled_code_under_fp32_gemms_compiles_and_calls_fp32_gemms():
     assert above.bf16() and all(op.endswith(".out") for op, _ in above.seen), above.seen
     assert len(below.seen) == len(above.seen) and not below.bf16(), below.bf16()[:5]
     w1.grad = w2.grad = None
-    with T.Fp32Gemms():
+    with gpt_kernels.Fp32Gemms():
         loss = mlp(x)
         loss.backward()
     for a, b in zip(got, (loss.detach(), w1.grad, w2.grad)):
