@@ -1460,16 +1460,6 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
     finally:
         tmp.unlink(missing_ok=True)
 
-def write_shard(path: Path, tokens: np.ndarray) -> None:
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError("shard tokens must fit in uint16")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
-    with atomic_file(path) as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-
 def shard_token_count(path: Path) -> int:
     try:
         size, header = os.path.getsize(path), np.fromfile(path, dtype="<i4", count=HEADER_INTS)

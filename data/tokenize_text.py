@@ -1,4 +1,4 @@
-"""Turn text files into GPT-2 token shards in the speedrun format (train_gpt.write_shard).
+"""Turn text files into GPT-2 token shards in the speedrun format (read by train_gpt.load_shard).
 
     python data/tokenize_text.py INPUT... --out_dir DIR [--name NAME] [--val_tokens N]
                                  [--shard_tokens N] [--workers W] [--overwrite]
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train_gpt import BOS_ID, UsageError, write_shard  # noqa: E402
+from train_gpt import BOS_ID, HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UsageError, atomic_file  # noqa: E402
 
 if TYPE_CHECKING:
     import tiktoken
@@ -149,6 +149,18 @@ def encode_document(text: str) -> np.ndarray:
 
 
 # -- writing --------------------------------------------------------------------------------------
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """A shard atomically: the 256-int32 header (magic, version, token count), then the tokens as uint16."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError("shard tokens must fit in uint16")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
+    with atomic_file(path) as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
 
 class ShardWriter:
     """Groups whole documents into the val shard, then train shards of at most shard_tokens tokens."""

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "data"))  # tokenize_text.write_shard makes the tests' shards
 # Record #89's references, written from its spec, live with its snapshot (and are pinned by its own tests there); the
 # FP8 MLP, the kernels and upstream's reference still compare with them, from there.
 RECORD89_TESTS = REPO / "records" / "snapshots" / "2026-11-28_record89" / "tests"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import train_gpt as T
+from tokenize_text import write_shard
 from conftest import SAMPLE_TRAIN
 
 CPU = torch.device("cpu")
@@ -22,7 +23,7 @@ def synthetic_shards(tmp_path: Path, n: int = 3, tokens: int = 10000, seed: int 
             docs.append(doc)
             size += len(doc)
         paths.append(tmp_path / f"syn_train_{i + 1:06d}.bin")
-        T.write_shard(paths[-1], np.concatenate(docs))
+        write_shard(paths[-1], np.concatenate(docs))
     return paths
 
 
@@ -113,7 +114,7 @@ def test_sample_sequences_start_documents_and_never_repeat():
 
 def test_validation_chunks_are_contiguous_and_split_across_ranks(tmp_path):
     path = tmp_path / "val.bin"
-    T.write_shard(path, np.arange(5000) % 50000)
+    write_shard(path, np.arange(5000) % 50000)
     val = T.ValTokens([path], 4096, 50304)
     seen = {}
     for rank in range(3):

@@ -193,7 +193,7 @@ class FakeHub:
         if how == "garbage":
             target.write_bytes(b"<html>rate limited</html>")
         else:
-            train_gpt.write_shard(target, np.full(1000, 50256, dtype=np.uint16))
+            tokenize_text.write_shard(target, np.full(1000, 50256, dtype=np.uint16))
         return str(target)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import fa3_standin
 import train_gpt as T
+from tokenize_text import write_shard
 from conftest import SMALL, tiny_args
 
 
@@ -82,8 +83,8 @@ def test_the_document_count_is_each_sequences_bos_tokens_among_its_inputs(tmp_pa
 def test_a_corpus_of_tiny_documents_gets_buffers_beyond_89s(tmp_path):
     # Documents of three tokens: 5,461 in a 16,384-token sequence, where #89's 64 slots would crash its loader.
     docs = np.tile(np.array([T.BOS_ID, 11, 12], dtype=np.uint16), 12_000)
-    T.write_shard(tmp_path / "tiny_train_000.bin", docs)
-    T.write_shard(tmp_path / "tiny_val_000.bin", docs)
+    write_shard(tmp_path / "tiny_train_000.bin", docs)
+    write_shard(tmp_path / "tiny_val_000.bin", docs)
     cfg = T.parse_config(["--attention=fa3", f"--train_files={tmp_path}/tiny_train_*.bin",
                           f"--val_files={tmp_path}/tiny_val_*.bin", "--global_batch_seqs=1", "--num_steps=2",
                           "--extension_steps=0", "--seq_len_stages=16384", "--doc_len_stages=2048",

@@ -20,6 +20,7 @@ import torch
 
 import train_gpt as T
 from conftest import REPO, SMALL, main_in_process, tiny_args
+from tokenize_text import write_shard
 from test_first_contact import logged_losses
 
 
@@ -277,7 +278,7 @@ def test_resume_from_a_folder_that_is_no_checkpoint_says_so(tmp_path, monkeypatc
 def long_documents(tmp_path: Path, doc_len: int, docs: int) -> str:
     rng = np.random.default_rng(0)
     tokens = np.concatenate([np.r_[T.BOS_ID, rng.integers(0, 50000, doc_len - 1)] for _ in range(docs)])
-    T.write_shard(tmp_path / "long_train_000001.bin", tokens)
+    write_shard(tmp_path / "long_train_000001.bin", tokens)
     return str(tmp_path / "long_train_*.bin")
 
 
