@@ -126,7 +126,8 @@ class Config:
     final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
-    window_stages: str = "1/3,3/7,5/11,6/13"  # S/L per stage, then the extension: blocks back in a document (0: itself)
+    window_stages: str = "1/3,3/7,5/11,6/13"  # S/L per stage, then the extension's: blocks back in a document
+    #                                           (0: itself only)
     seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
     lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
     doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
