@@ -6,7 +6,7 @@ file, the FP8 head's ops and the Triton kernels beside it in gpt_kernels.py (wit
 from __future__ import annotations
 
 import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, functools, glob, hashlib
-import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, resource, shlex, shutil, signal
+import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, resource, shutil, signal
 import subprocess, sys, textwrap, threading, time, uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -2387,7 +2387,7 @@ class Metrics:
     """Train metrics: per step, device adds and two CUDA events. A logging step all-gathers RANK_STATS, reduces them
     on the device and copies them to a pinned host slot without blocking; rank 0 prints them once landed or at flush."""
 
-    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib", "stop")
+    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib")
     STATS = ("mean", "sum", "min", "max")
     SLOTS = 8  # pinned host slots; with all in flight, the oldest is waited for (GPU far behind)
 
@@ -2403,7 +2403,6 @@ class Metrics:
         self.host_view = self.host.numpy()  # read as numpy: no Tensor call on the host side
         self.pending: list[PendingLine] = []  # staged lines, printed (rank 0) once their copy has landed
         self.last: PendingLine | None = None  # the latest staged line: checked for a diverged loss
-        self.stop_agreed = False  # a rank received a stop signal: read at the same step on every rank
 
     def logs_at(self, step: int) -> bool:
         """Whether step (1-based: the step that `step:S/T` names) ends with a collective and a line."""
@@ -2439,7 +2438,7 @@ class Metrics:
         return torch.stack([gathered.mean(0), gathered.sum(0), gathered.amin(0), gathered.amax(0)])
 
     def _gather(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
-        host = {"host_ms": self.host_ms, "stop": float(STOP.received is not None), **peak_memory_mib(self.rt.device)}
+        host = {"host_ms": self.host_ms, **peak_memory_mib(self.rt.device)}
         local = torch.empty(len(self.RANK_STATS), dtype=torch.float64, device=self.rt.device)
         local[0].copy_(self.loss_sum)
         for i, name in enumerate(self.RANK_STATS[1:], 1):  # a host number is fill_'s kernel argument: no H2D copy
@@ -2473,9 +2472,7 @@ class Metrics:
         rank holds the line's statistics and checks them at the same point of the loop, so every rank stops."""
         if p.event is not None:
             p.event.synchronize()  # landed long ago: the line is a logging interval old
-        sums = self.host_view[p.slot][self.STATS.index("sum")]
-        loss, stop = (float(sums[self.RANK_STATS.index(k)]) for k in ("loss_sum", "stop"))
-        self.stop_agreed = self.stop_agreed or stop > 0
+        loss = float(self.host_view[p.slot][self.STATS.index("sum")][self.RANK_STATS.index("loss_sum")])
         if not math.isfinite(loss):
             self.poll(wait=True)
             raise UsageError(f"the train loss is {loss} at step {p.step}: the run diverged; lower the learning "
@@ -2635,7 +2632,7 @@ CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head
                      "xsa_layers", "attn_gate_layers", "bigram_rows", "bigram_sign_rows", "mudd_dim",
                      "train_seq_len", "global_batch_seqs", "train_epochs")
 CKPT_WAIT_S = 1800.0  # rank 0's writer waits at most this long for the other ranks' files
-CKPT_ERROR_GRACE_S = 10.0  # after an error or a stop signal, how long it still waits for them
+CKPT_ERROR_GRACE_S = 10.0  # after an error or a signal, how long it still waits for them
 
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
@@ -2660,7 +2657,7 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
         raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last); use an earlier checkpoint"
                          if any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()) else
                          f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
-                         f"--save_every, --save_final or a stop signal writes them under <log_dir>/<run_id>/")
+                         f"--save_every or --save_final writes them under <log_dir>/<run_id>/")
     try:
         meta = json.loads(path.read_text())
         step, world_size, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
@@ -2824,7 +2821,7 @@ class Checkpointer:
                  start_step: int = 0):
         self.cfg, self.rt, self.log, self.model, self.optimizer = cfg, rt, log, model, optimizer
         self.start_step = start_step  # a resumed run does not save its first step again
-        self.enabled = cfg.save_every > 0 or cfg.save_final  # periodic saves (a stop signal saves in any case)
+        self.enabled = cfg.save_every > 0 or cfg.save_final
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
@@ -3069,25 +3066,18 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows
 
 @torch.no_grad()
 def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
-             step: int, train_time_ms: float, stoppable: bool = False) -> tuple[int, float, float] | None:
-    """The val tokens' mean cross-entropy, logged: (step, val loss, train time). stoppable: a stop signal abandons it at
-    the next batch, on every rank alike (the all-reduce carries it), returning None: the resumed run validates again."""
+             step: int, train_time_ms: float) -> tuple[int, float, float]:
+    """The mean cross-entropy over the val tokens (one all-reduce), logged: (step, val loss, train time so far)."""
     model.eval()
-    totals = torch.zeros(3, device=rt.device)  # loss sum, batches, ranks that abandoned it
+    totals = torch.zeros(2, device=rt.device)  # loss sum, batches
     with PrefetchLoader(ValBatches(val, cfg.val_seq_len, rt.rank, rt.world_size), cfg.prefetch_depth,
                         rt.device) as batches:
         for batch in batches:
-            if stoppable and STOP.received is not None:
-                totals[2] = 1
-                break
             totals[0] += model(batch[0, :-1], batch[0, 1:].long(), windows)
             totals[1] += 1
     if rt.world_size > 1:
         dist.all_reduce(totals)
     model.train()
-    if totals[2].item():
-        log(f"validation at step {step} abandoned: a stop signal came; the resumed run validates this step", flush=True)
-        return None
     loss = (totals[0] / totals[1]).item()
     step_avg = train_time_ms / max(step, 1)
     log.record({"step": step, "total": cfg.num_steps, "val_loss": loss, "train_time_ms": train_time_ms,
@@ -3223,9 +3213,9 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
     return train_files, val, DocumentCounts(most, val.most_documents(cfg.val_seq_len))
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
-          vocabulary: list[bytes], argv: list[str]) -> TrainResult:
+          vocabulary: list[bytes]) -> TrainResult:
     """The run from its first (or resumed) step to the summary; documents: load_data's (FA3 sizes its buffers by it);
-    vocabulary: the BPE's tokens (the prefix table); argv: for the resume command an interrupted run prints."""
+    vocabulary: the BPE's tokens (the prefix table)."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     schedules = schedule_table(cfg)
@@ -3257,7 +3247,6 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     clock = TrainClock(rt.device, resumed.train_time_ms if resumed else 0.0)
     raw_model.prefix_table.copy_(prefix_table(vocabulary, cfg.vocab_size))  # timed, after the warmup, as upstream's
     try:
-        STOP.defer(True, stop_notice(cfg, rt.world_size))
         for step in range(start_step, last_step + 1):
             if step and schedules[step - 1].tied and not schedules[step].tied:  # #53: untie, state and all
                 optimizer.copy_param("lm_head.weight", TIED_EMBEDDING)
@@ -3267,15 +3256,10 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
                 optimizer.wait_for_params()  # before the clock stops: the gathers are part of the last step
                 train_time_ms = clock.stop()
                 metrics.flush()  # already synchronized: costs nothing, keeps the lines in order
-                point = validate(model, val, cfg, rt, log, knobs.val(step), step, train_time_ms,
-                                 stoppable=STOP.boundary(step, cfg))
-                metrics.stop_agreed |= point is None  # abandoned on every rank alike: the stop is agreed
-                val_points += [point] if point else []
+                val_points.append(validate(model, val, cfg, rt, log, knobs.val(step), step, train_time_ms))
                 clock.start()
             if checkpointer.due(step):
                 checkpointer.save(step, clock.now(), loader.source.stream.position(step))
-            if STOP.now(step, cfg, rt, metrics):  # a SIGINT/SIGTERM: checkpoint and stop at this step boundary
-                stop_with_checkpoint(checkpointer, step, clock.now(), loader.source.stream.position(step), argv)
             if step == last_step:
                 break
             optimizer.set_step(schedules[step])
@@ -3292,7 +3276,6 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         checkpointer.close(error=True)  # pending writes finish before the error leaves train()
         raise
     finally:
-        STOP.defer(False)
         loader.close()  # the prefetch thread stops at the end, on errors and on Ctrl-C
     checkpointer.close()
     optimizer.wait_for_params()
@@ -3344,74 +3327,30 @@ STOPS = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}  # the last
 EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143, RankLost: 1}  # 128 + SIGINT, 128 + SIGTERM; a UsageError: 2
 
 class StopSignal:
-    """The first SIGINT or SIGTERM stops the run (later ones cannot break into the cleanup): outside the training loop
-    at once; inside it (deferred), after a checkpoint at the next exactly resumable step boundary, once every rank
-    agrees (the metrics' or a validation's collective). While a failed run cleans up (ignored) it changes nothing."""
+    """The first SIGINT or SIGTERM (as Terminated) stops the run at once, raised in the main thread; later ones cannot
+    break into the cleanup (where train() lets the checkpoint writes in flight finish)."""
 
-    def __init__(self):
-        self.deferred, self.ignored, self.notice = False, False, ""
-        self.received: type[KeyboardInterrupt] | None = None
+    ignored = False  # the run is ending (an error or a signal): a signal now changes nothing
 
     def __call__(self, signum: int, frame: object) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if self.ignored:
-            return
-        self.received = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
-        if not self.deferred:
-            raise self.received()
-        print0(f"{STOPS[self.received]}: {self.notice}", file=sys.stderr)
+        if not self.ignored:
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Handle SIGINT and SIGTERM for one run, then hand them back: a process calling main() keeps its own."""
-        self.received, self.ignored = None, False
+        self.ignored = False
         previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.received, self.ignored = None, False  # a signal belongs to its run: a later one starts afresh
-
-    def defer(self, deferred: bool, notice: str = "") -> None:
-        """Inside the training loop or not; notice: what a signal there does (stderr's first line)."""
-        self.deferred, self.notice = deferred, notice
-
-    @staticmethod
-    def boundary(step: int, cfg: Config) -> bool:
-        """Whether the loop can stop before `step`: not between Adam steps (gradients pending); --bench: anywhere."""
-        return cfg.bench or step % cfg.adam_every == 0
-
-    def now(self, step: int, cfg: Config, rt: Runtime, metrics: "Metrics") -> bool:
-        """Whether the loop stops before training `step` (after its validation; every rank answers alike)."""
-        asked = self.received is not None if rt.world_size == 1 else metrics.stop_agreed
-        return asked and self.boundary(step, cfg)
+            self.ignored = False  # a signal belongs to its run: a later one starts afresh
 
 STOP = StopSignal()
-
-def stop_notice(cfg: Config, world_size: int) -> str:
-    where = "the next step boundary" if cfg.bench or cfg.adam_every == 1 else \
-        f"the end of the next Adam step (one in {cfg.adam_every} steps: up to {cfg.adam_every} more steps)"
-    agreed = ", once the ranks agree (within two logging intervals)" if world_size > 1 else ""
-    return f"stopping at {where}{agreed}{'' if cfg.bench else ', after a checkpoint'}"
-
-def stop_with_checkpoint(checkpointer: Checkpointer, step: int, train_time_ms: float, data_position: tuple[int, int],
-                         argv: list[str]) -> None:
-    """Write (unless just written) and wait for a checkpoint, log the command resuming it (under a fresh id), stop."""
-    cfg, log, world_size = checkpointer.cfg, checkpointer.log, checkpointer.rt.world_size
-    kind = STOP.received or Terminated  # another rank's signal: this rank stops as that one does
-    if not cfg.bench:
-        if not checkpointer.due(step):
-            checkpointer.save(step, train_time_ms, data_position)
-        checkpointer.close()
-        folder = checkpoint_dir(cfg, step)
-        if not checkpointer.failures:
-            options = [f"--{k}={v}" for k, v in read_options(argv).items() if k not in ("run_id", "resume")]
-            launch = ["python"] if world_size == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world_size}"]
-            command = shlex.join([*launch, os.path.relpath(__file__), *options, f"--resume={folder}"])
-            log(f"{STOPS[kind]} after step {step}: checkpoint {folder}; resume with: {command}", flush=True)
-    raise kind()
 
 def one_line_error(e: BaseException, rt: Runtime | None) -> BaseException:
     """A collective's error for a lost peer, or torch's out-of-memory one, as one line saying what to do; else e."""
@@ -3461,13 +3400,9 @@ def run(argv: list[str]) -> TrainResult:
             log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
             log(SEPARATOR)
         with cpu_gemms(cfg.cpu_bf16_gemm):
-            result = train(cfg, rt, log, train_files, val, documents, vocabulary, argv)
+            result = train(cfg, rt, log, train_files, val, documents, vocabulary)
         if rt.world_size > 1:  # no rank tears the process group down while another uses it: that would abort its peer
             dist.barrier()
-        if STOP.received is not None:  # no boundary to stop at came before the end (StopSignal.now): it finished
-            log(f"{STOPS[STOP.received]}: the run finished before a step boundary where a checkpoint resumes it "
-                f"(summary written)", flush=True)
-            raise STOP.received()
         return result
     except BaseException as e:
         STOP.ignored = True  # the run is ending: a signal now (torchrun's, after a rank died) would cut cleanup short

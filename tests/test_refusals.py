@@ -1,11 +1,9 @@
 """What can be known at start-up is refused there: one `error:` line, exit code 2, and no file or folder written
 (no log set aside, no folder created, nothing outside --log_dir), nor anything built that grows with the step count.
 Then the command line's own manners: argparse's two option forms, one value per flag, the ranges --help states, the
-signal handler's lifetime, the resume command an interrupt prints, and a signal during the final validation."""
+signal handler's lifetime, and a signal during the warmup, the final validation or a failed run's cleanup."""
 
 import dataclasses
-import json
-import re
 import signal
 import subprocess
 import sys
@@ -129,71 +127,73 @@ def test_the_signal_handler_belongs_to_the_run_and_the_previous_one_comes_back(t
             signal.signal(s, handler)
 
 
-# One stage, Adam every step: a run that can stop and resume at any step (conftest's ONE_STAGE via tiny_args).
 FIELDS = dict(num_steps=8, val_every=0, **SMALL)
 
 
-def test_a_signal_during_the_final_validation_stops_there_as_anywhere_else(tmp_path, monkeypatch, capsys):
-    fields = dict(FIELDS, num_steps=2)
-    full = T.run(tiny_args(tmp_path, run_id="full", **fields))
+def test_a_signal_during_the_warmup_leaves_no_checkpoint_and_exits_130(tmp_path, monkeypatch, capsys):
+    warmup, steps = T.warmup, []
+
+    def interrupted_warmup(cfg, rt, log, model, optimizer, loader, plan, step):
+        def ctrl_c(*args):  # Ctrl-C while the warmup compiles its first step
+            steps.append(1)
+            T.STOP(signal.SIGINT, None)
+        return warmup(cfg, rt, log, model, optimizer, loader, plan, ctrl_c)
+
+    monkeypatch.setattr(T, "warmup", interrupted_warmup)
+    code, out, err = main_in_process(tiny_args(tmp_path, run_id="warm", warmup_steps=1, save_every=1, **FIELDS),
+                                     monkeypatch, capsys)
+    logs = tmp_path / "logs"
+    # Nothing recorded yet: its log is set aside as any such run's, and the run id is free.
+    assert code == 130 and steps == [1] and err.strip().splitlines() == [
+        "interrupted", f"(its log is kept as {logs / 'warm.failed.txt'}; the run id is free for a rerun)"], err
+    assert (logs / "warm.failed.txt").read_text().rstrip().splitlines()[-1] == "interrupted"
+    assert not (logs / "warm").exists() and not (logs / "warm.txt").exists()
+
+
+def test_a_signal_during_the_final_validation_stops_there_and_hands_the_handlers_back(tmp_path, monkeypatch, capsys):
     validate = T.validate
 
     def sigterm_in_the_last(model, val, cfg, rt, log, windows, step, *args, **kwargs):
-        if step == cfg.num_steps:  # a SIGTERM arriving while the last validation runs (deferred: the loop's)
+        if step == cfg.num_steps:  # a SIGTERM arriving while the last validation runs
             T.STOP(signal.SIGTERM, None)
         return validate(model, val, cfg, rt, log, windows, step, *args, **kwargs)
 
     monkeypatch.setattr(T, "validate", sigterm_in_the_last)
-    code, out, err = main_in_process(tiny_args(tmp_path, run_id="last", **fields), monkeypatch, capsys)
-    # What the notice says and the README promises: a checkpoint at the step boundary, exit code 143.
-    assert code == 143 and err.strip().splitlines() == [
-        "terminated: stopping at the next step boundary, after a checkpoint", "terminated"], err
-    folder = tmp_path / "logs" / "last" / "ckpt_2"
-    assert "validation at step 2 abandoned: a stop signal came; the resumed run validates this step" in out
-    assert f"terminated after step 2: checkpoint {folder}; resume with: " in out
-    assert not (tmp_path / "logs" / "last.json").exists() and T.STOP.received is None  # nor does it outlive its run
-    monkeypatch.undo()
-    resumed = T.run(tiny_args(tmp_path, run_id="resumed", resume=folder, **fields))
-    assert resumed.val_losses == [full.val_losses[-1]]  # the final validation, redone: bit for bit
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    code, out, err = main_in_process(tiny_args(tmp_path, run_id="last", **dict(FIELDS, num_steps=2)), monkeypatch,
+                                     capsys)
+    assert code == 143 and err.strip().splitlines() == ["terminated"], err
+    logs = tmp_path / "logs"
+    assert "step:2/2 train_loss:" in out and "step:2/2 val_loss:" not in out and not (logs / "last.json").exists()
+    # It recorded steps: its log keeps the run id's name, its last line the stop.
+    assert (logs / "last.txt").read_text().rstrip().splitlines()[-1] == "terminated"
+    # The handler ignored SIGINT and SIGTERM once the signal came; the run hands back what it found, and the next
+    # run starts afresh.
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before and not T.STOP.ignored
 
 
-def test_a_signal_with_no_step_boundary_before_the_end_lets_the_run_finish_and_exits_143(tmp_path, monkeypatch,
-                                                                                        capsys):
-    validate = T.validate
+def test_a_signal_while_a_failed_run_cleans_up_changes_nothing(tmp_path, monkeypatch, capsys):
+    forward, close = T.GPT.forward, T.Checkpointer.close
 
-    def sigterm_in_the_last(model, val, cfg, rt, log, windows, step, *args, **kwargs):
-        if step == cfg.num_steps:  # step 3 of Adam every 2: no checkpoint there could resume the run
+    def failing_in_step_2(self, *args):
+        if self.training and failing_in_step_2.calls == 2:  # two micro-steps a step: step 1 is logged first
+            raise RuntimeError("a bug in step 2")
+        failing_in_step_2.calls += self.training
+        return forward(self, *args)
+
+    def sigterm_in_the_cleanup(self, error=False):  # torchrun's SIGTERM to the rank while it waits for its writes
+        if error:
             T.STOP(signal.SIGTERM, None)
-        return validate(model, val, cfg, rt, log, windows, step, *args, **kwargs)
+        close(self, error)
 
-    monkeypatch.setattr(T, "validate", sigterm_in_the_last)
-    args = tiny_args(tmp_path, run_id="odd", **dict(FIELDS, num_steps=3, adam_every=2))
-    code, out, err = main_in_process(args, monkeypatch, capsys)
-    assert code == 143 and err.strip().splitlines()[-1] == "terminated", err
-    assert "terminated: the run finished before a step boundary where a checkpoint resumes it (summary written)" in out
-    assert json.loads((tmp_path / "logs" / "odd.json").read_text())["val_losses"][-1][0] == 3
-    assert not (tmp_path / "logs" / "odd").exists()
-
-
-@pytest.mark.slow
-def test_the_interrupt_prints_the_command_that_resumes_it_exactly(tmp_path):
-    full = T.run(tiny_args(tmp_path, run_id="full", **FIELDS))
-    args = [f"--{k} {v}" if k == "num_steps" else f"--{k}={v}" for k, v in
-            (a[2:].split("=", 1) for a in tiny_args(tmp_path, run_id="cut", **FIELDS))]  # the space form too
-    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *" ".join(args).split(" ")], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("step:2/"):
-            proc.send_signal(signal.SIGINT)
-            break
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
-    command = re.search(r"^interrupted after step \d+: checkpoint (\S+); resume with: (python .*)$", out, re.M)
-    assert command and "--run_id" not in command.group(2) and command.group(2).endswith(f"--resume={command[1]}")
-    resumed = subprocess.run(command.group(2), shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    summary = re.search(r"^summary: (\S+)$", resumed.stdout, re.M).group(1)
-    assert json.loads((tmp_path / summary).read_text())["final_val_loss"] == full.val_losses[-1][1]  # bit for bit
+    failing_in_step_2.calls = 0
+    monkeypatch.setattr(T.GPT, "forward", failing_in_step_2)
+    monkeypatch.setattr(T.Checkpointer, "close", sigterm_in_the_cleanup)
+    with pytest.raises(RuntimeError, match="a bug in step 2"):
+        main_in_process(tiny_args(tmp_path, run_id="bug", save_every=1, **FIELDS), monkeypatch, capsys)
+    logs = tmp_path / "logs"
+    assert (logs / "bug.failed.txt").read_text().rstrip().splitlines()[-1] == "failed: RuntimeError: a bug in step 2"
+    T.read_checkpoint_meta(logs / "bug" / "ckpt_1")  # the write in flight finished
 
 
 def test_an_older_python_is_refused_in_one_line():
