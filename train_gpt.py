@@ -26,7 +26,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 try:  # the FP8 head's ops, the Triton kernels (custom ops under torch.ops.speedrun) and device paths, beside it
     import gpt_kernels
-    from gpt_kernels import eager_sum, gpu_runs, load_fa3
+    from gpt_kernels import (CPU_GEMM_PATHS, CPU_PATHS, bf16_gemm_path, cpu_gemms, cpu_path, cpu_report, eager_sum,
+                             gpu_runs, load_fa3)
 except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for_device turns them off)
     if e.name != "gpt_kernels":
         raise
@@ -40,6 +41,21 @@ except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for
 
     def load_fa3() -> tuple[Callable | None, str]:
         return None, "FA3's loader is in gpt_kernels.py: put that file beside train_gpt.py"
+
+    def bf16_gemm_path(choice: str, cuda: bool) -> str:  # fp32 (gpt_kernels' Fp32Gemms) is refused alone
+        return "native"
+
+    def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def cpu_report() -> str:  # plainer: the CPU's model name and its bf16 GEMM check are gpt_kernels.py's
+        return (f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
+                f"{torch.backends.cpu.get_cpu_capability()}")
+
+    def cpu_path(gemm_path: str) -> str:  # the record path needs fp32 GEMMs
+        return "native"
+
+    CPU_GEMM_PATHS = CPU_PATHS = {"native": "native"}
 
 if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) are 3.11's
     raise SystemExit(f"error: train_gpt.py needs Python 3.11 or newer (this is {platform.python_version()})")
@@ -2065,7 +2081,7 @@ def validate_config(cfg: Config, world_size: int) -> int:
           for n, m in (("train_seq_len", "block_size"), ("val_seq_len", "block_size"), ("val_tokens", "val_seq_len"),
                        ("save_every", "adam_every"))),
         *((getattr(cfg, n) not in choices, f"--{n} must be {', '.join(choices)}, got {getattr(cfg, n)!r}")
-          for n, choices in (("attention", ("auto", "fa3", "flex")), ("cpu_bf16_gemm", CPU_BF16_GEMMS))),
+          for n, choices in (("attention", ("auto", "fa3", "flex")), ("cpu_bf16_gemm", ("auto", "native", "fp32")))),
         (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
          f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
         (any(n % (cfg.micro_split * cfg.block_size) for n in seq_lens), f"--micro_split={cfg.micro_split}: every "
@@ -2183,48 +2199,6 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-CPU_BF16_GEMMS = ("auto", "native", "fp32")
-CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
-                  "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
-def native_bf16_gemm() -> bool:
-    """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
-    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-def bf16_gemm_path(choice: str, cuda: bool) -> str:
-    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM; this file alone:
-    native, as gpt_kernels.py holds Fp32Gemms)."""
-    native = cuda or choice == "native" or gpt_kernels is None or choice == AUTO and native_bf16_gemm()
-    return "native" if native else "fp32"
-
-def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
-    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
-    return gpt_kernels.Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
-
-def cpu_report() -> str:
-    """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), model)
-    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
-            f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
-
-# The bundled CPU records' arithmetic, the "record" path: torch's kernels, oneDNN and MKL held to AVX2, fp32 GEMMs; the
-# same bits on every x86-64 CPU with AVX2 at the same torch, threads and world size. The libraries read these variables
-# when torch loads, so run.sh sets them (not with CPU_PATH=native); an AVX2-only CPU needs none of them.
-RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-CPU_PATHS = {"record": "record (AVX2 kernels, oneDNN and MKL at AVX2, fp32 GEMMs: the bundled CPU records' "
-                       "arithmetic, the same bits on any x86-64 CPU with AVX2)",
-             "native": "native (this CPU's own kernels: faster with AVX-512 or bf16 GEMMs; the losses differ from "
-                       "the record path's by rounding)"}
-
-def cpu_path(gemm_path: str) -> str:
-    """record where this run computes the records' arithmetic (above), else native."""
-    capped = all(os.environ.get(k, "").lower() == v.lower() for k, v in RECORD_PATH_ENV.items())
-    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and gemm_path == "fp32"
-    return "record" if avx2 and (capped or not torch.cpu._is_avx512_supported()) else "native"
 
 # -----------------------------------------------------------------------------
 # Metrics
