@@ -32,29 +32,21 @@ except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for
     if e.name != "gpt_kernels":
         raise
     gpt_kernels = None
-
     def eager_sum(x: Tensor, dims: list[int]) -> Tensor:  # eager's sum; compiled code sums in its own order
         return x.sum(dim=dims, keepdim=True)
-
     def gpu_runs(*args: object) -> tuple[bool, str]:  # the kernels are off here: no GPU path to rule out
         return True, ""
-
     def load_fa3() -> tuple[Callable | None, str]:
         return None, "FA3's loader is in gpt_kernels.py: put that file beside train_gpt.py"
-
     def bf16_gemm_path(choice: str, cuda: bool) -> str:  # fp32 (gpt_kernels' Fp32Gemms) is refused alone
         return "native"
-
     def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
     def cpu_report() -> str:  # plainer: the CPU's model name and its bf16 GEMM check are gpt_kernels.py's
         return (f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
                 f"{torch.backends.cpu.get_cpu_capability()}")
-
     def cpu_path(gemm_path: str) -> str:  # the record path needs fp32 GEMMs
         return "native"
-
     CPU_GEMM_PATHS = CPU_PATHS = {"native": "native"}
 
 if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) are 3.11's
@@ -2117,7 +2109,6 @@ class Runtime:
     """Where this process runs (set up in main()), and the attention path resolve_for_device took, for the log."""
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     attention: str = ""
     gpu: str = ""  # on CUDA: the GPU and each path resolve_for_device took there (gpu_report)
@@ -2240,9 +2231,8 @@ def recorded_event(timing: bool = True) -> torch.cuda.Event:
     return event
 
 class RunLog:
-    """Console, text log and JSONL records on rank 0; silent elsewhere (no files are opened there). A value that is
-    not finite is written as NaN or Infinity (Python's json reads it back); a failed write (a full disk) stops the
-    run with one line."""
+    """Console, text log and JSONL records on rank 0 (no files elsewhere). A value that is not finite is written as
+    NaN or Infinity (Python's json reads it back); a failed write (a full disk) stops the run with one line."""
 
     def __init__(self, path: Path | None, jsonl_path: Path | None = None):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
@@ -2668,8 +2658,7 @@ def check_resume(cfg: Config) -> None:
         raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
 
 def check_run_paths(cfg: Config) -> None:
-    """Before anything is written: the log folder is writable, no earlier run's log is replaced, no checkpoint is
-    written into (a resumed run writes under its own run id; a saving run's holds none yet)."""
+    """Before anything is written: the log folder is writable, and no earlier run's logs or checkpoints are replaced."""
     log_dir = Path(cfg.log_dir)
     run_dir = log_dir / cfg.run_id
     try:
@@ -2729,7 +2718,7 @@ class ResumePoint:
     step: int
     train_time_ms: float
     rng: dict
-    data_position: tuple[int, int] | None  # the stream's (next file, position) after step; None: re-derive it
+    data_position: tuple[int, int]  # the stream's (next file, position) after step
 
 def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
     """Restore --resume into model and optimizer (before the warmup snapshot); if any rank cannot, every rank raises."""
@@ -2762,9 +2751,8 @@ def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuon
     how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
                if k not in ("run_id", "resume") and hasattr(cfg, k) and getattr(cfg, k) != v]
-    position = tuple(meta["data_position"]) if "data_position" in meta else None
-    data = (f"data from shard {position[0] - 1} token {position[1]:,}" if position and position[0] else
-            "data from the start" if position else f"data fast-forwarded {meta['consumed_steps']} steps")
+    position = tuple(meta["data_position"])
+    data = f"data from shard {position[0] - 1} token {position[1]:,}" if position[0] else "data from the start"
     log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} (optimizer state {how}), "
         f"train_time so far {meta['train_time_ms']:.0f}ms, {data}")
     if changed:
@@ -2960,8 +2948,7 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
                          f"--model_dim, --num_layers)")
 
 def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
-    """The model (its parameters become views into the optimizer's buckets), what the loop calls (compiled
-    whole with fullgraph: a graph break fails loudly instead of silently costing speed) and the optimizer."""
+    """The model, what the loop calls (compiled whole, fullgraph: a graph break fails loudly) and the optimizer."""
     flex = rt.device.type == "cuda" and cfg.attention == "flex"
     fa3 = load_fa3()[0] if cfg.attention == "fa3" else None
     raw = GPT(cfg, use_flex=flex, fp8_head=cfg.fp8_head, compile_flex=flex and not cfg.compile, fa3=fa3).to(rt.device)
@@ -3009,15 +2996,12 @@ def step_shape(schedules: list[StepSchedule]) -> Callable[[int], tuple[int, int]
     return lambda step: (schedules[step].seq_len, schedules[step].max_doc_len)
 
 def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape: Callable[[int], tuple[int, int]],
-                 digest: Callable[[np.ndarray], object] | None, skip_steps: int = 0,
-                 position: tuple[int, int] | None = None) -> PrefetchLoader:
-    """This rank's batches for `steps` steps after skip_steps (a resume's: from its saved position, else re-derived)."""
+                 digest: Callable[[np.ndarray], object] | None, resumed: ResumePoint | None = None) -> PrefetchLoader:
+    """This rank's batches for `steps` steps: from the start, or where a resumed run's checkpoint left the stream."""
     stream = TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size, shape, cfg.train_epochs,
                               preload=cfg.prefetch_depth > 0)
-    if position is None:
-        stream.skip(skip_steps)
-    else:
-        stream.seek(skip_steps, position)
+    if resumed is not None:
+        stream.seek(resumed.step, resumed.data_position)
     return PrefetchLoader(TrainBatches(stream, rt.rank, rt.world_size, steps, cfg.micro_split), cfg.prefetch_depth,
                           rt.device, digest)
 
@@ -3188,8 +3172,7 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
           vocabulary: list[bytes]) -> TrainResult:
-    """The run from its first (or resumed) step to the summary; documents: load_data's (FA3 sizes its buffers by it);
-    vocabulary: the BPE's tokens (the prefix table)."""
+    """From the first (or resumed) step to the summary; documents size FA3's buffers, vocabulary the prefix table."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     schedules = schedule_table(cfg)
@@ -3213,8 +3196,7 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
         f"the final window; peak {peak} per device")
     log_stage_plan(cfg, schedules, log)
     checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)
-    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, optimizer.batch_rows(),
-                          skip_steps=start_step, position=resumed.data_position if resumed else None)
+    loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, optimizer.batch_rows(), resumed)
     val_points: list[tuple[int, float, float]] = []
     if resumed:
         set_rng_state(resumed.rng, rt.device)
@@ -3267,7 +3249,6 @@ CUDA_ALLOC_CONF = "expandable_segments:True"
 def setup_runtime(cfg: Config) -> Runtime:
     """The process's rank and device, and the process group; resolves the config's device-dependent fields."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cfg.device != "cpu":  # read when CUDA initialises: before any CUDA call; a user's own setting wins
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -3280,7 +3261,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         if local_world > visible:
             raise UsageError(f"{local_world} processes per node but only {visible} GPU(s) visible; "
                              f"launch with --nproc_per_node={visible} or fewer")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     cuda = device.type == "cuda"
     attention = resolve_for_device(cfg, cuda)
@@ -3292,7 +3273,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         if len(set(paths)) > 1:  # auto found FA3 on some ranks only: they would call different collectives' graphs
             raise UsageError(f"--attention=auto resolved differently across ranks ({', '.join(map(str, paths))}): "
                              f"give --attention=fa3 or --attention=flex")
-    return Runtime(rank, world_size, local_rank, device, attention, gpu_report(cfg) if cuda else "")
+    return Runtime(rank, world_size, device, attention, gpu_report(cfg) if cuda else "")
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, as SLURM, Kubernetes and torchrun stop a job: handled as Ctrl-C is."""
@@ -3301,8 +3282,7 @@ STOPS = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}  # the last
 EXIT_CODES = {KeyboardInterrupt: 130, Terminated: 143, RankLost: 1}  # 128 + SIGINT, 128 + SIGTERM; a UsageError: 2
 
 class StopSignal:
-    """The first SIGINT or SIGTERM (as Terminated) stops the run at once, raised in the main thread; later ones cannot
-    break into the cleanup (where train() lets the checkpoint writes in flight finish)."""
+    """The first SIGINT or SIGTERM (as Terminated) stops the run at once; later ones cannot break into the cleanup."""
 
     ignored = False  # the run is ending (an error or a signal): a signal now changes nothing
 
@@ -3342,9 +3322,9 @@ def one_line_error(e: BaseException, rt: Runtime | None) -> BaseException:
                        f"or use more GPUs")
 
 def run(argv: list[str]) -> TrainResult:
-    """Parse, set up the process group and train; UsageError for anything the user can fix. All is checked before
-    anything is written; a run that stops after its log opened says why there, and keeps its run id's name only when
-    it finished or a signal stopped it after it recorded something: else its logs go to <run_id>.failed.*."""
+    """Parse, set up and train; UsageError for what the user can fix, all checked before anything is written. A run
+    stopped after its log opened says why there; its logs go to <run_id>.failed.* unless it finished, or a signal
+    stopped it after it recorded something."""
     rt, log, stop, error = None, RunLog(None), None, None
     try:
         cfg = parse_config(argv)
