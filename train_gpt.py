@@ -1,5 +1,5 @@
 """Speedrun GPT trainer: the NanoGPT speedrun's current recipe (upstream's f411b3d: record #89 with #85-#88) in one
-file, the FP8 head's ops and the Triton kernels beside it in gpt_kernels.py (without it: the torch path). Launch with
+file, the FP8 ops, Triton kernels and device paths beside it in gpt_kernels.py (without it: the torch path). Launch with
 `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or `python train_gpt.py
 --preset=tiny` on a CPU. Importing it has no side effects; earlier recipes live in records/."""
 
