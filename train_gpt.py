@@ -1,5 +1,5 @@
 """Speedrun GPT trainer: the NanoGPT speedrun's current recipe (upstream's f411b3d: record #89 with #85-#88) in one
-file, the FP8 ops, Triton kernels and device paths beside it in gpt_kernels.py (without it: the torch path). Launch with
+file, the FP8 ops, Triton kernels and device paths beside it in gpt_kernels.py (the two go together). Launch with
 `torchrun --standalone --nproc_per_node=N train_gpt.py [--field=value ...]` (N in 1, 2, 4, 8) or `python train_gpt.py
 --preset=tiny` on a CPU. Importing it has no side effects; earlier recipes live in records/."""
 
@@ -24,30 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-try:  # the FP8 head's ops, the Triton kernels (custom ops under torch.ops.speedrun) and device paths, beside it
+try:  # the FP8 ops, the Triton kernels (custom ops under torch.ops.speedrun) and the device paths: half of this program
     import gpt_kernels
-    from gpt_kernels import (CPU_GEMM_PATHS, CPU_PATHS, bf16_gemm_path, cpu_gemms, cpu_path, cpu_report, eager_sum,
-                             gpu_runs, load_fa3)
-except ModuleNotFoundError as e:  # this file alone: the torch path (resolve_for_device turns them off)
+except ModuleNotFoundError as e:
     if e.name != "gpt_kernels":
         raise
-    gpt_kernels = None
-    def eager_sum(x: Tensor, dims: list[int]) -> Tensor:  # eager's sum; compiled code sums in its own order
-        return x.sum(dim=dims, keepdim=True)
-    def gpu_runs(*args: object) -> tuple[bool, str]:  # the kernels are off here: no GPU path to rule out
-        return True, ""
-    def load_fa3() -> tuple[Callable | None, str]:
-        return None, "FA3's loader is in gpt_kernels.py: put that file beside train_gpt.py"
-    def bf16_gemm_path(choice: str, cuda: bool) -> str:  # fp32 (gpt_kernels' Fp32Gemms) is refused alone
-        return "native"
-    def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-    def cpu_report() -> str:  # plainer: the CPU's model name and its bf16 GEMM check are gpt_kernels.py's
-        return (f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
-                f"{torch.backends.cpu.get_cpu_capability()}")
-    def cpu_path(gemm_path: str) -> str:  # the record path needs fp32 GEMMs
-        return "native"
-    CPU_GEMM_PATHS = CPU_PATHS = {"native": "native"}
+    raise SystemExit("error: train_gpt.py needs gpt_kernels.py beside it: copy the two files together") from None
+from gpt_kernels import (CPU_GEMM_PATHS, CPU_PATHS, bf16_gemm_path, cpu_gemms, cpu_path, cpu_report, eager_sum,
+                         gpu_runs, load_fa3)
 
 if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) are 3.11's
     raise SystemExit(f"error: train_gpt.py needs Python 3.11 or newer (this is {platform.python_version()})")
@@ -1070,7 +1054,7 @@ EAGER_STEPS = UpdateSteps()
 
 def polar_express_kernels(device: torch.device) -> bool:
     """Whether Polar Express runs gpt_kernels' Triton GEMMs: on CUDA, where they compile for the GPU (gpu_runs)."""
-    return device.type == "cuda" and gpt_kernels is not None and importlib.util.find_spec("triton") is not None \
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None \
         and gpu_runs("polar_express", gpu_capability(True))[0] is True
 
 def update_steps(compiled: bool, kernels: bool) -> UpdateSteps:
@@ -2145,11 +2129,8 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
     if cuda and cfg.cpu_bf16_gemm == "fp32":
         raise UsageError("--cpu_bf16_gemm=fp32 routes a CPU run's matmuls; a CUDA run uses the GPU's bf16 GEMMs: "
                          "drop it (or use --device=cpu)")
-    if cfg.cpu_bf16_gemm == "fp32" and gpt_kernels is None:
-        raise UsageError("--cpu_bf16_gemm=fp32 runs gpt_kernels.py's Fp32Gemms: put that file beside train_gpt.py, or "
-                         "use --cpu_bf16_gemm=native")
     cfg.cpu_bf16_gemm = bf16_gemm_path(cfg.cpu_bf16_gemm, cuda)
-    kernels, capability = gpt_kernels is not None, capability or gpu_capability(cuda)
+    capability = capability or gpu_capability(cuda)
     triton = importlib.util.find_spec("triton") is not None
     dims = {"model_dim": cfg.model_dim, "train_seq_len": cfg.train_seq_len, "vocab_size": cfg.vocab_size}
     bad_dims = [f"--{k}={v}" for k, v in dims.items() if v % FP8_DIM_MULTIPLE]
@@ -2159,16 +2140,12 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
         if on and runs is False:
             raise UsageError(f"--{name}=true: {why}; use --{name}=false (or auto)")
         if on is None:  # auto: where the GPU runs it cleanly (gpu_runs), the torch path elsewhere
-            on = cuda and kernels and (ops or triton) and bool(runs)
+            on = cuda and (ops or triton) and bool(runs)
         on = on and not (ops and os.environ.get("DISABLE_FP8"))
         setattr(cfg, name, on)
-        if on and ops and not kernels:
-            raise UsageError(f"--{name} runs gpt_kernels.py's ops: put that file beside train_gpt.py, or use "
-                             f"--{name}=false")
-        if on and not ops and (not kernels or not triton or not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-            raise UsageError(f"--{name} runs a Triton kernel: it needs gpt_kernels.py beside train_gpt.py, triton "
-                             f"installed and a CUDA device (or TRITON_INTERPRET=1 on the CPU, slow); or use "
-                             f"--{name}=false")
+        if on and not ops and (not triton or not (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            raise UsageError(f"--{name} runs a Triton kernel: it needs triton installed and a CUDA device (or "
+                             f"TRITON_INTERPRET=1 on the CPU, slow); or use --{name}=false")
         if on and ops and bad_dims:
             raise UsageError(f"the FP8 {'head' if name == 'fp8_head' else 'MLP'} needs --{', --'.join(dims)} divisible "
                              f"by {FP8_DIM_MULTIPLE} (torch._scaled_mm), got {', '.join(bad_dims)}; change it or use "

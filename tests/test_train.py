@@ -266,19 +266,14 @@ def test_threads_that_touch_the_device_bind_to_it_first(tmp_path, monkeypatch):
     assert names == {"prefetch", "ckpt-writer"}, bound
 
 
-@pytest.mark.slow
-def test_the_file_alone_trains_on_the_torch_path_and_refuses_the_kernels_it_lacks(tmp_path):
-    # train_gpt.py copied without gpt_kernels.py (with the BPE file its prefix table reads): auto takes the torch
-    # path, an explicit kernel is one line.
+def test_the_file_alone_says_in_one_line_that_it_needs_gpt_kernels_and_writes_nothing(tmp_path):
+    # train_gpt.py copied without gpt_kernels.py: one line at start-up naming the missing file, no log, no traceback.
     alone = tmp_path / "alone"
-    shutil.copytree(REPO / "data" / "tokenizer", alone / "data" / "tokenizer")
+    alone.mkdir()
     shutil.copy(REPO / "train_gpt.py", alone)
-    args = tiny_args(tmp_path, num_steps=2, val_every=2, **SMALL)
-    run = subprocess.run([sys.executable, "train_gpt.py", *args, "--run_id=alone"], cwd=alone, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "fp8 head False" in (tmp_path / "logs" / "alone.txt").read_text()
-    refused = subprocess.run([sys.executable, "train_gpt.py", *args, "--run_id=fp8", "--fp8_head=true"], cwd=alone,
-                             capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert "--fp8_head runs gpt_kernels.py's ops: put that file beside train_gpt.py" in refused.stderr
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "train_gpt.py", *tiny_args(tmp_path, num_steps=2)], cwd=alone, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr == "error: train_gpt.py needs gpt_kernels.py beside it: copy the two files together\n"
+    assert not (tmp_path / "logs").exists() and sorted(p.name for p in alone.iterdir()) == ["train_gpt.py"]
