@@ -7,17 +7,14 @@ autograd rule; the torch path each one replaces stays in train_gpt.py's model as
 module registers the ops and nothing else: triton is imported when a kernel is first launched, and the FP8
 bodies are compiled on first call. tools/sm90_kernels.py compiles the Triton kernels offline for each GPU generation
 (RUNS_ON: what runs where). Also the device paths train_gpt.py resolves: which path runs on a GPU (gpu_runs), FA3's
-loader, the CPU's bf16 GEMM and record paths (Fp32Gemms, cpu_path) and the optimizer's fixed-order sum (eager_sum).
+loader, the CPU's bf16 GEMM paths (Fp32Gemms) and the optimizer's fixed-order sum (eager_sum).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import platform
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -1273,33 +1270,6 @@ def bf16_gemm_path(choice: str, cuda: bool) -> str:
 def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
     """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
     return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
-
-
-def cpu_report() -> str:
-    """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), model)
-    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
-            f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
-
-
-# The bundled CPU records' arithmetic, the "record" path: torch's kernels, oneDNN and MKL held to AVX2, fp32 GEMMs; the
-# same bits on every x86-64 CPU with AVX2 at the same torch, threads and world size. The libraries read these variables
-# when torch loads, so run.sh sets them (not with CPU_PATH=native); an AVX2-only CPU needs none of them.
-RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-CPU_PATHS = {"record": "record (AVX2 kernels, oneDNN and MKL at AVX2, fp32 GEMMs: the bundled CPU records' "
-                       "arithmetic, the same bits on any x86-64 CPU with AVX2)",
-             "native": "native (this CPU's own kernels: faster with AVX-512 or bf16 GEMMs; the losses differ from "
-                       "the record path's by rounding)"}
-
-
-def cpu_path(gemm_path: str) -> str:
-    """record where this run computes the records' arithmetic (above), else native."""
-    capped = all(os.environ.get(k, "").lower() == v.lower() for k, v in RECORD_PATH_ENV.items())
-    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and gemm_path == "fp32"
-    return "record" if avx2 and (capped or not torch.cpu._is_avx512_supported()) else "native"
 
 
 @torch.library.custom_op("speedrun::eager_sum", mutates_args=())

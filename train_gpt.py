@@ -30,8 +30,7 @@ except ModuleNotFoundError as e:
     if e.name != "gpt_kernels":
         raise
     raise SystemExit("error: train_gpt.py needs gpt_kernels.py beside it: copy the two files together") from None
-from gpt_kernels import (CPU_GEMM_PATHS, CPU_PATHS, bf16_gemm_path, cpu_gemms, cpu_path, cpu_report, eager_sum,
-                         gpu_runs, load_fa3)
+from gpt_kernels import CPU_GEMM_PATHS, bf16_gemm_path, cpu_gemms, eager_sum, gpu_runs, load_fa3, native_bf16_gemm
 
 if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) are 3.11's
     raise SystemExit(f"error: train_gpt.py needs Python 3.11 or newer (this is {platform.python_version()})")
@@ -2163,6 +2162,30 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
                          f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128 "
                          f"(or FA3, --attention=fa3, on a Hopper GPU)")
     return attention
+
+def cpu_report() -> str:
+    """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), model)
+    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
+            f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
+
+# The bundled CPU records' arithmetic, the "record" path: torch's kernels, oneDNN and MKL held to AVX2, fp32 GEMMs; the
+# same bits on every x86-64 CPU with AVX2 at the same torch, threads and world size. The libraries read these variables
+# when torch loads, so run.sh sets them (not with CPU_PATH=native); an AVX2-only CPU needs none of them.
+RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+CPU_PATHS = {"record": "record (AVX2 kernels, oneDNN and MKL at AVX2, fp32 GEMMs: the bundled CPU records' "
+                       "arithmetic, the same bits on any x86-64 CPU with AVX2)",
+             "native": "native (this CPU's own kernels: faster with AVX-512 or bf16 GEMMs; the losses differ from "
+                       "the record path's by rounding)"}
+
+def cpu_path(gemm_path: str) -> str:
+    """record where this run computes the records' arithmetic (above), else native."""
+    capped = all(os.environ.get(k, "").lower() == v.lower() for k, v in RECORD_PATH_ENV.items())
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and gemm_path == "fp32"
+    return "record" if avx2 and (capped or not torch.cpu._is_avx512_supported()) else "native"
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from conftest import REPO
-from gpt_kernels import RECORD_PATH_ENV
+from train_gpt import RECORD_PATH_ENV
 from test_first_contact import DRIFT, cpu_kind, logged_losses
 
 ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}

@@ -94,20 +94,20 @@ def test_the_log_says_record_path_only_where_the_run_computes_the_records_arithm
     def path(isa: str, gemm: str, avx512: bool, env: dict[str, str]) -> str:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
         monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
-        for name in gpt_kernels.RECORD_PATH_ENV:
+        for name in T.RECORD_PATH_ENV:
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        return gpt_kernels.cpu_path(gemm)
+        return T.cpu_path(gemm)
 
-    assert gpt_kernels.RECORD_PATH_ENV == AVX2_ONLY  # what this file's AVX2 runs set, run.sh's record path too
+    assert T.RECORD_PATH_ENV == AVX2_ONLY  # what this file's AVX2 runs set, run.sh's record path too
     assert path("AVX2", "fp32", True, AVX2_ONLY) == "record"  # run.sh's default on an AVX-512 CPU
     assert path("AVX2", "fp32", False, {}) == "record"  # an AVX2-only CPU, as the bundled records' was
     assert path("AVX2", "fp32", True, dict(AVX2_ONLY, MKL_ENABLE_INSTRUCTIONS="AVX512")) == "native"  # MKL's GEMMs
     assert path("AVX2", "native", False, {}) == "native"
     assert path("AVX512", "fp32", True, {}) == "native"
     path("AVX2", "fp32", True, AVX2_ONLY)
-    assert f"\nCPU path: {gpt_kernels.CPU_PATHS['record']}" in T.environment_report(torch.device("cpu"), "fp32")
+    assert f"\nCPU path: {T.CPU_PATHS['record']}" in T.environment_report(torch.device("cpu"), "fp32")
 
 
 @pytest.mark.slow
