@@ -1593,13 +1593,13 @@ class TrainBatches:
     def __init__(self, stream: TrainTokenStream, rank: int, world_size: int, steps: int | None = None, split: int = 1):
         self.stream, self.rank, self.world_size, self.split = stream, rank, world_size, split
         self.shape = (stream.batch_seqs // world_size * split, stream.seq_len // split + 1)  # the longest step's
-        self.steps_left = steps  # None: until the data runs out; a run asks for exactly what it trains on
+        # None: until the data runs out; a run asks for exactly what it trains on
+        self.steps = itertools.count() if steps is None else iter(range(steps))
 
     def fill(self, buffer: np.ndarray) -> tuple[int, int] | None:
         """Write the next step's rows into the front of a flat buffer; their shape (rows, seq_len + 1), or None."""
-        if self.steps_left == 0:
+        if next(self.steps, None) is None:
             return None
-        self.steps_left = None if self.steps_left is None else self.steps_left - 1
         step = self.stream.next_step()[self.rank::self.world_size]
         piece = (sum(end - start for start, end in step[0]) - 1) // self.split  # seq_len / split of this step's
         out = buffer[: len(step) * self.split * (piece + 1)].reshape(len(step) * self.split, piece + 1)
@@ -1666,7 +1666,9 @@ def bind_thread_to_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-class PrefetchLoader:
+Filled = tuple[int, tuple[int, int], object]  # a filled host buffer: its index, the batch's shape, the batch's digest
+
+class PrefetchLoader(Iterator[Tensor], contextlib.AbstractContextManager):
     """Batches from a TrainBatches or ValBatches, filled by a thread (depth=0: the caller) into a ring of `depth` pinned
     buffers; batch N+1's copy runs on a copy stream while N computes. digest: what the host needs of a batch."""
 
@@ -1679,29 +1681,27 @@ class PrefetchLoader:
         self.buffers = [torch.empty(math.prod(source.shape), dtype=torch.int32, pin_memory=cuda)
                         for _ in range(max(depth, 1))]
         self.arrays = [b.numpy() for b in self.buffers]
-        self.filled: list[tuple[int, int] | None] = [None] * len(self.buffers)  # the batch shape in each buffer
-        self.digests: list[object] = [None] * len(self.buffers)
         self.digest: object = None
         self.copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
-        self.pending: tuple[Tensor, torch.cuda.Event | None, object] | None = None
-        self.error: Exception | None = None
+        # The next batch, in flight (copy, its event, its digest); or the error preparing it, raised when asked for
+        self.pending: tuple[Tensor, torch.cuda.Event | None, object] | Exception | None = None
         self.done = False
         if depth:
             self.free: queue.Queue[int] = queue.Queue()
-            self.ready: queue.Queue[int | BaseException | None] = queue.Queue()
+            self.ready: queue.Queue[Filled | BaseException | None] = queue.Queue()
             for i in range(depth):
                 self.free.put(i)
             self.stop = threading.Event()
             self.thread = threading.Thread(target=self._produce, name="prefetch", daemon=True)
             self.thread.start()
 
-    def _fill(self, i: int) -> bool:
+    def _fill(self, i: int) -> Filled | None:
         if self.copied[i] is not None:
             self.copied[i].synchronize()  # the previous copy out of this buffer has finished
-        self.filled[i] = self.source.fill(self.arrays[i])
-        if self.filled[i] is not None and self.make_digest is not None:
-            self.digests[i] = self.make_digest(self.arrays[i][: math.prod(self.filled[i])].reshape(self.filled[i]))
-        return self.filled[i] is not None
+        if (shape := self.source.fill(self.arrays[i])) is None:
+            return None
+        batch = self.arrays[i][: math.prod(shape)].reshape(shape)
+        return i, shape, None if self.make_digest is None else self.make_digest(batch)
 
     def _produce(self) -> None:
         try:
@@ -1711,29 +1711,29 @@ class PrefetchLoader:
                     i = self.free.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if not self._fill(i):
-                    self.ready.put(None)
+                self.ready.put(filled := self._fill(i))
+                if filled is None:
                     return
-                self.ready.put(i)
         except BaseException as e:  # handed to the main thread, which re-raises it
             self.ready.put(e)
 
     def _start_copy(self) -> tuple[Tensor, torch.cuda.Event | None, object] | None:
         """Issue the copy of the next host batch (the thread's, or its error raised); never on the compute stream."""
-        i = 0 if not self.depth and self._fill(0) else None
+        filled = None if self.depth else self._fill(0)
         while self.depth:
             try:
-                i = self.ready.get(timeout=1.0)
+                filled = self.ready.get(timeout=1.0)
                 break
             except queue.Empty:
                 if not self.thread.is_alive():
                     raise RuntimeError("prefetch thread stopped without a batch or an error") from None
-        if isinstance(i, BaseException):
-            raise i
-        if i is None:
+        if isinstance(filled, BaseException):
+            raise filled
+        if filled is None:
             self.done = True
             return None
-        host = self.buffers[i][: math.prod(self.filled[i])].view(self.filled[i])  # type: ignore[arg-type]
+        i, shape, digest = filled
+        host = self.buffers[i][: math.prod(shape)].view(shape)
         if self.copy_stream is None:
             batch, event = host.clone(), None
         else:
@@ -1741,19 +1741,15 @@ class PrefetchLoader:
                 batch = host.to(self.device, non_blocking=True)
                 event = self.copied[i]
                 event.record(self.copy_stream)
-        digest = self.digests[i]
         if self.depth:
             self.free.put(i)
         return batch, event, digest
 
-    def __iter__(self) -> "PrefetchLoader":
-        return self
-
     def __next__(self) -> Tensor:
         """The next (rows, seq_len + 1) int32 device batch, safe to read on the current stream."""
-        if self.error is not None:
-            raise self.error
         current = self.pending if self.pending is not None or self.done else self._start_copy()
+        if isinstance(current, Exception):
+            raise current
         if current is None:
             raise StopIteration
         batch, event, self.digest = current
@@ -1761,13 +1757,12 @@ class PrefetchLoader:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(event)
             batch.record_stream(compute)
-        # Batch N+1's copy is in flight while batch N computes; an error preparing it is raised when it is asked for.
         self.pending = None
-        if self.depth:
+        if self.depth:  # batch N+1's copy runs while batch N computes
             try:
                 self.pending = self._start_copy()
             except Exception as e:
-                self.error = e
+                self.pending = e
         return batch
 
     def close(self) -> None:
@@ -1775,9 +1770,6 @@ class PrefetchLoader:
             self.stop.set()
             self.thread.join()
         self.source.close()
-
-    def __enter__(self) -> "PrefetchLoader":
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
