@@ -902,10 +902,9 @@ class StepKnobs:
     def plan(self, step: int, training: bool) -> VarlenPlan:
         """FA3's numbers for training step `step` or the validation before it."""
         s, cfg = self.schedules[step], self.cfg
-        slots = self.train_slots(s.seq_len, s.max_doc_len) if training else varlen_slots(cfg.val_seq_len,
-                                                                                          self.documents.val)
-        return VarlenPlan(cfg.block_size * s.long_window, cfg.block_size * s.short_window,
-                          min(s.max_doc_len, s.micro_len) if training else cfg.val_seq_len, slots,
+        max_seqlen, slots = ((min(s.max_doc_len, s.micro_len), self.train_slots(s.seq_len, s.max_doc_len)) if training
+                            else (cfg.val_seq_len, varlen_slots(cfg.val_seq_len, self.documents.val)))
+        return VarlenPlan(cfg.block_size * s.long_window, cfg.block_size * s.short_window, max_seqlen, slots,
                           yarn_scale(s.yarn_windows, cfg.attn_scale))
 
     def train(self, step: int) -> tuple[Tensor | VarlenPlan, Tensor, Tensor]:
@@ -1114,8 +1113,7 @@ def build_param_groups(model: GPT, cfg: Config) -> list[ParamGroup]:
     def group(kind: str, lr: float, names: list[str], **kw: object) -> ParamGroup:
         return ParamGroup(kind, lr, [named[n] for n in names], names, **kw)
     groups = [group("muon", cfg.muon_lr, muon, wd=cfg.muon_wd,
-                    lr_muls=[per_matrix.get(n, [1.0] * (named[n].numel() // math.prod(named[n].shape[-2:])))
-                             for n in muon]),
+                    lr_muls=[per_matrix.get(n, [1.0] * math.prod(named[n].shape[:-2])) for n in muon]),
               group("adam", cfg.head_lr, [TIED_EMBEDDING], wd=cfg.adam_wd * cfg.embed_wd_mul, betas=head_betas),
               group("adam", cfg.embed_lr, ["value_embeds"], wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
               group("adam", cfg.embed_lr, [BIGRAM_TABLE], wd=cfg.adam_wd * cfg.value_embed_wd_mul, betas=betas),
@@ -1146,8 +1144,7 @@ def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
                  world_size: int) -> list[tuple[ParamGroup, list[str]]]:
     """Buckets of one group, dtype and (Muon) matrix shape of about bucket_mb, filled in `order`, no parameter split, a
     Muon bucket a multiple of world_size matrices where it can; sorted by last parameter: every rank's launch order."""
-    pos = {n: i for i, n in enumerate(order)}
-    entries = sorted(((g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: pos[e[1]])
+    entries = sorted(((g, n, p) for g in groups for n, p in zip(g.names, g.params)), key=lambda e: order.index(e[1]))
     open_buckets: dict[tuple, tuple[ParamGroup, list[str], int]] = {}
     closed: list[tuple[ParamGroup, list[str]]] = []
     for g, name, p in entries:
@@ -1167,7 +1164,7 @@ def plan_buckets(groups: list[ParamGroup], order: list[str], bucket_mb: float,
         else:
             open_buckets[key] = (g, names, held)
     closed += [(g, names) for g, names, _ in open_buckets.values()]
-    return sorted(closed, key=lambda c: pos[c[1][-1]])
+    return sorted(closed, key=lambda c: order.index(c[1][-1]))
 
 class Bucket:
     """One flat buffer of units (a matrix for Muon, an element for Adam), padded to a multiple of the world size: rank r
@@ -1196,8 +1193,7 @@ class Bucket:
         self.grad_shard = self.grad.view(shape) if world_size == 1 else self.grad.new_empty(shape)
         if self.kind == "muon":
             self.state = muon_state(self.shard)
-            group_mul = dict(zip(group.names, group.lr_muls))  # each matrix's lr multiplier (padding: 1)
-            muls = [m for n in names for m in group_mul[n]]
+            muls = [m for n in names for m in group.lr_muls[group.names.index(n)]]  # lr multipliers (padding: 1)
             muls += [1.0] * (self.shard_units * world_size - len(muls))
             self.lr_mul = torch.tensor(muls[self.first_unit:self.first_unit + self.shard_units], dtype=torch.float64,
                                        device=self.data.device).view(-1, 1, 1)
@@ -1345,18 +1341,17 @@ class ShardedMuonAdam:
                 b.reduce_grads()
         self.step_count += 1
         self.adam_steps += self.adam_step
-        c = self.cfg
         for b in self.work_order:
             if not self._updates(b):
                 continue
             b.wait_grads()
             lr = b.lr * self.lr_mult
             if b.kind == "muon":
-                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, c.normuon_beta2, b.lr_mul, b.wd,
+                muon_update_(b.shard, b.grad_shard, b.state, lr, self.momentum, self.cfg.normuon_beta2, b.lr_mul, b.wd,
                              self.steps)
             else:
                 adam_update_(b.shard, b.grad_shard, b.state["m"], b.state["v"], self.adam_steps, lr, *b.betas,
-                             c.adam_eps, b.wd, self.steps)
+                             self.cfg.adam_eps, b.wd, self.steps)
             b.gather_params()
 
     def wait_for_params(self) -> None:
