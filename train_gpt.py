@@ -364,20 +364,16 @@ class GateSlots:
     sizes: tuple[int, int]
 
 def gate_slots(cfg: Config, plans: list[LayerPlan], second_from: int) -> GateSlots:
-    H, last, slots = cfg.num_heads, len(plans) - 1, GateSlots({}, {}, {}, 0, 0, (0, 0))
-    sizes = []
-    for block, layers in enumerate(([i for i, p in enumerate(plans) if p.attn is not None and i < second_from],
-                                    [i for i, p in enumerate(plans) if p.attn is not None and i >= second_from])):
-        n = 0
+    H, last, slots, sizes = cfg.num_heads, len(plans) - 1, GateSlots({}, {}, {}, 0, 0, (0, 0)), []
+    for block, span in enumerate((range(second_from), range(second_from, len(plans)))):
+        layers, n = [i for i in span if plans[i].attn is not None], 0
         for table, width, chosen in ((slots.xsa, H, [i for i in layers if plans[i].xsa]),
                                      (slots.attn_gate, H, [i for i in layers if plans[i].attn_gate]),
                                      (slots.inject, 2, [i for i in layers if i != last])):
             for i in chosen:
                 table[i], n = (block, n), n + width
-        if block == 1:
-            slots, n = dataclasses.replace(slots, skip=n, dc=n + 1), n + 1 + 2 * H
         sizes.append(n)
-    return dataclasses.replace(slots, sizes=tuple(sizes))
+    return dataclasses.replace(slots, skip=sizes[1], dc=sizes[1] + 1, sizes=(sizes[0], sizes[1] + 1 + 2 * H))
 
 def gate_bias_init(slots: GateSlots, cfg: Config) -> Tensor:
     """The gate network's biases (stored / MUDD_SCALE); the rest 0 (DC's w2 too: DC adds nothing at init)."""
@@ -631,60 +627,52 @@ class GPT(nn.Module):
             return {"long": varlen(windows.long_window, False), "short": varlen(windows.short_window, False),
                     "paired": varlen(windows.short_window, True)}
 
-        def masked(mask: BlockMask | Tensor) -> Attend:
-            def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                q, k, v = (t.transpose(1, 2) for t in (q * self.q_gain, k, v))
-                if isinstance(mask, BlockMask):
-                    return self.flex(q, k, v, block_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale)
-                return out.transpose(1, 2)
-            return attend
+        def masked(mask: BlockMask | Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q, k, v = (t.transpose(1, 2) for t in (q * self.q_gain, k, v))
+            if isinstance(mask, BlockMask):
+                return self.flex(q, k, v, block_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.cfg.attn_scale).transpose(1, 2)
 
         build = functools.partial(block_mask if self.use_flex else dense_mask, input_seq, self.cfg.block_size)
         kinds = {"long": (windows[0], False), "short": (windows[1], False), "paired": (windows[1], True)}
         if self.rotary_paired is None:  # (the short window, in blocks of block_size positions of 2T)
             del kinds["paired"]
-        return {kind: masked(build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
+        return {kind: functools.partial(masked, build(w, paired=paired)) for kind, (w, paired) in kinds.items()}
 
-    def dc_attention(self, windows: Tensor | VarlenPlan, cu: Tensor) -> Callable[..., Tensor]:
-        """dc_attention over cu's documents at attention's softmax scale; the Triton kernels with --dc_kernel."""
-        def dc(y: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
-            q, scale = (q, windows.scale) if self.fa3 is not None else (q * self.q_gain, self.cfg.attn_scale)
-            if self.cfg.dc_kernel:
-                return torch.ops.speedrun.dc_attention(y, q, k, v, w1, w2, cu, scale, DC_WINDOW)[0]
-            return dc_attention(y, q, k, v, w1, w2, cu, scale)
-        return dc
-
-    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], qk: Tensor, vo: Tensor,
-                  gates: dict[str, Tensor], dc: Callable[..., Tensor] | None = None) -> Tensor:
-        """Layer i's attention over u (normed), aux_v added to its values; qk, vo: the banks in bf16; gates: its own."""
+    def attention(self, u: Tensor, i: int, aux_v: Tensor | None, attend: dict[str, Attend], gates: dict[str, Tensor],
+                  windows: Tensor | VarlenPlan, cu: Tensor) -> Tensor:
+        """Layer i's attention over u (normed), aux_v added to its values; gates: its own; windows, cu: for DC's."""
         plan, (T, H, D) = self.plans[i], (u.size(1), self.cfg.num_heads, self.cfg.head_dim)
         a, lambdas = plan.attn, self.scalars[2 * i: 2 * i + 2]
-        w_qkv = torch.cat([qk[a * H:(a + 1) * H].flatten(0, 1), vo[2 * a]])  # rows: Q, K (head pairs), V
+        w_qkv = torch.cat([self.qk_bank[a * H:(a + 1) * H].flatten(0, 1), self.vo_bank[2 * a]])  # Q, K (head pairs), V
         q, k, v = F.linear(u, lambdas[0] * w_qkv).view(1, T, 3 * H, D).chunk(3, dim=-2)
         q, k = norm(q), norm(k)
         if aux_v is not None:
             v = v + aux_v.view_as(v)
         rotary = self.rotary_paired if plan.paired else self.rotary
         q, k = rotary(q, plan.paired), rotary(k, plan.paired)
-        qs, ks, vs = q, k, v
         if plan.paired:  # (1, T, H, D) -> (1, 2T, H/2, D): position 2t holds heads 0 .. H/2-1 of token t, 2t+1 the rest
-            qs, ks, vs = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))
+            q, k, v = (t.reshape(1, 2 * T, H // 2, D) for t in (q, k, v))  # (never XSA's, nor the last layer's)
         if plan.window == "long":  # the un-rotated dims of each key from the previous position (#49; across documents)
-            ks = torch.where(rotary.stationary, torch.cat([ks[:, :1], ks[:, :-1]], dim=1), ks)
-        y = attend["paired" if plan.paired else plan.window](qs, ks, vs).reshape(1, T, H, D)
-        if dc is not None:  # DC's w1 normalized over the heads (RMS, fp32), rounded to bf16 (#85)
-            w1 = F.rms_norm(gates["dc_w1"].float(), (H,), eps=1e-6).type_as(y)
-            y = dc(y[0], qs, ks, vs, w1, gates["dc_w2"])[None]
+            k = torch.where(rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
+        y = attend["paired" if plan.paired else plan.window](q, k, v).reshape(1, T, H, D)
+        if i == len(self.plans) - 1:  # DC (#85) at attention's scale; its w1 RMS-normed over the heads (fp32), in bf16
+            w1, w2 = F.rms_norm(gates["dc_w1"].float(), (H,), eps=1e-6).type_as(y), gates["dc_w2"]
+            q, scale = (q, windows.scale) if self.fa3 is not None else (q * self.q_gain, self.cfg.attn_scale)
+            if self.cfg.dc_kernel:  # the Triton kernels
+                y = torch.ops.speedrun.dc_attention(y[0], q, k, v, w1, w2, cu, scale, DC_WINDOW)[0][None]
+            else:
+                y = dc_attention(y[0], q, k, v, w1, w2, cu, scale)[None]
         if plan.xsa:  # y minus tanh(gate) of its component along v, per token and head (#82, #86's form)
             share = torch.tanh(gates["xsa"]).type_as(y)[..., None]
             y = y - share * ((y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)) * v
         if plan.attn_gate:  # a linear gate per token and head (#85)
             y = y * gates["attn"].type_as(y)[..., None]
-        return F.linear(y.flatten(-2), lambdas[1] * vo[2 * a + 1])
+        return F.linear(y.flatten(-2), lambdas[1] * self.vo_bank[2 * a + 1])
 
-    def mlp(self, x: Tensor, i: int, w_fc: Tensor, w_proj: Tensor, amaxes: list[Tensor]) -> Tensor:
+    def mlp(self, x: Tensor, i: int, amaxes: list[Tensor]) -> Tensor:
         """relu(x W_fc^T)^2 W_proj; fp8_mlp in training: #89's FP8 GEMMs, post's maxima to amaxes (the next scale's)."""
+        w_fc, w_proj = self.mlp_bank[i, 0], self.mlp_bank[i, 1]
         if self.training and self.cfg.fp8_mlp:
             out, amax = torch.ops.speedrun.mlp_fp8(x.flatten(0, 1), w_fc, w_proj, self.fp8_w_fc[i],
                                                    self.fp8_up_scales[i], self.fp8_w_proj_t[i],
@@ -697,10 +685,11 @@ class GPT(nn.Module):
         return ReluSquare.apply(F.linear(x, w_fc)) @ w_proj
 
     def layer_gates(self, gates: Tensor, block: int) -> dict[int, dict[str, Tensor]]:
-        """A block's gates (1, T, slots) by layer and kind: "xsa", "attn" (1, T, H); "x0", "bigram" (1, T, 1)."""
-        H, out = self.cfg.num_heads, {}
+        """A block's gates (1, T, slots) by layer and kind: "xsa", "attn" (1, T, H); "x0", "bigram" (1, T, 1); the last
+        layer's "dc_w1", "dc_w2" (1, T, H) in block 1."""
+        H, out, dc = self.cfg.num_heads, {}, {len(self.plans) - 1: (1, self.slots.dc)}
         for kinds, table, width in ((("xsa",), self.slots.xsa, H), (("attn",), self.slots.attn_gate, H),
-                                    (("x0", "bigram"), self.slots.inject, 1)):
+                                    (("x0", "bigram"), self.slots.inject, 1), (("dc_w1", "dc_w2"), dc, H)):
             for i, (b, slot) in table.items():
                 for j, kind in enumerate(kinds):
                     if b == block:
@@ -727,7 +716,6 @@ class GPT(nn.Module):
         gates = self.layer_gates(self.gates(x0, 0), 0)  # block 0 reads x0 without the bigram (#85)
         x = stream0 = x0 + bigram * gates[0]["bigram"]  # the MUDD mixes' first stream
         ves = self.value_embeds[:, input_seq]
-        qk, vo, mlp = self.qk_bank, self.vo_bank, self.mlp_bank
         saved: dict[int, Tensor] = {}  # the skip's source and the attention input layer's output
         amaxes: list[Tensor] = []
         for i, plan in enumerate(self.plans):
@@ -736,8 +724,6 @@ class GPT(nn.Module):
                 block = self.gates(x, 1)
                 gates.update(self.layer_gates(block, 1))
                 skip_gate = block[..., self.slots.skip: self.slots.skip + 1]
-                dc = self.slots.dc
-                gates.setdefault(last, {}).update(dc_w1=block[..., dc: dc + H], dc_w2=block[..., dc + H: dc + 2 * H])
             if plan.attn is None:
                 x = x + torch.sigmoid(self.scalars[2 * L + 1]) * skip_gate * saved[self.skip_from]
             else:
@@ -754,14 +740,13 @@ class GPT(nn.Module):
                 elif ve is not None:
                     gate_in = torch.cat([u[..., :half], ve.flatten(-2)[..., :half]], dim=-1)
                     aux_v = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[plan.ve_gate]))[..., None] * ve
-                out = self.attention(u, i, aux_v, attend, qk, vo, gates.get(i, {}),
-                                     self.dc_attention(windows, cu) if i == last else None)
+                out = self.attention(u, i, aux_v, attend, gates.get(i, {}), windows, cu)
                 if mu is not None:
                     x = mu[8] * x + mu[9] * out + mu[10] * stream0 + mu[11] * bigram
                 else:
                     x = resid[0][i] * x + post[0][i] * out + x0 * gates[i]["x0"]
                     x = x + bigram * gates[i]["bigram"] if i > 0 else x
-            out = self.mlp(norm(x), i, mlp[i, 0], mlp[i, 1], amaxes)
+            out = self.mlp(norm(x), i, amaxes)
             x = mu[12] * x + mu[13] * out if mu is not None else resid[1][i] * x + post[1][i] * out
             if i in (self.skip_from, cfg.attn_input_layer):
                 saved[i] = x
