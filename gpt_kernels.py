@@ -12,7 +12,6 @@ loader, the CPU's bf16 GEMM paths (Fp32Gemms) and the optimizer's fixed-order su
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -1251,25 +1250,10 @@ class Fp32Gemms(TorchDispatchMode):
         return result.bfloat16() if out is None else out.copy_(result)
 
 
-CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
-                  "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
-
-
 def native_bf16_gemm() -> bool:
     """Whether torch's CPU bf16 matmul runs oneDNN's bf16 kernel (false: the reference loop)."""
     return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def bf16_gemm_path(choice: str, cuda: bool) -> str:
-    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
-    native = cuda or choice == "native" or choice == "auto" and native_bf16_gemm()
-    return "native" if native else "fp32"
-
-
-def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
-    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
-    return Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
 
 
 @torch.library.custom_op("speedrun::eager_sum", mutates_args=())

@@ -30,7 +30,7 @@ except ModuleNotFoundError as e:
     if e.name != "gpt_kernels":
         raise
     raise SystemExit("error: train_gpt.py needs gpt_kernels.py beside it: copy the two files together") from None
-from gpt_kernels import CPU_GEMM_PATHS, bf16_gemm_path, cpu_gemms, eager_sum, gpu_runs, load_fa3, native_bf16_gemm
+from gpt_kernels import eager_sum, gpu_runs, load_fa3, native_bf16_gemm
 
 if sys.version_info < (3, 11):  # main's error notes (BaseException.add_note) are 3.11's
     raise SystemExit(f"error: train_gpt.py needs Python 3.11 or newer (this is {platform.python_version()})")
@@ -2134,6 +2134,18 @@ def resolve_for_device(cfg: Config, cuda: bool, capability: tuple[int, int] | No
                          f"{FLEX_BLOCK_MULTIPLE} (no H100 tile divides a smaller block); use --block_size=128 "
                          f"(or FA3, --attention=fa3, on a Hopper GPU)")
     return attention
+
+CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where the CPU has no bf16 instructions)",
+                  "fp32": "fp32 (fp32 GEMM of the bf16 inputs, result rounded to bf16)"}
+
+def bf16_gemm_path(choice: str, cuda: bool) -> str:
+    """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
+    native = cuda or choice == "native" or choice == "auto" and native_bf16_gemm()
+    return "native" if native else "fp32"
+
+def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
+    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
+    return gpt_kernels.Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
 
 def cpu_report() -> str:
     """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
