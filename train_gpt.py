@@ -2235,8 +2235,9 @@ class RunLog:
         """Write a line (and with flush, everything so far to disk) before printing it: a line seen is kept."""
         if self.file is not None:
             self._io(self.file.name, lambda: self.file.write(line + "\n"))
-            if flush:
-                self.flush()
+            if flush:  # pushed to disk: a hard stop (kill -9, the OOM killer) loses none of it
+                for f in filter(None, (self.file, self.jsonl)):
+                    self._io(f.name, f.flush)
             if console:
                 print0(line)
 
@@ -2244,11 +2245,6 @@ class RunLog:
         if self.jsonl is not None:
             self._io(self.jsonl.name, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
             self.records += 1
-
-    def flush(self) -> None:
-        """Push what was written to the files: a hard stop (kill -9, the OOM killer) loses none of it."""
-        for f in filter(None, (self.file, self.jsonl)):
-            self._io(f.name, f.flush)
 
     def close(self, last_line: str | None = None) -> None:
         """Close the files, after a last line (why a run stopped early) when given."""
@@ -2585,9 +2581,6 @@ CKPT_ERROR_GRACE_S = 10.0  # after an error or a signal, how long it still waits
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
-def checkpoint_dir(cfg: Config, step: int) -> Path:
-    return Path(cfg.log_dir) / cfg.run_id / f"ckpt_{step}"
-
 def source_sha256() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
@@ -2651,8 +2644,7 @@ def check_run_paths(cfg: Config) -> None:
         raise UsageError(f"--log_dir={cfg.log_dir}: cannot create it ({e.strerror}); give a writable folder") from None
     if not os.access(log_dir, os.W_OK | os.X_OK):
         raise UsageError(f"--log_dir={cfg.log_dir} is not writable; give a writable folder")
-    logs = [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]
-    if logs:
+    if logs := [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]:
         raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id, or "
                          f"delete or move those files")
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
@@ -2767,12 +2759,11 @@ class Checkpointer:
                  start_step: int = 0):
         self.cfg, self.rt, self.log, self.model, self.optimizer = cfg, rt, log, model, optimizer
         self.start_step = start_step  # a resumed run does not save its first step again
-        self.enabled = cfg.save_every > 0 or cfg.save_final
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
         self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
-        if self.enabled:  # now, not at the first save: the loop would stall on the allocation
+        if cfg.save_every or cfg.save_final:  # now, not at the first save: the loop would stall on the allocation
             self._host_state(functools.partial(self._to_host, copy=False))
         self.source_sha, self.train_files = source_sha256(), train_files_identity(cfg) if rt.rank == 0 else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
@@ -2792,7 +2783,7 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         cfg = self.cfg
-        return self.enabled and step > self.start_step and (
+        return step > self.start_step and (
             bool(cfg.save_every and step % cfg.save_every == 0) or (cfg.save_final and step == cfg.num_steps))
 
     @torch.no_grad()
@@ -2818,7 +2809,7 @@ class Checkpointer:
         part = {**common, "rank": self.rt.rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
         meta = None if self.rt.rank else {**common, "run_id": self.cfg.run_id, "train_files": self.train_files,
                                           "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
-        folder = checkpoint_dir(self.cfg, step)
+        folder = Path(self.cfg.log_dir) / self.cfg.run_id / f"ckpt_{step}"
         future = self.writer.submit(self._write, folder, event, part, model, meta)
         issued = time.perf_counter()
         self.pending.append(PendingCheckpoint(step, folder, 1000 * (issued - t0), issued, future, gpu_stall))
@@ -2882,7 +2873,6 @@ class Checkpointer:
             self.give_up_at = time.monotonic() + CKPT_ERROR_GRACE_S
         self.poll(block=True)
         self.writer.shutdown(wait=True)
-        self.enabled = False
 
 # -----------------------------------------------------------------------------
 # Training
