@@ -3267,15 +3267,17 @@ class StopSignal:
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """Handle SIGINT and SIGTERM for one run, then hand them back: a process calling main() keeps its own."""
+    def installed(self, cli: bool = False) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM for one run, then hand them back: a process calling main() keeps its own. The
+        command line (cli) ignores SIGINT from then on: a later Ctrl-C cannot cut its exit short (SIGTERM: a launcher
+        still stops a rank waiting for rank 0 to say why)."""
         self.ignored = False
         previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             for s, handler in previous.items():
-                signal.signal(s, handler)
+                signal.signal(s, signal.SIG_IGN if cli and s == signal.SIGINT else handler)
             self.ignored = False  # a signal belongs to its run: a later one starts afresh
 
 STOP = StopSignal()
@@ -3352,13 +3354,13 @@ def run(argv: list[str]) -> TrainResult:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-def main() -> None:
+def main(cli: bool = False) -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
         print0(config_help())
         return
     try:
-        with STOP.installed():
+        with STOP.installed(cli):
             run(argv)
     except (UsageError, RankLost, KeyboardInterrupt) as e:  # the loaders and checkpoint writers were closed by now
         say = print if isinstance(e, (OutOfMemory, RankLost)) else print0  # every rank its own; else rank 0 for all
@@ -3369,4 +3371,4 @@ def main() -> None:
         sys.exit(EXIT_CODES.get(type(e), 2))
 
 if __name__ == "__main__":
-    main()
+    main(cli=True)
