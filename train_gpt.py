@@ -1544,10 +1544,6 @@ class TrainTokenStream:
         self.positions.pop(self.steps_served - POSITIONS_KEPT, None)
         return step
 
-    def skip(self, steps: int) -> None:
-        for _ in range(steps):
-            self.next_step()
-
     def seek(self, steps: int, position: tuple[int, int]) -> None:
         """Continue after `steps` steps from position(steps) of the run that consumed them, whatever its shapes."""
         next_file, pos = position
@@ -2140,7 +2136,7 @@ CPU_GEMM_PATHS = {"native": "native (oneDNN bf16 GEMM; the reference loop where 
 
 def bf16_gemm_path(choice: str, cuda: bool) -> str:
     """--cpu_bf16_gemm resolved: native or fp32 (auto: fp32 where the CPU has no native bf16 GEMM)."""
-    native = cuda or choice == "native" or choice == "auto" and native_bf16_gemm()
+    native = cuda or choice == "native" or choice == AUTO and native_bf16_gemm()
     return "native" if native else "fp32"
 
 def cpu_gemms(path: str) -> contextlib.AbstractContextManager:

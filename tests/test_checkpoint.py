@@ -78,7 +78,8 @@ def test_a_resume_with_other_stage_lengths_continues_the_stream_where_the_checkp
         cfg = T.parse_config(tiny_args(tmp_path, **fields))
         stream = T.TrainTokenStream(T.find_shards(SAMPLE_TRAIN), cfg.train_seq_len, cfg.global_batch_seqs,
                                     cfg.vocab_size, step_shape=T.step_shape(T.schedule_table(cfg)))
-        stream.skip(2)
+        for _ in range(2):
+            stream.next_step()
         return stream
 
     consumed = stream_after_two_steps(staged)

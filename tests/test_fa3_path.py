@@ -29,7 +29,8 @@ def first_sequence(cfg: T.Config, files: list, schedules: list[T.StepSchedule], 
     """Global sequence 0 of training step `step` (seq_len + 1 tokens), as the loader serves it."""
     stream = T.TrainTokenStream(files, cfg.train_seq_len, cfg.global_batch_seqs, cfg.vocab_size,
                                 T.step_shape(schedules))
-    stream.skip(step)
+    for _ in range(step):
+        stream.next_step()
     pieces = stream.next_step()[0]
     return torch.from_numpy(np.concatenate([stream.tokens[a:b] for a, b in pieces]).astype(np.int64))
 
