@@ -5,8 +5,8 @@ file, the FP8 ops, Triton kernels and device paths beside it in gpt_kernels.py (
 
 from __future__ import annotations
 
-import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, functools, glob, hashlib
-import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, resource, shutil, signal
+import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
+import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, re, resource, shutil, signal
 import subprocess, sys, textwrap, threading, time, uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -159,7 +159,9 @@ class Config:
     bench_steps: int = 20  # --bench: timed steps, then as many traced steps
     save_every: int = 0  # checkpoint every N steps to <log_dir>/<run_id>/ckpt_<step>/; 0 = off
     save_final: bool = False  # checkpoint after the last step
-    resume: str = ""  # a ckpt_<step> directory: continue that run exactly (same shapes and data; own --run_id)
+    save_minutes: float = 5.0  # with --resume=auto, also a checkpoint after each N minutes of training (0: none)
+    resume: str = ""  # auto: carry on run --run_id from its newest checkpoint (the same command, run again); or a
+    #                   ckpt_<step> directory: continue that run exactly (same shapes and data; own --run_id)
 
 PRESETS: dict[str, dict[str, object]] = {
     # The recipe scaled down to the bundled sample: every stage, the untie and the extension in about a minute on 2 CPU
@@ -1959,7 +1961,7 @@ FIELD_RULES: dict[str, str] = {name: rule for rule, names in {
     "in [0, 1000]": "muon_wd adam_wd embed_wd_mul head_wd_mul value_embed_wd_mul", "in (0, 1]": "adam_eps",
     "in [0, 1]": "cooldown_frac final_lr_frac",
     "in [0, 1)": "muon_momentum_start muon_momentum_end adam_beta1 adam_beta2 scalar_beta1 scalar_beta2 head_beta1",
-    "in (0, 1)": "normuon_beta2", "in (0, 100000]": "bucket_mb", "in [0, 100000]": "peak_tflops",
+    "in (0, 1)": "normuon_beta2", "in (0, 100000]": "bucket_mb", "in [0, 100000]": "peak_tflops save_minutes",
 }.items() for name in names.split()}
 
 def rule_holds(rule: str, value: float) -> bool:
@@ -2043,6 +2045,8 @@ def validate_config(cfg: Config, world_size: int) -> int:
         (cfg.bench and cfg.profile, "--bench traces its own steps; leave out --profile"),
         (cfg.bench and bench_length(cfg) > cfg.num_steps, f"--bench with --bench_steps={cfg.bench_steps} runs "
          f"{bench_length(cfg)} steps but --num_steps is {cfg.num_steps}; lower --bench_steps or raise --num_steps"),
+        (cfg.resume == AUTO and not cfg.run_id, "--resume=auto carries on the run named by --run_id: give one (the "
+         "same in every launch of the run)"),
         (cfg.bench and (cfg.save_every or cfg.save_final or cfg.resume),
          "--bench neither saves nor resumes checkpoints; drop --save_every/--save_final/--resume"),
     ]
@@ -2205,6 +2209,20 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
         lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
     return "\n".join(lines)
 
+SOURCE_MARK = "# source: {name} ({size} bytes)"  # a log's source block: this line, then exactly the file's bytes
+
+def source_files(*extra: Path) -> list[Path]:
+    """The project's files this process runs (the .py files beside this one it imported, and extra), the script it was
+    started as first: what a run's log holds whole and what a checkpoint's code check covers."""
+    loaded = {Path(f).resolve() for m in list(sys.modules.values())
+              if isinstance(f := getattr(m, "__file__", None), str) and os.path.isabs(f)}
+    files = sorted({p for p in loaded if p.parent == HERE and p.suffix == ".py"} | set(extra))
+    main = Path(getattr(sys.modules["__main__"], "__file__", None) or __file__).resolve()
+    return sorted(files, key=lambda p: (p != main, p != Path(__file__).resolve()))
+
+def source_digests(files: list[Path]) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
 def recorded_event(timing: bool = True) -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=timing)
     event.record()
@@ -2212,13 +2230,54 @@ def recorded_event(timing: bool = True) -> torch.cuda.Event:
 
 class RunLog:
     """Console, text log and JSONL records on rank 0 (no files elsewhere). A value that is not finite is written as
-    NaN or Infinity (Python's json reads it back); a failed write (a full disk) stops the run with one line."""
+    NaN or Infinity (Python's json reads it back); a failed write (a full disk) stops the run with one line. The text
+    log is created exclusively and locked while the run lives: one launch per run id; with append (--resume=auto) an
+    existing log is continued."""
 
-    def __init__(self, path: Path | None, jsonl_path: Path | None = None):
+    def __init__(self, path: Path | None, jsonl_path: Path | None = None, append: bool = False):
         self.paths = [p for p in (path, jsonl_path) if p is not None]
         self.records = 0  # JSONL entries written: none until the first validation or step
-        self.file, self.jsonl = (None if p is None else self._io(p, functools.partial(open, p, "w", buffering=1 << 16))
-                                 for p in (path, jsonl_path))
+        self.file = self.jsonl = None
+        if path is not None:
+            self.file = self._io(path, lambda: self._claim(path, append))
+            self.jsonl = self._io(jsonl_path, lambda: self._open(os.open(jsonl_path, os.O_WRONLY | os.O_CREAT | (
+                os.O_APPEND if append else os.O_TRUNC), 0o644)))
+
+    @staticmethod
+    def _claim(path: Path, append: bool) -> IO:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if append else os.O_EXCL), 0o644)
+        except FileExistsError:
+            raise UsageError(f"run {path.stem} already has {path.name} in {path.parent}: use another --run_id, "
+                             f"--resume=auto to continue that run, or delete or move those files") from None
+        try:  # held until the process ends, however it ends (the kernel drops it at a kill -9)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(f"run {path.stem} is running in another process (it holds {path}'s lock); one launch "
+                             f"per --run_id") from None
+        return RunLog._open(fd)
+
+    @staticmethod
+    def _open(fd: int) -> IO:
+        """A text file on fd, appending; a line a kill cut short is ended first (the next one starts its own)."""
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end and os.pread(fd, 1, end - 1) != b"\n":
+            os.write(fd, b"\n")
+        return open(fd, "a", encoding="utf-8", newline="", buffering=1 << 16)
+
+    def truncate(self) -> None:
+        for f in (self.file, self.jsonl):
+            f.flush()
+            os.ftruncate(f.fileno(), 0)
+
+    def write_sources(self, files: list[Path]) -> None:
+        """Each file whole after its SOURCE_MARK line (the bytes it names): tools/compare.py code writes them back."""
+        for path in files:
+            data = path.read_bytes()
+            self(SOURCE_MARK.format(name=path.name, size=len(data)), console=False)
+            text = data.decode()
+            self._io(self.paths[0], lambda: self.file.write(text if text.endswith("\n") else text + "\n"))
 
     @staticmethod
     def _io(name: object, action: Callable[[], Any]) -> Any:
@@ -2230,16 +2289,16 @@ class RunLog:
     def __call__(self, line: str, console: bool = True, flush: bool = False) -> None:
         """Write a line (and with flush, everything so far to disk) before printing it: a line seen is kept."""
         if self.file is not None:
-            self._io(self.file.name, lambda: self.file.write(line + "\n"))
+            self._io(self.paths[0], lambda: self.file.write(line + "\n"))
             if flush:  # pushed to disk: a hard stop (kill -9, the OOM killer) loses none of it
-                for f in filter(None, (self.file, self.jsonl)):
-                    self._io(f.name, f.flush)
+                for f, path in zip((self.file, self.jsonl), self.paths):
+                    self._io(path, f.flush)
             if console:
                 print0(line)
 
     def record(self, entry: dict[str, object]) -> None:
         if self.jsonl is not None:
-            self._io(self.jsonl.name, lambda: self.jsonl.write(json.dumps(entry) + "\n"))
+            self._io(self.paths[1], lambda: self.jsonl.write(json.dumps(entry) + "\n"))
             self.records += 1
 
     def close(self, last_line: str | None = None) -> None:
@@ -2327,7 +2386,7 @@ class Metrics:
     """Train metrics: per step, device adds and two CUDA events. A logging step all-gathers RANK_STATS, reduces them
     on the device and copies them to a pinned host slot without blocking; rank 0 prints them once landed or at flush."""
 
-    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib")
+    RANK_STATS = ("loss_sum", "host_ms", "peak_memory_allocated_mib", "train_time_ms")
     STATS = ("mean", "sum", "min", "max")
     SLOTS = 8  # pinned host slots; with all in flight, the oldest is waited for (GPU far behind)
 
@@ -2343,6 +2402,7 @@ class Metrics:
         self.host_view = self.host.numpy()  # read as numpy: no Tensor call on the host side
         self.pending: list[PendingLine] = []  # staged lines, printed (rank 0) once their copy has landed
         self.last: PendingLine | None = None  # the latest staged line: checked for a diverged loss
+        self.agreed_ms = 0.0  # the slowest rank's train time at the last line every rank has read: the same on all
 
     def logs_at(self, step: int) -> bool:
         """Whether step (1-based: the step that `step:S/T` names) ends with a collective and a line."""
@@ -2378,7 +2438,7 @@ class Metrics:
         return torch.stack([gathered.mean(0), gathered.sum(0), gathered.amin(0), gathered.amax(0)])
 
     def _gather(self, step: int, train_time_ms: float, s: StepSchedule) -> None:
-        host = {"host_ms": self.host_ms, **peak_memory_mib(self.rt.device)}
+        host = {"host_ms": self.host_ms, "train_time_ms": train_time_ms, **peak_memory_mib(self.rt.device)}
         local = torch.empty(len(self.RANK_STATS), dtype=torch.float64, device=self.rt.device)
         local[0].copy_(self.loss_sum)
         for i, name in enumerate(self.RANK_STATS[1:], 1):  # a host number is fill_'s kernel argument: no H2D copy
@@ -2413,6 +2473,7 @@ class Metrics:
         if p.event is not None:
             p.event.synchronize()  # landed long ago: the line is a logging interval old
         loss = float(self.host_view[p.slot][self.STATS.index("sum")][self.RANK_STATS.index("loss_sum")])
+        self.agreed_ms = float(self.host_view[p.slot][self.STATS.index("max")][self.RANK_STATS.index("train_time_ms")])
         if not math.isfinite(loss):
             self.poll(wait=True)
             raise UsageError(f"the train loss is {loss} at step {p.step}: the run diverged; lower the learning "
@@ -2565,7 +2626,7 @@ class StepProfiler:
 # exactly (bit for bit at the same world size, re-sharded at another), from a complete and matching checkpoint only.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 9  # bumped whenever what is saved changes (9: upstream's current model, with the MUDD gate network)
+CKPT_FORMAT = 10  # bumped whenever what is saved changes (10: every source file's sha256, "sources")
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
@@ -2576,9 +2637,6 @@ CKPT_ERROR_GRACE_S = 10.0  # after an error or a signal, how long it still waits
 
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
-
-def source_sha256() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 def train_files_identity(cfg: Config) -> list[list]:
     """[file name, token count] of each training shard: the token stream a saved data position refers to."""
@@ -2591,7 +2649,9 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
         raise UsageError(f"{where} is a file: {taker} takes a ckpt_<step> directory (the folder holding {CKPT_META})"
                          if folder.is_file() else f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
     if not path.exists():  # a save that was cut short leaves its parts (or their .tmp files) but no meta.json
-        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last); use an earlier checkpoint"
+        cut = ", ".join(sorted(p.name for p in folder.glob("*.tmp")))  # half-written when the save stopped
+        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last){f'; {cut} half-written' * bool(cut)}"
+                         f"; use an earlier checkpoint"
                          if any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()) else
                          f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
                          f"--save_every or --save_final writes them under <log_dir>/<run_id>/")
@@ -2612,15 +2672,14 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
             raise UsageError(f"{where}: {name} has {actual} bytes, {CKPT_META} says {entry}: truncated or corrupt")
     return meta
 
-def check_resume(cfg: Config) -> None:
-    """Check --resume's checkpoint at start-up, on every rank before anything is written: intact, matching, in range."""
-    if not cfg.resume:
-        return
-    folder = Path(cfg.resume)
+def check_resume(cfg: Config, folder: Path) -> None:
+    """Check a checkpoint at start-up, on every rank before anything is written: intact, matching, in range."""
     meta = read_checkpoint_meta(folder)
     for name, entry in meta["files"].items():
         read_part(folder / name, entry.get("sha256"))
     saved = meta["config"]
+    if cfg.resume == AUTO and (why := continuation_error(f"checkpoint {folder}", saved, meta.get("sources", {}), cfg)):
+        raise UsageError(why)
     if diffs := [f"--{k}={saved.get(k)} (this run: {getattr(cfg, k)})" for k in CKPT_MATCH_FIELDS
                  if saved.get(k) != getattr(cfg, k)]:
         raise UsageError(f"checkpoint {folder} needs {', '.join(diffs)}: model shapes and data must match")
@@ -2629,6 +2688,53 @@ def check_resume(cfg: Config) -> None:
                          f"(it needs {len(meta.get('train_files') or [])} shard(s) with the same names and sizes)")
     if meta["step"] > cfg.num_steps:
         raise UsageError(f"checkpoint {folder} is at step {meta['step']}, beyond --num_steps={cfg.num_steps}")
+
+# What may change between the launches of one --resume=auto run: how often it saves and how it loads its data.
+CONTINUATION_FREE = ("resume", "save_every", "save_final", "save_minutes", "prefetch_depth", "profile")
+
+def continuation_error(what: str, config: dict, sources: dict[str, str], cfg: Config) -> str | None:
+    """Why what (a log or a checkpoint of run --run_id, its config and source digests) cannot be continued exactly by
+    this launch (another recipe, other code), or None: --resume=auto continues a run only as it began."""
+    mine = dataclasses.asdict(cfg)
+    changed = [f"--{k}={config.get(k)!r} (this launch: {v!r})" for k, v in mine.items()
+               if k not in CONTINUATION_FREE and config.get(k) != v]
+    now = source_digests(source_files())
+    changed += [f"other {name}" for name in sorted(set(now) | set(sources)) if now.get(name) != sources.get(name)]
+    return None if not changed else (f"--resume=auto: {what} holds run {cfg.run_id} with {', '.join(changed[:4])}"
+                                     f"{' and more' if len(changed) > 4 else ''}: it can only go on as it began; "
+                                     f"launch it as before, or use another --run_id")
+
+def logged_run(path: Path) -> tuple[dict, dict[str, str]] | None:
+    """The config and source digests an existing log begins with; None where its header was cut short."""
+    data, sources, pos = path.read_bytes(), {}, 0
+    while m := re.match(rb"# source: (\S+) \((\d+) bytes\)\n", data[pos:pos + 300]):
+        start, end = pos + m.end(), pos + m.end() + int(m[2])
+        sources[m[1].decode()], pos = hashlib.sha256(data[start:end]).hexdigest(), end + (data[end - 1:end] != b"\n")
+    config = re.search(rb"^config: (.*)$", data[pos:], re.M)
+    return None if config is None else (json.loads(config[1]), sources)
+
+def checkpoint_step(folder: Path) -> int:
+    return int(folder.name[5:]) if re.fullmatch(r"ckpt_\d+", folder.name) else -1
+
+def newest_checkpoint(cfg: Config) -> tuple[Path | None, str]:
+    """--resume=auto: the run's newest checkpoint whose files are all there and match their checksums, and a line
+    on the newer ones skipped (incomplete: a save a stop cut short; or corrupt), which are removed: a later save of
+    their step writes the folder anew, where no stale part may stay."""
+    skipped: list[str] = []
+    for folder in sorted((Path(cfg.log_dir) / cfg.run_id).glob("ckpt_*"), key=checkpoint_step, reverse=True):
+        try:
+            meta = read_checkpoint_meta(folder, "--resume=auto")
+            for name, entry in meta["files"].items():
+                read_part(folder / name, entry.get("sha256"))
+            break
+        except UsageError as e:
+            skipped.append(str(e).split("; use ")[0])
+            shutil.rmtree(folder, ignore_errors=True)
+    else:
+        folder = None
+    taken = f"taking {folder.name}" if folder else "no checkpoint left: from step 0"
+    more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+    return folder, f"{skipped[0]}{more}: removed, {taken}" if skipped else ""
 
 def check_run_paths(cfg: Config) -> None:
     """Before anything is written: the log folder is writable, and no earlier run's logs or checkpoints are replaced."""
@@ -2640,12 +2746,14 @@ def check_run_paths(cfg: Config) -> None:
         raise UsageError(f"--log_dir={cfg.log_dir}: cannot create it ({e.strerror}); give a writable folder") from None
     if not os.access(log_dir, os.W_OK | os.X_OK):
         raise UsageError(f"--log_dir={cfg.log_dir} is not writable; give a writable folder")
+    if cfg.resume == AUTO:  # its logs and checkpoints are the run it continues
+        return
     if logs := [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]:
-        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id, or "
-                         f"delete or move those files")
+        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id, "
+                         f"--resume=auto to continue that run, or delete or move those files")
     if cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve():
         raise UsageError(f"--resume={cfg.resume} is a checkpoint of run {cfg.run_id}: a resumed run writes under "
-                         f"its own --run_id (leave it unset for a fresh one)")
+                         f"its own --run_id (leave it unset for a fresh one; --resume=auto continues a run in place)")
     if (cfg.save_every or cfg.save_final) and run_dir.is_dir() and any(run_dir.glob("ckpt_*")):
         raise UsageError(f"{run_dir} already holds checkpoints and they are never overwritten; use another --run_id")
 
@@ -2692,9 +2800,10 @@ class ResumePoint:
     rng: dict
     data_position: tuple[int, int]  # the stream's (next file, position) after step
 
-def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuonAdam, log: RunLog) -> ResumePoint:
-    """Restore --resume into model and optimizer (before the warmup snapshot); if any rank cannot, every rank raises."""
-    folder, error = Path(cfg.resume), None
+def load_checkpoint(cfg: Config, rt: Runtime, folder: Path, model: GPT, optimizer: ShardedMuonAdam, log: RunLog
+                    ) -> ResumePoint:
+    """Restore a checkpoint into model and optimizer (before the warmup snapshot); if any rank cannot, all raise."""
+    error = None
     try:
         meta = read_checkpoint_meta(folder)  # its config was checked against this run's at start-up (check_resume)
         step, saved_world, files = meta["step"], meta["world_size"], meta["files"]
@@ -2729,9 +2838,9 @@ def load_checkpoint(cfg: Config, rt: Runtime, model: GPT, optimizer: ShardedMuon
         f"train_time so far {meta['train_time_ms']:.0f}ms, {data}")
     if changed:
         log(f"resume: config differs from the checkpoint's in {', '.join(changed)}")
-    if meta.get("source_sha256") != source_sha256():
-        log(f"resume: train_gpt.py differs from the checkpoint's (sha256 {str(meta.get('source_sha256'))[:12]} -> "
-            f"{source_sha256()[:12]})")
+    saved, now = meta.get("sources", {}), source_digests(source_files())
+    if differ := [name for name in sorted(set(now) | set(saved)) if now.get(name) != saved.get(name)]:
+        log(f"resume: the code differs from the checkpoint's in {', '.join(differ)}")
     if stale := sorted(folder.parent.glob("ckpt_*/*.tmp")):  # half-written by a killed save; not removed here:
         mib = sum(p.stat().st_size for p in stale) / 2**20    # the run that left them may still be running
         log(f"resume: {folder.parent} holds {len(stale)} temporary file(s), {mib:.0f} MiB, left by an interrupted "
@@ -2752,16 +2861,17 @@ class Checkpointer:
     writes model.pt (rank 0), rank<R>.pt, then (rank 0, once every rank's is there) meta.json, which completes it."""
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
-                 start_step: int = 0):
-        self.cfg, self.rt, self.log, self.model, self.optimizer = cfg, rt, log, model, optimizer
+                 metrics: Metrics | None = None, start_step: int = 0):
+        self.cfg, self.rt, self.log, self.model, self.optimizer, self.metrics = cfg, rt, log, model, optimizer, metrics
         self.start_step = start_step  # a resumed run does not save its first step again
+        self.saved_ms = metrics.agreed_ms if metrics else 0.0  # the agreed train time at the last save (or start)
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
         self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
         if cfg.save_every or cfg.save_final:  # now, not at the first save: the loop would stall on the allocation
             self._host_state(functools.partial(self._to_host, copy=False))
-        self.source_sha, self.train_files = source_sha256(), train_files_identity(cfg) if rt.rank == 0 else None
+        self.sources, self.train_files = source_digests(source_files()), train_files_identity(cfg) if rt.rank == 0 else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
                                          initargs=(rt.device,))
         self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
@@ -2778,9 +2888,15 @@ class Checkpointer:
         return model, self.optimizer.state_dict(copy=copy)
 
     def due(self, step: int) -> bool:
+        """--save_every's steps, the last with --save_final, and with --resume=auto the first Adam step after each
+        save_minutes of training, by the train time every rank agrees on (Metrics.agreed_ms): all save, or none."""
         cfg = self.cfg
-        return step > self.start_step and (
-            bool(cfg.save_every and step % cfg.save_every == 0) or (cfg.save_final and step == cfg.num_steps))
+        return step > self.start_step and (bool(cfg.save_every and step % cfg.save_every == 0) or (
+            cfg.save_final and step == cfg.num_steps) or self.rolling(step))
+
+    def rolling(self, step: int) -> bool:
+        return bool(self.cfg.resume == AUTO and self.metrics and self.cfg.save_minutes and step % self.cfg.adam_every
+                    == 0 and self.metrics.agreed_ms - self.saved_ms >= 60_000 * self.cfg.save_minutes)
 
     @torch.no_grad()
     def save(self, step: int, train_time_ms: float, data_position: tuple[int, int]) -> None:
@@ -2799,9 +2915,10 @@ class Checkpointer:
             stall_start = recorded_event()
             compute.wait_event(event)  # the next step writes these tensors only after they are copied
             gpu_stall = (stall_start, recorded_event())
-        common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size,
-                  "train_time_ms": train_time_ms, "consumed_steps": step, "data_position": list(data_position),
-                  "config": dataclasses.asdict(self.cfg), "source_sha256": self.source_sha}
+        common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size, "rolling": self.rolling(step),
+                  "train_time_ms": train_time_ms, "data_position": list(data_position),
+                  "config": dataclasses.asdict(self.cfg), "sources": self.sources}
+        self.saved_ms = self.metrics.agreed_ms if self.metrics else 0.0
         part = {**common, "rank": self.rt.rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
         meta = None if self.rt.rank else {**common, "run_id": self.cfg.run_id, "train_files": self.train_files,
                                           "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -2832,11 +2949,23 @@ class Checkpointer:
                     sums[rank_file(r)] = hashlib.sha256((folder / rank_file(r)).read_bytes()).hexdigest()
                 meta["files"] = {n: {"bytes": (folder / n).stat().st_size, "sha256": h} for n, h in sums.items()}
                 write_json_atomic(folder / CKPT_META, meta)
+                if meta["rolling"]:
+                    self._drop_old_rolling(folder.parent)
             return time.perf_counter()
         except BaseException as e:
             with contextlib.suppress(OSError):
                 (folder / f"rank{rank}.failed").write_text(f"{type(e).__name__}: {e}\n")
             raise
+
+    @staticmethod
+    def _drop_old_rolling(run_dir: Path) -> None:
+        """--resume=auto's timed checkpoints serve only to carry on: the newest two complete ones are kept."""
+        def rolling(folder: Path) -> bool:
+            with contextlib.suppress(OSError, ValueError):
+                return json.loads((folder / CKPT_META).read_text()).get("rolling") is True
+            return False
+        for folder in sorted(filter(rolling, run_dir.glob("ckpt_*")), key=checkpoint_step)[:-2]:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def poll(self, block: bool = False) -> None:
         """Log, in order, the checkpoints written whose GPU stall can be read (its wait has passed); block: all."""
@@ -3141,14 +3270,15 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
     return train_files, val, DocumentCounts(most, val.most_documents(cfg.val_seq_len))
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
-          vocabulary: list[bytes]) -> TrainResult:
-    """From the first (or resumed) step to the summary; documents size FA3's buffers, vocabulary the prefix table."""
+          vocabulary: list[bytes], checkpoint: Path | None = None) -> TrainResult:
+    """From the first (or checkpoint's) step to the summary; documents size FA3's buffers, vocabulary the prefix
+    table."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     schedules = schedule_table(cfg)
     knobs = StepKnobs(cfg, schedules, rt.device, documents if cfg.attention == "fa3" else None)
     raw_model, model, optimizer = build_model(cfg, rt, log, knobs)
-    resumed = load_checkpoint(cfg, rt, raw_model, optimizer, log) if cfg.resume else None
+    resumed = load_checkpoint(cfg, rt, checkpoint, raw_model, optimizer, log) if checkpoint else None
     start_step = resumed.step if resumed else 0
     loss_scale = train_loss_scale(cfg)
 
@@ -3165,7 +3295,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
         f"the final window; peak {peak} per device")
     log_stage_plan(cfg, schedules, log)
-    checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, start_step)
+    metrics.agreed_ms = resumed.train_time_ms if resumed else 0.0
+    checkpointer = Checkpointer(cfg, rt, log, raw_model, optimizer, metrics, start_step)
     loader = train_loader(cfg, rt, train_files, last_step - start_step, shape, optimizer.batch_rows(), resumed)
     val_points: list[tuple[int, float, float]] = []
     if resumed:
@@ -3293,40 +3424,103 @@ def one_line_error(e: BaseException, rt: Runtime | None) -> BaseException:
                        f"sequence cut into N micro-steps: less memory, an update measured close to the record's), "
                        f"or use more GPUs")
 
-def run(argv: list[str]) -> TrainResult:
+def on_rank0(rt: Runtime, fn: Callable[[], Any], share: bool = True) -> Any:
+    """fn() on rank 0, its value (with share) sent to every rank; its UsageError raised on every rank: a refusal there
+    stops them all with its one line, where a rank left waiting would only see its peer gone."""
+    value, error = None, None
+    if rt.rank == 0:
+        try:
+            value = fn()
+        except UsageError as e:
+            error = str(e)
+    if rt.world_size > 1:
+        box = [value if share else None, error]
+        dist.broadcast_object_list(box, src=0)
+        value, error = box[0] if share or rt.rank else value, box[1]
+    if error is not None:
+        raise UsageError(error)
+    return value
+
+def open_log(cfg: Config, rt: Runtime, checkpoint: Path | None, skipped: str) -> RunLog:
+    """Rank 0's log: a new one, or with --resume=auto the run's own, continued after a line saying where this launch
+    starts; its header (the code, the config) must then be this launch's."""
+    path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
+    before = logged_run(path) if cfg.resume == AUTO and path.is_file() else None
+    if before is not None and (why := continuation_error(str(path), *before, cfg)):
+        raise UsageError(why)
+    log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
+    if before is None:  # a log a stop cut short in its header holds no step yet: it begins anew
+        log.truncate()
+        log.write_sources(source_files(*[TRACE_REPORT] * cfg.bench))
+    log(SEPARATOR, console=False)
+    # The console's first line: what names the run's files (the config, one long line, is the log's alone).
+    log(f"run {cfg.run_id} seed {cfg.seed}, log {path}")
+    log(environment_report(rt.device, cfg.cpu_bf16_gemm))
+    if before is None:
+        log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
+    if cfg.resume == AUTO:
+        start = f"from {checkpoint}" if checkpoint else "no checkpoint yet: from step 0"
+        log(f"resume: --resume=auto, launched {datetime.datetime.now():%Y-%m-%d %H:%M:%S}: {start}"
+            f"{f'; {skipped}' if skipped else ''}")
+    log(SEPARATOR)
+    return log
+
+def check_shared_folder(cfg: Config, rt: Runtime, token: str) -> None:
+    """A checkpoint is every rank's files in one folder, which rank 0 completes and every rank reads to resume: with
+    several ranks saving or resuming, refuse at start-up ranks that do not see rank 0's files (no shared disk)."""
+    if rt.world_size == 1 or not (cfg.save_every or cfg.save_final or cfg.resume):
+        return
+    probe = Path(cfg.log_dir) / cfg.run_id / f".probe_{token}"
+    if rt.rank == 0:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    dist.barrier()
+    seen: list[object] = [None] * rt.world_size
+    dist.all_gather_object(seen, probe.exists())
+    dist.barrier()
+    probe.unlink(missing_ok=True)
+    if blind := [r for r, s in enumerate(seen) if not s]:
+        raise UsageError(f"rank(s) {', '.join(map(str, blind))} do not see rank 0's files in {probe.parent}: a "
+                         f"checkpoint needs one folder every rank writes and reads (a shared file system); give "
+                         f"--log_dir on one, or run without --save_every, --save_final and --resume")
+
+def seed_of(run_id: str) -> int:
+    """--resume=auto's seed when none is given: from the run id, so that every launch of the run draws the same."""
+    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "little") % 2**31
+
+def run(argv: list[str]) -> TrainResult | None:
     """Parse, set up and train; UsageError for what the user can fix, all checked before anything is written. A run
-    stopped after its log opened says why there; its logs go to <run_id>.failed.* unless it finished, or a signal
-    stopped it after it recorded something."""
-    rt, log, stop, error = None, RunLog(None), None, None
+    stopped after its log opened says why there; its logs go to <run_id>.failed.* unless it finished, a signal stopped
+    it after it recorded something, or it carries on (--resume=auto). None: a --resume=auto run that had finished."""
+    rt, log, stop, error, auto = None, RunLog(None), None, None, False
     try:
         cfg = parse_config(argv)
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-        check_resume(cfg)
+        auto = cfg.resume == AUTO
+        if cfg.resume and not auto:
+            check_resume(cfg, Path(cfg.resume))
         rt = setup_runtime(cfg)
-        # The seed and the run id, unless given: rank 0 draws them, every rank uses rank 0's.
-        ident = [cfg.seed if cfg.seed >= 0 else random.SystemRandom().randrange(2**31),
-                 cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"]
-        if rt.world_size > 1:
-            dist.broadcast_object_list(ident, src=0)
-        cfg.seed, cfg.run_id = ident
+        # The seed and the run id, unless given: rank 0 draws them, every rank uses rank 0's; a token names this launch.
+        cfg.seed, cfg.run_id, token = on_rank0(rt, lambda: (
+            cfg.seed if cfg.seed >= 0 else seed_of(cfg.run_id) if auto else random.SystemRandom().randrange(2**31),
+            cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
+        checkpoint, skipped = Path(cfg.resume) if cfg.resume and not auto else None, ""
+        if auto:
+            if on_rank0(rt, (summary := Path(cfg.log_dir) / f"{cfg.run_id}.json").exists):
+                print0(f"run {cfg.run_id} has finished (its summary {summary} exists): nothing to carry on")
+                return None
+            checkpoint, skipped = on_rank0(rt, lambda: newest_checkpoint(cfg))
+            if checkpoint is not None:
+                check_resume(cfg, checkpoint)
         check_model_fits(cfg, rt.device)
         vocabulary = read_vocabulary(cfg)
         train_files, val, documents = load_data(cfg, rt.device)
         check_run_paths(cfg)
-        if rt.world_size > 1:
-            dist.barrier()  # every rank checked the log folder before rank 0 writes into it
         torch.manual_seed(cfg.seed)
-        if rt.rank == 0:
-            log = RunLog(Path(cfg.log_dir) / f"{cfg.run_id}.txt", Path(cfg.log_dir) / f"{cfg.run_id}.jsonl")
-            log(Path(__file__).read_text(), console=False)
-            log(SEPARATOR, console=False)
-            # The console's first line: what names the run's files (the config, one long line, is the log's alone).
-            log(f"run {cfg.run_id} seed {cfg.seed}, log {cfg.log_dir}/{cfg.run_id}.txt")
-            log(environment_report(rt.device, cfg.cpu_bf16_gemm))
-            log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
-            log(SEPARATOR)
+        log = on_rank0(rt, lambda: open_log(cfg, rt, checkpoint, skipped), share=False) or log
+        check_shared_folder(cfg, rt, token)
         with cpu_gemms(cfg.cpu_bf16_gemm):
-            result = train(cfg, rt, log, train_files, val, documents, vocabulary)
+            result = train(cfg, rt, log, train_files, val, documents, vocabulary, checkpoint)
         if rt.world_size > 1:  # no rank tears the process group down while another uses it: that would abort its peer
             dist.barrier()
         return result
@@ -3341,12 +3535,11 @@ def run(argv: list[str]) -> TrainResult:
     finally:
         log.close(stop)
         finished = any(path.with_suffix(".json").exists() for path in log.paths)  # its summary (only rank 0's)
-        if error is not None and (not log.records or not (finished or isinstance(error, KeyboardInterrupt))):
-            kept = log.set_aside()
-            run_dir = log.paths[0].with_suffix("") if log.paths else None
-            free = "" if run_dir and any(run_dir.glob("ckpt_*")) else "; the run id is free for a rerun"
-            if kept is not None:  # a rerun with the same --run_id must not be refused
-                error.add_note(f"(its log is kept as {kept}{free})")
+        kept = finished or auto or log.records and isinstance(error, KeyboardInterrupt)
+        if error is not None and not kept and (aside := log.set_aside()) is not None:
+            run_dir = log.paths[0].with_suffix("")
+            free = "" if any(run_dir.glob("ckpt_*")) else "; the run id is free for a rerun"
+            error.add_note(f"(its log is kept as {aside}{free})")  # a rerun with the same --run_id must not be refused
         if dist.is_initialized():
             dist.destroy_process_group()
 
