@@ -13,12 +13,15 @@ loader, the CPU's bf16 GEMM paths (Fp32Gemms) and the optimizer's fixed-order su
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # What runs where, the facts train_gpt's `auto` (resolve_for_device) and tools/sm90_kernels.py's compile matrix both
@@ -1227,7 +1230,8 @@ def load_fa3() -> tuple[Callable | None, str]:
 # CPU bf16 matmuls run through oneDNN where the CPU has bf16 instructions (AVX-512 BF16, AMX), else through a scalar
 # reference loop (AVX2-only CPUs: tens to hundreds of times slower than fp32). There they can run as fp32 GEMMs of the
 # same bf16 values rounded once to bf16: fp32 accumulation, as on the GPU (--cpu_bf16_gemm, eager and compiled).
-GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+GEMM_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.mv,
+            torch.ops.aten.addmv, torch.ops.aten.dot)
 
 
 class Fp32Gemms(TorchDispatchMode):
@@ -1248,6 +1252,85 @@ class Fp32Gemms(TorchDispatchMode):
         out = kwargs.pop("out", None)
         result = func.overloadpacket.default(*wide, **kwargs)
         return result.bfloat16() if out is None else out.copy_(result)
+
+
+# The record path: arithmetic that is the same on every x86-64 CPU with AVX2, whoever made it. torch's own kernels run
+# at AVX2 (ATEN_CPU_CAPABILITY=avx2). What torch hands to MKL follows the CPU model, not only its vector width (MKL's
+# GEMM blocking and its vector math library's exp, log, tanh, ... differ between an Intel Xeon and an AMD EPYC, with
+# MKL_CBWR or without): here no MKL function runs. GEMMs run in fp32 (fp64 for fp64) by numpy's OpenBLAS held to its
+# Haswell kernels (OPENBLAS_CORETYPE=Haswell: fixed blocking; threads split the output, never a sum), the vector math
+# in float64 by functions torch computes itself (SLEEF, glibc), rounded once to the tensor's dtype; attention by SDPA's
+# math path (its fused CPU kernel calls MKL's GEMMs), which torch.nn.attention.sdpa_kernel selects around it.
+LOG2E = 1 / math.log(2)
+
+
+def _expm1_tanh(x: Tensor) -> Tensor:
+    e = torch.expm1(x.clamp(-40, 40) * 2)  # tanh(40) is 1 in float64: no overflow to inf / inf
+    return e / (e + 2)
+
+
+# torch's vml.h: the float ops MKL computes, and a formulation of each the record path uses (in float64).
+MKL_MATH: dict[str, Callable[[Tensor], Tensor] | None] = {
+    "exp": lambda x: torch.exp2(x * LOG2E), "log": lambda x: torch.special.xlogy(1.0, x), "tanh": _expm1_tanh,
+    "sin": lambda x: torch.polar(torch.ones_like(x), x).imag, "cos": lambda x: torch.polar(torch.ones_like(x), x).real,
+    "sqrt": lambda x: torch.from_numpy(np.sqrt(x.numpy())),  # IEEE: correctly rounded on every CPU
+    **dict.fromkeys(("acos", "asin", "atan", "erf", "erfc", "erfinv", "log10", "log2", "tan"))}  # none used: refused
+
+
+def _record_logsumexp(x: Tensor, dim: list[int], keepdim: bool = False) -> Tensor:
+    """torch's logsumexp (one op whose inner exp and log no mode sees), from MKL_MATH's exp and log."""
+    top = x.amax(dim, keepdim=True)
+    top = torch.where(top.isinf(), 0, top)
+    out = MKL_MATH["log"](MKL_MATH["exp"](x.double() - top).sum(dim, keepdim=True)) + top
+    return (out if keepdim else out.squeeze(dim)).to(x.dtype)
+
+
+class RecordMath(Fp32Gemms):
+    """Inside it, the CPU record path's arithmetic (above): every float GEMM by numpy's OpenBLAS (bf16 operands in fp32,
+    the result rounded to bf16), MKL_MATH's ops in float64, SDPA's math path. An MKL op it has no formulation for is
+    refused, loudly."""
+
+    def __enter__(self) -> RecordMath:
+        self.math_sdpa = sdpa_kernel([SDPBackend.MATH])
+        self.math_sdpa.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.math_sdpa.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs, name = kwargs or {}, func.overloadpacket.__name__
+        x = args[0] if args and isinstance(args[0], Tensor) and args[0].device.type == "cpu" else None
+        if func.overloadpacket in GEMM_OPS and func._overloadname in ("default", "out"):
+            return self.gemm(func, args, kwargs)
+        if x is None or x.dtype not in (torch.float32, torch.float64):
+            return func(*args, **kwargs)
+        if name == "logsumexp":
+            return _record_logsumexp(x.detach(), *args[1:], **kwargs)
+        if name.rstrip("_") not in MKL_MATH or func._overloadname not in ("default", "out"):
+            return func(*args, **kwargs)
+        formula = MKL_MATH[name.rstrip("_")]
+        if formula is None:
+            raise NotImplementedError(f"{func} on the CPU record path: MKL computes it, differently per CPU model; "
+                                      f"give it a formulation in gpt_kernels.MKL_MATH")
+        result = formula(x.detach().double()).to(x.dtype)
+        target = kwargs.get("out", x if name.endswith("_") else None)
+        return result if target is None else target.copy_(result)
+
+    def gemm(self, func, args, kwargs) -> Tensor:
+        """An mm, addmm, bmm or baddbmm (or mv, addmv, dot) as numpy's product of the operands in fp32, then
+        beta * c + alpha * product in torch; out= and bf16 as Fp32Gemms."""
+        added = func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.baddbmm, torch.ops.aten.addmv)
+        c, a, b = args if added else (None, *args)
+        alpha, beta, out = kwargs.get("alpha", 1), kwargs.get("beta", 1), kwargs.get("out")
+        wide = torch.float64 if a.dtype == torch.float64 else torch.float32
+        product = torch.from_numpy(np.asarray(np.matmul(*(t.detach().to(wide).numpy() for t in (a, b)))))
+        result = product * alpha if alpha != 1 else product
+        if c is not None and beta != 0:
+            result = result + (c.to(wide) if beta == 1 else c.to(wide) * beta)
+        result = result.to(a.dtype)
+        return result if out is None else out.copy_(result)
 
 
 def native_bf16_gemm() -> bool:

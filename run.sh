@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Launch train_gpt.py on every visible GPU; arguments pass through (e.g. ./run.sh --num_steps=500).
 # Without a GPU it runs the tiny preset on the bundled sample, on the CPU, to show the pipeline working, on the
-# bundled records' arithmetic (the record path: the same bits on any x86-64 CPU with AVX2); CPU_PATH=native runs
-# the CPU's own kernels instead (faster with AVX-512 or bf16 GEMMs; the losses differ by rounding).
+# bundled records' arithmetic (the record path: the same bits on any x86-64 CPU with AVX2, Intel's or AMD's);
+# CPU_PATH=native runs the CPU's own kernels instead (faster with AVX-512 or bf16 GEMMs; the losses differ by rounding).
 # NPROC=N sets the number of processes (NPROC=2 ./run.sh on a CPU: two gloo ranks).
 # One process runs python directly. Several run under torchrun, whose own report of a failed rank would
 # bury the rank's one line: here the launcher stays quiet, so that line is the last one printed, and the
@@ -29,10 +29,11 @@ if [ "$gpus" -eq 0 ]; then
     case "${CPU_PATH:-record}" in
         record)
             if [ "$avx2" -eq 1 ]; then
-                # torch, oneDNN and MKL read these when torch loads: the trainer is too late to set them.
-                export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+                # torch and numpy read these as they load: the trainer is too late to set them (train_gpt.py's
+                # RECORD_PATH_ENV: torch's kernels at AVX2, GEMMs by OpenBLAS's Haswell kernels on one thread).
+                export ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell OPENBLAS_NUM_THREADS=1
                 defaults+=(--cpu_bf16_gemm=fp32)
-                how="on the record path (AVX2 kernels, fp32 GEMMs; CPU_PATH=native: this CPU's own)"
+                how="on the record path (AVX2 kernels, no MKL, fp32 GEMMs; CPU_PATH=native: this CPU's own)"
             else
                 how="on this CPU's own kernels: the record path needs an x86-64 CPU with AVX2"
             fi ;;

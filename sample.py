@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
     except (T.UsageError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    with T.cpu_gemms(T.bf16_gemm_path("auto", cuda=device.type == "cuda")):  # as the run's own CPU matmuls
+    with T.cpu_math(T.bf16_gemm_path("auto", cuda=device.type == "cuda")):  # as the run's own CPU matmuls
         new = generate(model, prompt, args.tokens, args.temperature, args.top_k,
                        torch.Generator().manual_seed(args.seed))
     text = encoding.decode(new)

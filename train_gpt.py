@@ -1241,25 +1241,40 @@ class RowBucket(Bucket):
         self.rank, (rows, self.dim) = rank, params[0].shape
         self.shard_rows, self.touched = rows // world_size, np.zeros(rows, dtype=bool)  # touched: since the update
         self.grad_shard = self.grad.view(world_size, -1)[rank]  # its own rows of its local gradient
-        self.ids_work: dist.Work | None = None  # set by announce(), with the row ids and counts sent and received
+        # The touched rows' ids go up from here (pinned on CUDA: an asynchronous upload, as #89's send_idxes_buffer).
+        self.send_buffer = torch.empty(rows, dtype=torch.int32, pin_memory=self.grad.is_cuda)
+        self.uploaded = torch.cuda.Event() if self.grad.is_cuda else None  # the last upload out of send_buffer
+        self.counts_work: dist.Work | None = None  # announce()'s exchange of the counts, share_ids() waits for it
+        self.ids_work: dist.Work | None = None  # share_ids()'s exchange of the row ids
 
     def announce(self) -> None:
-        """Before the forward of an update's step (rows touched): tell each rank how many rows it will get (a
-        blocking all-to-all of host counts: gloo's) and which (async, overlapping the forward)."""
+        """Before the forward of an update's step (rows touched): start telling each rank how many rows it will get
+        (an async all-to-all of host counts, gloo's) and the upload of their ids, as #89's sparse_comms_start."""
         ids = np.flatnonzero(self.touched)  # sorted: grouped by owner
         owner = ids // self.shard_rows
         ids, owner = ids[owner != self.rank], owner[owner != self.rank]  # its own rows are in its gradient already
-        send, recv = np.bincount(owner, minlength=self.world_size), torch.zeros(self.world_size, dtype=torch.int64)
-        dist.all_to_all_single(recv, torch.from_numpy(send), [1] * self.world_size, [1] * self.world_size)
-        self.send_counts, self.recv_counts, device = send.tolist(), recv.tolist(), self.grad.device
-        self.send_ids = torch.from_numpy(ids.astype(np.int32)).to(device, non_blocking=True)
-        self.recv_ids = torch.empty(sum(self.recv_counts), dtype=torch.int32, device=device)
+        self.numbers = torch.from_numpy(np.bincount(owner, minlength=self.world_size)), torch.zeros(self.world_size,
+                                                                                                     dtype=torch.int64)
+        self.counts_work = dist.all_to_all_single(self.numbers[1], self.numbers[0], async_op=True)
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # done long ago: the previous update's exchange has read it
+        self.send_buffer[: len(ids)].numpy()[:] = ids
+        self.send_ids = self.send_buffer[: len(ids)].to(self.grad.device, non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+
+    def share_ids(self) -> None:
+        """After the step's first forward: once the counts are in, start the row ids' exchange (behind the backward)."""
+        self.counts_work.wait()
+        self.send_counts, self.recv_counts = (t.tolist() for t in self.numbers)
+        self.recv_ids = torch.empty(sum(self.recv_counts), dtype=torch.int32, device=self.grad.device)
         self.ids_work = dist.all_to_all_single(self.recv_ids, self.send_ids, self.recv_counts, self.send_counts,
                                                async_op=True)
 
     def reduce_grads(self) -> None:
         if self.ids_work is None:
-            raise RuntimeError("the bigram table's update needs begin_step() before its step's forward")
+            raise RuntimeError("the bigram table's update needs begin_step() before its step's forward and "
+                               "forward_done() after it")
         self._bind_grads()
         send = self.grad.view(-1, self.dim)[self.send_ids]
         self.recv_rows = send.new_empty(sum(self.recv_counts), self.dim)
@@ -1313,6 +1328,11 @@ class ShardedMuonAdam:
             self.row_bucket.touched[rows] = True
             if self.adam_step:
                 self.row_bucket.announce()
+
+    def forward_done(self) -> None:
+        """After the step's first forward: the bigram rows' ids start their exchange (on an Adam step)."""
+        if self.row_bucket is not None and self.adam_step:
+            self.row_bucket.share_ids()
 
     def _updates(self, bucket: Bucket) -> bool:
         # While tied the embedding's gradient is exactly zero and so is its Adam update (m = v = 0, no decay where
@@ -2143,9 +2163,12 @@ def bf16_gemm_path(choice: str, cuda: bool) -> str:
     native = cuda or choice == "native" or choice == AUTO and native_bf16_gemm()
     return "native" if native else "fp32"
 
-def cpu_gemms(path: str) -> contextlib.AbstractContextManager:
-    """The context a run's work goes in: Fp32Gemms on the fp32 path, nothing on the native one."""
-    return gpt_kernels.Fp32Gemms() if path == "fp32" else contextlib.nullcontext()
+def cpu_math(gemm_path: str, compiled: bool = False) -> contextlib.AbstractContextManager:
+    """The context a CPU run's work goes in: the record path's RecordMath, Fp32Gemms on the fp32 GEMM path elsewhere,
+    nothing on the native one."""
+    if cpu_path(gemm_path, compiled) == "record":
+        return gpt_kernels.RecordMath()
+    return gpt_kernels.Fp32Gemms() if gemm_path == "fp32" else contextlib.nullcontext()
 
 def cpu_report() -> str:
     """The CPU's model, threads and the vector ISA torch's kernels use: what a CPU run's speed and bits depend on."""
@@ -2156,20 +2179,22 @@ def cpu_report() -> str:
     return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, vector ISA "
             f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
-# The bundled CPU records' arithmetic, the "record" path: torch's kernels, oneDNN and MKL held to AVX2, fp32 GEMMs; the
-# same bits on every x86-64 CPU with AVX2 at the same torch, threads and world size. The libraries read these variables
-# when torch loads, so run.sh sets them (not with CPU_PATH=native); an AVX2-only CPU needs none of them.
-RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-CPU_PATHS = {"record": "record (AVX2 kernels, oneDNN and MKL at AVX2, fp32 GEMMs: the bundled CPU records' "
-                       "arithmetic, the same bits on any x86-64 CPU with AVX2)",
+# The bundled CPU records' arithmetic, the "record" path (gpt_kernels.RecordMath): torch's kernels at AVX2, no MKL
+# function, GEMMs by numpy's OpenBLAS at its Haswell kernels on one thread (its result on one thread differs from its
+# result on several); the same bits on every x86-64 CPU with AVX2, whoever made it, at the same torch, numpy, torch
+# threads and world size. torch and numpy read these variables as they load: run.sh sets them (not CPU_PATH=native).
+RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
+CPU_PATHS = {"record": "record (torch's AVX2 kernels and no MKL: GEMMs by OpenBLAS's Haswell kernels, exp, log, tanh "
+                       "in float64; the bundled CPU records' arithmetic, the same bits on any x86-64 CPU with AVX2)",
              "native": "native (this CPU's own kernels: faster with AVX-512 or bf16 GEMMs; the losses differ from "
                        "the record path's by rounding)"}
 
-def cpu_path(gemm_path: str) -> str:
-    """record where this run computes the records' arithmetic (above), else native."""
+def cpu_path(gemm_path: str, compiled: bool = False) -> str:
+    """record where this run computes the records' arithmetic (above: eager, fp32 GEMMs, the variables set), else
+    native."""
     capped = all(os.environ.get(k, "").lower() == v.lower() for k, v in RECORD_PATH_ENV.items())
-    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and gemm_path == "fp32"
-    return "record" if avx2 and (capped or not torch.cpu._is_avx512_supported()) else "native"
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    return "record" if capped and avx2 and gemm_path == "fp32" and not compiled else "native"
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -2191,7 +2216,7 @@ def print0(*args: object, **kwargs: object) -> None:
     if _rank_and_world()[0] == 0:
         print(*args, **{"flush": True, **kwargs})
 
-def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
+def environment_report(device: torch.device, cpu_bf16_gemm: str, compiled: bool = False) -> str:
     lines = [f"Running Python {sys.version.split()[0]} on {platform.platform()}",
              f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}"]
     try:
@@ -2204,7 +2229,7 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str) -> str:
                   f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}"]
     else:
         lines += [f"CPU run: {cpu_report()}", f"bf16 GEMM path: {CPU_GEMM_PATHS[cpu_bf16_gemm]}",
-                  f"CPU path: {CPU_PATHS[cpu_path(cpu_bf16_gemm)]}"]
+                  f"CPU path: {CPU_PATHS[cpu_path(cpu_bf16_gemm, compiled)]}"]
     if shutil.which("nvidia-smi"):
         lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
     return "\n".join(lines)
@@ -2240,13 +2265,13 @@ class RunLog:
         self.file = self.jsonl = None
         if path is not None:
             self.file = self._io(path, lambda: self._claim(path, append))
-            self.jsonl = self._io(jsonl_path, lambda: self._open(os.open(jsonl_path, os.O_WRONLY | os.O_CREAT | (
+            self.jsonl = self._io(jsonl_path, lambda: self._open(os.open(jsonl_path, os.O_RDWR | os.O_CREAT | (
                 os.O_APPEND if append else os.O_TRUNC), 0o644)))
 
     @staticmethod
     def _claim(path: Path, append: bool) -> IO:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if append else os.O_EXCL), 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | (0 if append else os.O_EXCL), 0o644)
         except FileExistsError:
             raise UsageError(f"run {path.stem} already has {path.name} in {path.parent}: use another --run_id, "
                              f"--resume=auto to continue that run, or delete or move those files") from None
@@ -2890,13 +2915,16 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         """--save_every's steps, the last with --save_final, and with --resume=auto the first Adam step after each
         save_minutes of training, by the train time every rank agrees on (Metrics.agreed_ms): all save, or none."""
+        return step > self.start_step and (self.asked(step) or self.rolling(step))
+
+    def asked(self, step: int) -> bool:
         cfg = self.cfg
-        return step > self.start_step and (bool(cfg.save_every and step % cfg.save_every == 0) or (
-            cfg.save_final and step == cfg.num_steps) or self.rolling(step))
+        return bool(cfg.save_every and step % cfg.save_every == 0) or (cfg.save_final and step == cfg.num_steps)
 
     def rolling(self, step: int) -> bool:
-        return bool(self.cfg.resume == AUTO and self.metrics and self.cfg.save_minutes and step % self.cfg.adam_every
-                    == 0 and self.metrics.agreed_ms - self.saved_ms >= 60_000 * self.cfg.save_minutes)
+        cfg, since = self.cfg, self.metrics.agreed_ms - self.saved_ms if self.metrics else 0.0
+        return bool(cfg.resume == AUTO and cfg.save_minutes and step % cfg.adam_every == 0 and not self.asked(step)
+                    and since >= 60_000 * cfg.save_minutes)
 
     @torch.no_grad()
     def save(self, step: int, train_time_ms: float, data_position: tuple[int, int]) -> None:
@@ -3112,6 +3140,8 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows
     optimizer.begin_step(rows)
     for m in range(batch.size(0)):
         loss = model(batch[m, :-1], batch[m, 1:].long(), *knobs)
+        if m == 0:
+            optimizer.forward_done()
         (loss * loss_scale).backward()
         if metrics is not None:
             metrics.add_loss(loss.detach(), batch.size(1) - 1)
@@ -3441,22 +3471,27 @@ def on_rank0(rt: Runtime, fn: Callable[[], Any], share: bool = True) -> Any:
         raise UsageError(error)
     return value
 
-def open_log(cfg: Config, rt: Runtime, checkpoint: Path | None, skipped: str) -> RunLog:
-    """Rank 0's log: a new one, or with --resume=auto the run's own, continued after a line saying where this launch
-    starts; its header (the code, the config) must then be this launch's."""
+def carry_on(cfg: Config) -> tuple[bool, bool]:
+    """--resume=auto: whether run --run_id has finished (its summary written), and whether it has a log to continue;
+    refused where that log holds another recipe or other code."""
     path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
-    before = logged_run(path) if cfg.resume == AUTO and path.is_file() else None
+    before = logged_run(path) if path.is_file() else None
     if before is not None and (why := continuation_error(str(path), *before, cfg)):
         raise UsageError(why)
+    return path.with_suffix(".json").exists(), before is not None
+
+def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None, skipped: str) -> RunLog:
+    """Rank 0's log: a new one, or (continuing, --resume=auto) the run's own, after a line saying where it starts."""
+    path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
     log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
-    if before is None:  # a log a stop cut short in its header holds no step yet: it begins anew
+    if not continuing:  # a log a stop cut short in its header holds no step yet: it begins anew
         log.truncate()
         log.write_sources(source_files(*[TRACE_REPORT] * cfg.bench))
     log(SEPARATOR, console=False)
     # The console's first line: what names the run's files (the config, one long line, is the log's alone).
     log(f"run {cfg.run_id} seed {cfg.seed}, log {path}")
-    log(environment_report(rt.device, cfg.cpu_bf16_gemm))
-    if before is None:
+    log(environment_report(rt.device, cfg.cpu_bf16_gemm, cfg.compile))
+    if not continuing:
         log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
     if cfg.resume == AUTO:
         start = f"from {checkpoint}" if checkpoint else "no checkpoint yet: from step 0"
@@ -3504,10 +3539,12 @@ def run(argv: list[str]) -> TrainResult | None:
         cfg.seed, cfg.run_id, token = on_rank0(rt, lambda: (
             cfg.seed if cfg.seed >= 0 else seed_of(cfg.run_id) if auto else random.SystemRandom().randrange(2**31),
             cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
-        checkpoint, skipped = Path(cfg.resume) if cfg.resume and not auto else None, ""
+        checkpoint, skipped, continuing = Path(cfg.resume) if cfg.resume and not auto else None, "", False
         if auto:
-            if on_rank0(rt, (summary := Path(cfg.log_dir) / f"{cfg.run_id}.json").exists):
-                print0(f"run {cfg.run_id} has finished (its summary {summary} exists): nothing to carry on")
+            finished, continuing = on_rank0(rt, lambda: carry_on(cfg))
+            if finished:
+                print0(f"run {cfg.run_id} has finished (its summary {cfg.log_dir}/{cfg.run_id}.json exists): nothing "
+                       f"to carry on")
                 return None
             checkpoint, skipped = on_rank0(rt, lambda: newest_checkpoint(cfg))
             if checkpoint is not None:
@@ -3517,9 +3554,9 @@ def run(argv: list[str]) -> TrainResult | None:
         train_files, val, documents = load_data(cfg, rt.device)
         check_run_paths(cfg)
         torch.manual_seed(cfg.seed)
-        log = on_rank0(rt, lambda: open_log(cfg, rt, checkpoint, skipped), share=False) or log
+        log = on_rank0(rt, lambda: open_log(cfg, rt, continuing, checkpoint, skipped), share=False) or log
         check_shared_folder(cfg, rt, token)
-        with cpu_gemms(cfg.cpu_bf16_gemm):
+        with cpu_math(cfg.cpu_bf16_gemm, cfg.compile):
             result = train(cfg, rt, log, train_files, val, documents, vocabulary, checkpoint)
         if rt.world_size > 1:  # no rank tears the process group down while another uses it: that would abort its peer
             dist.barrier()

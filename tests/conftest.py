@@ -101,7 +101,7 @@ def cpu_gemms():
     and so does every spawned process that compares with it."""
     import train_gpt
 
-    return train_gpt.cpu_gemms(train_gpt.bf16_gemm_path("auto", cuda=False))
+    return train_gpt.cpu_math(train_gpt.bf16_gemm_path("auto", cuda=False))
 
 
 @pytest.fixture(autouse=True, scope="session")

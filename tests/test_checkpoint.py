@@ -129,8 +129,9 @@ def test_a_checkpoint_at_the_last_step_is_complete_when_the_process_exits(tmp_pa
     folder = ckpt(tmp_path, "src", 2)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "model.pt", "rank0.pt"]  # no temporaries
     meta = T.read_checkpoint_meta(folder)  # raises unless complete
-    assert meta["step"] == 2 and meta["world_size"] == 1 and meta["consumed_steps"] == 2
-    assert meta["source_sha256"] == hashlib.sha256((REPO / "train_gpt.py").read_bytes()).hexdigest()
+    assert meta["step"] == 2 and meta["world_size"] == 1 and meta["rolling"] is False
+    assert meta["sources"] == {name: hashlib.sha256((REPO / name).read_bytes()).hexdigest()
+                               for name in ("train_gpt.py", "gpt_kernels.py")}
     assert f"checkpoint: {folder} (step 2: loop stall" in proc.stdout
 
 

@@ -91,23 +91,72 @@ def test_auto_takes_fp32_where_the_cpu_has_no_native_bf16_gemm():
 
 
 def test_the_log_says_record_path_only_where_the_run_computes_the_records_arithmetic(monkeypatch):
-    def path(isa: str, gemm: str, avx512: bool, env: dict[str, str]) -> str:
+    def path(isa: str, gemm: str, env: dict[str, str], compiled: bool = False) -> str:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
-        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
         for name in T.RECORD_PATH_ENV:
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        return T.cpu_path(gemm)
+        return T.cpu_path(gemm, compiled)
 
-    assert T.RECORD_PATH_ENV == AVX2_ONLY  # what this file's AVX2 runs set, run.sh's record path too
-    assert path("AVX2", "fp32", True, AVX2_ONLY) == "record"  # run.sh's default on an AVX-512 CPU
-    assert path("AVX2", "fp32", False, {}) == "record"  # an AVX2-only CPU, as the bundled records' was
-    assert path("AVX2", "fp32", True, dict(AVX2_ONLY, MKL_ENABLE_INSTRUCTIONS="AVX512")) == "native"  # MKL's GEMMs
-    assert path("AVX2", "native", False, {}) == "native"
-    assert path("AVX512", "fp32", True, {}) == "native"
-    path("AVX2", "fp32", True, AVX2_ONLY)
+    record = T.RECORD_PATH_ENV
+    assert path("AVX2", "fp32", record) == "record"  # run.sh's default on every x86-64 CPU with AVX2
+    assert path("AVX2", "fp32", {}) == "native"  # OpenBLAS's own choice of kernels and threads: this CPU's
+    assert path("AVX2", "fp32", dict(record, OPENBLAS_NUM_THREADS="2")) == "native"  # another sum than one thread's
+    assert path("AVX2", "fp32", dict(record, OPENBLAS_CORETYPE="SkylakeX")) == "native"
+    assert path("AVX2", "fp32", record, compiled=True) == "native"  # inductor's own kernels
+    assert path("AVX2", "native", record) == "native"
+    assert path("AVX512", "fp32", {k: v for k, v in record.items() if k != "ATEN_CPU_CAPABILITY"}) == "native"
+    path("AVX2", "fp32", record)
     assert f"\nCPU path: {T.CPU_PATHS['record']}" in T.environment_report(torch.device("cpu"), "fp32")
+
+
+def test_record_math_computes_what_torch_does_without_mkl():
+    # Each op the record path takes from MKL, by its own formulation: within an ulp or two of torch's (MKL's) result,
+    # the same dtype and shape, in place and out= as torch's; every float GEMM as numpy's product; bf16 in, bf16 out.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * 8
+    ops = {"exp": x, "log": x.abs() + 1e-30, "tanh": x, "sin": x, "cos": x, "sqrt": x.abs()}
+    for name, t in ops.items():
+        with gpt_kernels.RecordMath():
+            got, inplace, out = getattr(torch, name)(t), getattr(t.clone(), f"{name}_")(), torch.empty_like(t)
+            getattr(torch, name)(t, out=out)
+        want = getattr(torch, name)(t)
+        assert got.dtype == want.dtype and torch.equal(got, inplace) and torch.equal(got, out), name
+        assert torch.allclose(got, want, rtol=3e-7, atol=1e-30), (name, (got - want).abs().max())
+    rows = torch.randn(8, 300, generator=g) * 5
+    rows[0] = -torch.inf
+    with gpt_kernels.RecordMath():
+        lse = torch.logsumexp(rows, -1)
+        with pytest.raises(NotImplementedError, match="give it a formulation"):
+            torch.erf(x)  # MKL computes it: refused, not silently per CPU model
+        assert torch.equal(torch.exp(x.bfloat16()), torch.exp(x.bfloat16()))  # bf16: torch's own kernel, untouched
+    assert lse[0] == -torch.inf and torch.allclose(lse, torch.logsumexp(rows, -1), rtol=1e-6)
+    a, b, c = (torch.randn(3, 33, 17, generator=g), torch.randn(3, 17, 9, generator=g), torch.randn(3, 33, 9,
+                                                                                                   generator=g))
+    with gpt_kernels.RecordMath():
+        got = {"mm": a[0] @ b[0], "bmm": torch.bmm(a, b), "addmm": torch.addmm(c[0], a[0], b[0], beta=0.5, alpha=2),
+               "baddbmm": torch.baddbmm(c, a, b), "mv": a[0] @ b[0, :, 0], "dot": torch.dot(a[0, 0], a[0, 1]),
+               "bf16": a[0].bfloat16() @ b[0].bfloat16()}
+    product = torch.from_numpy(a.numpy() @ b.numpy())
+    assert torch.equal(got["mm"], product[0]) and torch.equal(got["bmm"], product)
+    assert torch.equal(got["addmm"], c[0] * 0.5 + product[0] * 2) and torch.equal(got["baddbmm"], c + product)
+    assert torch.allclose(got["mv"], a[0] @ b[0, :, 0], atol=1e-5) and torch.allclose(got["dot"], a[0, 0] @ a[0, 1])
+    assert got["bf16"].dtype == torch.bfloat16 and torch.equal(
+        got["bf16"], torch.from_numpy(a[0].bfloat16().float().numpy() @ b[0].bfloat16().float().numpy()).bfloat16())
+
+
+@pytest.mark.slow
+def test_the_record_path_calls_no_mkl_function(tmp_path):
+    # MKL's GEMMs and vector math follow the CPU model: on the record path none runs (MKL_VERBOSE prints each BLAS
+    # call it makes; its vector math, which it does not print, is RecordMath's to refuse: the test above).
+    proc = subprocess.run([sys.executable, str(REPO / "train_gpt.py"), *tiny_args(tmp_path, num_steps=2, **SMALL),
+                           "--run_id=mkl", "--cpu_bf16_gemm=fp32"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **T.RECORD_PATH_ENV, "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\nCPU path: record (" in (tmp_path / "logs" / "mkl.txt").read_text()
+    calls = [line for line in proc.stdout.splitlines() if line.startswith(("MKL_VERBOSE", "onednn_verbose"))]
+    assert len(calls) <= 1 and all(" oneMKL " in line for line in calls), calls[:5]  # the version line at most
 
 
 @pytest.mark.slow
@@ -116,7 +165,7 @@ def test_an_avx2_only_cpu_runs_the_fp32_path_and_says_so(tmp_path):
             "T.run(sys.argv[2:])")
     proc = subprocess.run([sys.executable, "-c", code, str(REPO), *tiny_args(tmp_path, num_steps=2, **SMALL),
                            "--run_id=avx2"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **AVX2_ONLY})
+                          env={**os.environ, **AVX2_ONLY, **T.RECORD_PATH_ENV})
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = (tmp_path / "logs" / "avx2.txt").read_text()
     assert "vector ISA AVX2, native bf16 GEMM no" in log

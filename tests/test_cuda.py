@@ -230,6 +230,13 @@ def test_prefetch_loader_hands_out_exactly_the_synchronous_batches(depth, slow):
     assert mismatches.item() == 0
 
 
+def test_the_bigram_rows_ids_go_up_from_pinned_memory():
+    # #89's send_idxes_buffer: the touched rows' ids are staged in pinned host memory, whose upload does not block.
+    cfg = T.parse_config(["--preset=tiny", *(f"--{k}={v}" for k, v in RUN.items())])
+    opt = T.ShardedMuonAdam(T.GPT(cfg, use_flex=True, fp8_head=False).to(CUDA), cfg, 0, 2, compile_ns=False)
+    assert opt.row_bucket is not None and opt.row_bucket.send_buffer.is_pinned()
+
+
 def test_tiny_preset_trains_on_cuda_and_checkpoints_report_the_gpu_stall(tmp_path, record_property):
     result = T.run(tiny_args(tmp_path, run_id="tiny", num_steps=6, val_every=3, save_every=3, warmup_steps=2,
                              **RUN))

@@ -39,7 +39,8 @@ def test_a_reused_run_id_is_refused_and_the_earlier_run_kept(tmp_path, monkeypat
         assert digest(logs, "same") == before
     code, _, err = main_in_process(tiny_args(tmp_path, run_id="same", num_steps=1, **SMALL), monkeypatch, capsys)
     assert code == 2 and err.strip() == (f"error: run same already has same.txt, same.jsonl, same.json in {logs}: use "
-                                         f"another --run_id, or delete or move those files"), err
+                                         f"another --run_id, --resume=auto to continue that run, or delete or move "
+                                         f"those files"), err
     assert sorted(p.name for p in logs.iterdir()) == ["same.json", "same.jsonl", "same.txt"]  # nothing written
     for name in ("same.txt", "same.jsonl"):  # any one of the three refuses the id: here the summary alone
         (logs / name).rename(tmp_path / name)

@@ -184,11 +184,14 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
         opt.wait_for_params()
         opt.begin_step(None if batch_rows is None else batch_rows(data[step, rank::world_size].numpy()))
         events.append(("begin", counter.take()))
+        for m in range(micro_steps):
+            micro_loss = loss(model, data[step, m * world_size + rank])
+            if m == 0:
+                opt.forward_done()
+            micro_loss.backward()
+            events.append(("backward", counter.take()))
         if opt.row_bucket is not None and opt.adam_step:
             sent = sum(opt.row_bucket.send_counts)
-        for m in range(micro_steps):
-            loss(model, data[step, m * world_size + rank]).backward()
-            events.append(("backward", counter.take()))
         grads_in_buckets = all(p.grad.data_ptr() == view.data_ptr() for b in opt.buckets
                                for p, view in zip(b.params, b.grad_views))
         opt.step()
@@ -316,8 +319,9 @@ def test_sharded_params_match_single_process_reference(world_size, case, sharded
 def test_one_reduce_scatter_and_one_all_gather_per_updated_bucket_per_step(world_size, sharded):
     # Adam steps every other step (step 1 of 0, 1, 2): on the others its buckets neither reduce nor gather. The
     # embedding is tied to the head throughout: its bucket (zero gradients, a zero update) never communicates. The
-    # bigram table's bucket sends its rows' counts and ids before the forward (two all-to-alls) and its gradient rows
-    # in place of a reduce-scatter (one), and all-gathers like the others; dense, it reduce-scatters like them.
+    # bigram table's bucket sends its rows' counts and ids (two all-to-alls) and its gradient rows
+    # in place of a reduce-scatter (one), and all-gathers like the others; dense, it reduce-scatters like them. Its
+    # rows' counts go before the forward, their ids after the first forward (behind the backward), as #89's.
     for rank_results in sharded[world_size]:
         for key, result in rank_results.items():
             rows = result["rows_exchanged"]
@@ -328,9 +332,9 @@ def test_one_reduce_scatter_and_one_all_gather_per_updated_bucket_per_step(world
                 adam = k // per_step == 1
                 n = result["buckets"] - 1 if adam else result["muon_buckets"]
                 reduce = {"reduce_scatter": n - 1, "all_to_all": 1} if adam and rows else {"reduce_scatter": n}
-                if point == "begin":
-                    assert calls == ({"all_to_all": 2} if adam and rows else {})
-                elif point == "backward":  # nothing launches while backward runs: all of it after, in #89's order
+                if point in ("begin", "backward") and k % per_step < 2:  # the counts, then the ids
+                    assert calls == ({"all_to_all": 1} if adam and rows else {})
+                elif point == "backward":  # no gradient leaves while backward runs: all of it after, in #89's order
                     assert calls == {}
                 else:
                     assert calls == {**reduce, "all_gather": n}
@@ -480,6 +484,43 @@ def test_a_step_reduces_in_89s_table_order_and_updates_in_its_work_order(monkeyp
     first = [min(T.WORK_ORDER.index(n) for n in names) for names in gathered]
     muon = sum(b.kind == "muon" for b in opt.buckets)
     assert first == sorted(first) and all(b.kind == "muon" for b in opt.work_order[-muon:])
+
+
+def test_the_bigram_rows_counts_go_async_before_the_forward_and_are_waited_for_after_it(monkeypatch):
+    # Rank 0 of 2, the all-to-alls recorded in place of gloo's. #89's order: the counts' exchange starts before the
+    # forward without blocking (async), is waited for after the forward, then the ids' exchange starts (async); the
+    # ids go up from the table's own host buffer (pinned on CUDA: tests/test_cuda.py), not a fresh one per step.
+    cfg = small_config()
+    model = make_model(cfg, "recipe")
+    opt = T.ShardedMuonAdam(model, cfg, 0, 2, compile_ns=False)
+    table, events = opt.row_bucket, []
+
+    class Work:
+        def __init__(self, what: str):
+            self.what = what
+
+        def wait(self) -> None:
+            events.append(f"wait {self.what}")
+
+    def all_to_all_single(out, inp, out_splits=None, in_splits=None, async_op=False):
+        what = "counts" if out_splits is None else "ids" if inp.dtype == torch.int32 else "rows"
+        events.append(f"{what} {'async' if async_op else 'blocking'}")
+        return Work(what)
+
+    monkeypatch.setattr(T.dist, "all_to_all_single", all_to_all_single)
+    monkeypatch.setattr(T, "_reduce_scatter", lambda out, inp: Work("reduce"))
+    monkeypatch.setattr(T, "all_gather_into", lambda out, inp, async_op=False: Work("gather"))
+    opt.set_step(T.StepSchedule(1.0, 0.9, 1, 0, True, cfg.train_seq_len, cfg.train_seq_len, 2048, (1,), (1.0,), 0.0,
+                                True))
+    seq = make_data(cfg)[0, 0]
+    opt.begin_step(opt.batch_rows()(seq[None].numpy()))
+    assert table.send_ids.untyped_storage().data_ptr() == table.send_buffer.untyped_storage().data_ptr()
+    micro_loss = loss(model, seq)
+    events.append("forward")
+    opt.forward_done()
+    micro_loss.backward()
+    opt.step()
+    assert events[:5] == ["counts async", "forward", "wait counts", "ids async", "rows async"]
 
 
 def test_the_bigram_hash_is_the_same_on_numpy_and_torch():

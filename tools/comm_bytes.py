@@ -161,6 +161,7 @@ def recipe_calls(cfg: T.Config, world_size: int, rows: dict[str, np.ndarray] | N
         opt.set_step(row)
         with Collectives(stand_in=True) as seen:
             opt.begin_step((rows or {}).get(kind, np.zeros(0, dtype=np.int64)))
+            opt.forward_done()
             opt.step()
             opt.wait_for_params()
         opt.zero_grad()

@@ -8,6 +8,7 @@ upstream modded-nanogpt logs. A record folder stands for every run log (*.txt) i
                                               or where the losses part; and the CPU paths where they differ)
     python tools/compare.py stats RUN... [--target 3.28] [--baseline RUN...]
     python tools/compare.py plot RUN... [-o compare.png]
+    python tools/compare.py code LOG DIR   (writes the source files a log holds into DIR, byte for byte)
 
 Bad input is reported as one `error:` line on stderr with exit code 2, before any output.
 """
@@ -75,6 +76,7 @@ class Run:
     name: str
     path: Path
     code: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)  # file name -> its text, as the log holds them
     config: dict[str, Any] | None = None
     gpu_names: list[str] = field(default_factory=list)
     cpu_info: str | None = None
@@ -166,12 +168,41 @@ def split_code(text: str) -> tuple[str | None, list[str] | None]:
     return None, None
 
 
+# This project's logs hold every source file the run executed, each after a line `# source: NAME (N bytes)` and
+# exactly N bytes (a newline added where the file has none); older logs hold train_gpt.py alone, upstream's its files
+# joined by its own separator (two newlines, a line of 40 '-', `# NAME`, a line of 40 '-', two newlines).
+SOURCE_RE = re.compile(rb"# source: (\S+) \((\d+) bytes\)\n")
+UPSTREAM_FILE_RE = re.compile(r"\n\n-{40}\n# (\S+)\n-{40}\n\n")
+
+
+def source_blocks(data: bytes) -> dict[str, bytes]:
+    """The files a log's source blocks hold, byte for byte, in order; {} for a log without them."""
+    files: dict[str, bytes] = {}
+    pos = 0
+    while match := SOURCE_RE.match(data, pos):
+        start, end = match.end(), match.end() + int(match[2])
+        if end > len(data):
+            raise LogError(f"source block of {match[1].decode()} is cut short: the log ends before its {match[2]} bytes")
+        files[match[1].decode()] = data[start:end]
+        pos = end + (data[end - 1:end] != b"\n")
+    return files
+
+
+def split_sources(code: str) -> dict[str, str]:
+    """A code snapshot's files by name: this project's source blocks, else upstream's files or one train_gpt.py."""
+    blocks = source_blocks(code.encode())
+    if blocks:
+        return {name: data.decode(errors="replace") for name, data in blocks.items()}
+    parts = UPSTREAM_FILE_RE.split(code)
+    return {"train_gpt.py": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
+
+
 def parse_log(text: str, name: str, path: Path) -> Run:
     """A Run from a log's text, in this project's format or upstream modded-nanogpt's."""
     code, rest = split_code(text)
     if rest is None:  # both formats put one after the code: a text without it (a README) is no log
         raise LogError(f"{path}: not a run log: no line of 100 '=' (expected {LOG_SHAPE})")
-    run = Run(name=name, path=path, code=code)
+    run = Run(name=name, path=path, code=code, sources=split_sources(code) if code else {})
     steps: list[StepLine] = []
     smi_names: list[str] = []
     isa = gemm = None  # an older log's CPU path: AVX2 kernels and fp32 GEMMs are the record path
@@ -230,6 +261,9 @@ def _fill_from_steps(run: Run, steps: list[StepLine]) -> None:
     def latest(values: list[float | None]) -> float | None:
         return next((v for v in reversed(values) if v is not None), None)
 
+    # A run carried on by --resume=auto logs again the steps after its checkpoint: the later line of a step wins.
+    steps = sorted({(s.step, s.val_loss is not None): s for s in steps}.values(),
+                   key=lambda s: (s.step, s.val_loss is not None))
     run.last_step, run.total_steps = steps[-1].step, steps[-1].total
     run.train_time_ms = latest([s.train_time_ms for s in steps])
     run.step_avg_ms = latest([s.step_avg_ms for s in steps])
@@ -346,25 +380,24 @@ def _read(path: Path) -> str:
 def load_step_records(path: Path) -> dict[str, list[ValPoint]]:
     """Per logged step, the train loss and per validation the val loss, with the train time, from a run's .jsonl
     (full precision), by "train_loss" and "val_loss"; empty when unreadable. A run in progress or stopped has no
-    summary: these are its exact losses. The last line may be cut short by a kill: it is left out."""
-    points: dict[str, list[ValPoint]] = {"train_loss": [], "val_loss": []}
+    summary: these are its exact losses. A line a kill cut short is left out; a step logged again by a later launch
+    of a --resume=auto run takes that launch's record."""
+    points: dict[str, dict[int, ValPoint]] = {"train_loss": {}, "val_loss": {}}
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        for number, line in enumerate(lines):
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines) - 1:
-                    break
-                raise
-            for key, found in points.items():
-                step, loss = _int(entry.get("step")), _loss(entry.get(key))
-                if step is not None and loss is not None:
-                    found.append(ValPoint(step, loss, _num(entry.get("train_time_ms"))))
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except OSError:
         warn(f"{path}: unreadable step records; the losses come from the log lines")
         return {"train_loss": [], "val_loss": []}
-    return points
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # cut short by a kill; the next launch began a line of its own
+            continue
+        for key, found in points.items():
+            step, loss = _int(entry.get("step")) if isinstance(entry, dict) else None, None
+            if step is not None and (loss := _loss(entry.get(key))) is not None:
+                found[step] = ValPoint(step, loss, _num(entry.get("train_time_ms")))
+    return {key: [found[step] for step in sorted(found)] for key, found in points.items()}
 
 
 def load_run(path: Path) -> Run:
@@ -538,11 +571,30 @@ def config_diff(a: Run, b: Run) -> list[str]:
     return lines or ["(no differences)"]
 
 
-def code_diff(a: Run, b: Run, context: int = 2) -> list[str]:
-    """Unified diff of the two code snapshots; [] when identical. Both snapshots must exist."""
+def file_diffs(a: Run, b: Run, context: int = 2) -> dict[str, list[str]]:
+    """Per file either snapshot holds (A's order, then B's others), the unified diff of the two, or [] when the file
+    is the same in both (a file one run lacks is diffed against nothing). Both snapshots must exist."""
     assert a.code is not None and b.code is not None
-    return list(difflib.unified_diff(a.code.splitlines(), b.code.splitlines(), fromfile=f"{a.name} (code)",
-                                     tofile=f"{b.name} (code)", n=context, lineterm=""))
+    return {name: list(difflib.unified_diff(a.sources.get(name, "").splitlines(), b.sources.get(name, "").splitlines(),
+                                            fromfile=f"{a.name}: {name}", tofile=f"{b.name}: {name}", n=context,
+                                            lineterm=""))
+            for name in [*a.sources, *(n for n in b.sources if n not in a.sources)]}
+
+
+def code_diff(a: Run, b: Run, context: int = 2) -> list[str]:
+    return [line for diff in file_diffs(a, b, context).values() for line in diff]
+
+
+def code_change(a: Run, b: Run) -> list[str]:
+    """A line per file that changed: lines removed and added, or that only one run has it."""
+    lines = []
+    for name, diff in file_diffs(a, b, context=0).items():
+        changed = [line[0] for line in diff[2:] if line[:1] in "+-"]
+        if name not in a.sources or name not in b.sources:
+            lines.append(f"{name}: only in {'A' if name in a.sources else 'B'}")
+        elif changed:
+            lines.append(f"{name}: {changed.count('-')} line(s) removed, {changed.count('+')} added")
+    return [*lines, "(--code shows the hunks)"] if lines else ["(identical)"]
 
 
 def ratio(b: float | None, a: float | None) -> float | None:
@@ -643,9 +695,7 @@ def diff_report(a: Run, b: Run, with_code: bool = False) -> str:
     elif with_code:
         out.extend(code_diff(a, b) or ["(identical)"])
     else:
-        changed = [line[0] for line in code_diff(a, b, context=0)[2:] if line[:1] in "+-"]
-        out.append(f"{changed.count('-')} line(s) removed, {changed.count('+')} added (--code shows the hunks)"
-                   if changed else "(identical)")
+        out.extend(code_change(a, b))
     return "\n".join(out)
 
 
@@ -898,6 +948,30 @@ def cmd_plot(args: argparse.Namespace) -> int:
 # (argparse's own usage errors also exit with 2).
 
 
+def cmd_code(args: argparse.Namespace) -> int:
+    """Write each source file a log holds into a folder, byte for byte: the files that ran, ready to run again."""
+    log, out = Path(args.log), Path(args.dir)
+    try:
+        data = log.read_bytes()
+    except OSError as e:
+        raise LogError(f"{log}: cannot read ({e.strerror or e})") from None
+    files = source_blocks(data)
+    if not files:
+        raise LogError(f"{log}: holds no source blocks ('# source: NAME (N bytes)' lines, which this project's logs "
+                       f"begin with); an older log's code is its text above the line of 100 '='")
+    if clash := [name for name in files if (out / name).exists()]:
+        raise LogError(f"{out / clash[0]} exists: give an empty or new folder (nothing there is overwritten)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            (out / name).write_bytes(content)
+    except OSError as e:
+        raise LogError(f"{out}: cannot write ({e.strerror or e})") from None
+    for name, content in files.items():
+        print(f"{out / name} ({len(content):,} bytes)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compare.py", description="Compare speedrun runs from their logs (.txt) or record folders.")
@@ -923,6 +997,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("runs", nargs="+", metavar="RUN", help="run log (.txt) or record folder")
     plot.add_argument("-o", "--output", default="compare.png", help="PNG file to write (default: compare.png)")
     plot.set_defaults(func=cmd_plot)
+    code = sub.add_parser("code", help="write the source files a log holds into a folder, byte for byte")
+    code.add_argument("log", metavar="LOG", help="run log (.txt)")
+    code.add_argument("dir", metavar="DIR", help="folder to write them into (created; no file there is overwritten)")
+    code.set_defaults(func=cmd_code)
     return parser
 
 
