@@ -23,6 +23,7 @@ PIP = "installs packages from the network (CI's first step runs the CPU line: .c
 SUITE = "runs the test suite this test is part of"
 GPU = "needs a CUDA GPU"
 PLACEHOLDER = "names placeholders (A.txt, RUN..., <run_id>) a reader fills in"
+SLURM = "a SLURM job script's lines (sbatch runs them on a cluster; tests/test_resume_auto.py runs their kind of loop)"
 COMMANDS = {
     "python -m venv .venv && . .venv/bin/activate": "makes a virtual environment (CI's image has its own)",
     "pip install torch==2.13.0 triton==3.6.0 -r requirements.txt": PIP,
@@ -42,6 +43,9 @@ COMMANDS = {
     "python tools/compare.py plot RUN... -o compare.png": PLACEHOLDER,
     "python tools/trace_report.py logs/<run_id>/": PLACEHOLDER,
     "python tools/memory_estimate.py": None,
+    "trap 'scontrol requeue $SLURM_JOB_ID' USR1": SLURM,
+    "./run.sh --resume=auto --run_id=speedrun-$SLURM_JOB_ID &": SLURM,
+    "wait": SLURM,
     "python tools/comm_bytes.py --train_files='data/proxy/proxy_train_*.bin'":
         "needs the proxy corpus in the git-ignored data/proxy/ (without it the tool refuses the glob, as it should)",
 }

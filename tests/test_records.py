@@ -224,8 +224,47 @@ def test_diff_answers_first_and_shows_the_code_hunks_only_when_asked(tmp_path, c
                                     "== config (A -> B)", "== code (A -> B)")]
     assert rc == 0 and order == sorted(order) and "@@" not in out
     assert "only in B's config (1): muon_lr" in out
-    assert "1 line(s) removed, 1 added (--code shows the hunks)" in out
+    assert "\ntrain_gpt.py: 1 line(s) removed, 1 added\n(--code shows the hunks)" in out
     assert len(out.splitlines()) < 40
+
+
+def source_block(files: dict[str, str]) -> str:
+    """A code snapshot as this project's logs write it: each file after its `# source: NAME (N bytes)` line."""
+    return "".join(f"# source: {name} ({len(text.encode())} bytes)\n{text}" + ("" if text.endswith("\n") else "\n")
+                   for name, text in files.items())
+
+
+def test_diff_compares_every_source_file_a_log_holds(tmp_path, capsys):
+    # This project's logs hold every file the run executed: the code section is per file; a file one log lacks (an
+    # older log's gpt_kernels.py) shows as only in the other; a file without a final newline keeps its bytes.
+    kernels = "def kernel():\n    return 1"  # no final newline
+    a = make_log(tmp_path / "a.txt", curve(3.28), source=source_block({"train_gpt.py": SOURCE, "k.py": kernels}))
+    b = make_log(tmp_path / "b.txt", curve(3.28), source=source_block({"train_gpt.py": SOURCE_B,
+                                                                       "k.py": kernels + "  # same"}))
+    old = make_log(tmp_path / "old.txt", curve(3.28))
+    assert compare.load_run(a).sources == {"train_gpt.py": SOURCE, "k.py": kernels}
+    rc, out, _ = run_main(capsys, "diff", str(a), str(b))
+    assert rc == 0 and "\ntrain_gpt.py: 1 line(s) removed, 1 added\nk.py: 1 line(s) removed, 1 added\n" in out
+    rc, out, _ = run_main(capsys, "diff", str(old), str(a))
+    assert rc == 0 and "k.py: only in B" in out and "train_gpt.py:" not in out.split("== code")[1]
+    rc, out, _ = run_main(capsys, "code", str(a), str(tmp_path / "code"))
+    assert rc == 0 and (tmp_path / "code" / "k.py").read_bytes() == kernels.encode()
+    rc, _, err = run_main(capsys, "code", str(old), str(tmp_path / "none"))
+    assert rc == 2 and "holds no source blocks" in err and not (tmp_path / "none").exists()
+
+
+def test_a_resumed_runs_repeated_steps_read_as_their_later_lines(tmp_path):
+    # --resume=auto logs again the steps after the checkpoint it carried on from (the same values in practice): the
+    # later line of a step wins, in the log and in the .jsonl, where a line a kill cut short is skipped.
+    log = make_log(tmp_path / "r.txt", curve(3.28))
+    text = log.read_text()
+    log.write_text(text + "step:10/20 val_loss:3.9000 train_time:1000ms step_avg:100.00ms\n"
+                   "step:20/20 val_loss:3.2700 train_time:2000ms step_avg:100.00ms\n")
+    log.with_suffix(".jsonl").write_text('{"step": 1, "train_loss": 5.0}\n{"step": 2, "train_lo\n'
+                                         '{"step": 1, "train_loss": 4.5}\n{"step": 2, "train_loss": 4.25}\n')
+    run = compare.load_run(log)
+    assert [(p.step, p.loss) for p in run.val_points] == [(0, 10.8258), (10, 3.9), (20, 3.27)]
+    assert run.final_val_loss == 3.27 and [(p.step, p.loss) for p in run.train_points] == [(1, 4.5), (2, 4.25)]
 
 
 def test_diff_against_upstream_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
