@@ -1,30 +1,28 @@
 """Compile the trainer's Triton kernels for the H100 (sm90), or for each GPU generation, without a GPU: the compile
 matrix of what runs where.
 
-    python tools/sm90_kernels.py [--targets sm80,sm89,sm90,sm100 | --targets all] [--kernels PREFIX] [--json FILE]
+    python tools/sm90_kernels.py [--targets sm80,sm89,... | --targets all] [--kernels PREFIX] [--json FILE]
 
-Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
-the MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel; on each target at the tiles its launcher
-takes there, gpt_kernels.mlp_config: 128 x 256 on sm90 and sm100, 128 x 128 on sm80 and sm89; the persistent width
-is an H100's 132 SMs everywhere) in its three modes at model_dim 768
-and hidden 3072 over each stage's rows per micro-step (16,384, 32,768, 49,152): the FP8 forward and the backward
-in training, the bf16 forward in validation (262,144 rows) and in training without FP8; the FP8 MLP's down-weight
-quantizer over the 12 x 3072 x 768 bank and its scale reduction; the softcapped multi-token cross-entropy
-(--fused_head, #89's numerics and upstream's prefix term) over the 50,304-column vocabulary with 1 to 3 loss
-weights (padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone
-(validation); Polar Express's symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x 768, mlp 3072 x 768; a
-rank's count of blocks, 8/3/3 on 8 GPUs or 64/24/24 on one, is the grid's, not the compiled kernel's) and the FP8
-head backward's transposes, each
-with the specialization Triton's JIT gives the real launch (TMA descriptors: their dtype and block shape). For each:
-shared memory, registers per thread and the stack frame (cuobjdump, which ships with Triton), and the bytes spilled
-and reloaded (ptxas -v on the same PTX: a stack frame need not hold spills). A compile error,
-shared memory above the target's per-block limit (TARGETS: 163 KB on sm80, 99 KB on sm89, 227 KB on sm90 and
-sm100), or any spill fails it. With several targets it ends with the matrix kernel x target (pass, spill, shared
-memory, does not compile) and checks it against gpt_kernels.RUNS_ON, the table train_gpt's `auto` reads: exit 1
-where a path is said to run on a target where one of its launches fails (the default, sm90 alone: where any fails).
-Each target compiles in a process of its own: one target's compiles can leave Triton state that changes the next's.
---kernels keeps the launches whose name starts with PREFIX (one kernel on every target: --targets=all
---kernels=softcap_ce).
+Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches: the
+MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel; on each target at the tiles its launcher takes
+there, gpt_kernels.mlp_config: 128 x 256 on sm90 and sm100, 128 x 128 elsewhere; the persistent width is an H100's 132
+SMs everywhere) in its three modes at model_dim 768 and hidden 3072 over each stage's rows per micro-step (16,384,
+32,768, 49,152): the FP8 forward and the backward in training, the bf16 forward in validation (262,144 rows) and in
+training without FP8; the FP8 MLP's down-weight quantizer over the 12 x 3072 x 768 bank and its scale reduction; the
+softcapped multi-token cross-entropy (--fused_head, #89's numerics and upstream's prefix term) over the 50,304-column
+vocabulary with 1 to 3 loss weights (padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in
+place, and the loss alone (validation); Polar Express's symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x
+768, mlp 3072 x 768; a rank's count of blocks, 8/3/3 on 8 GPUs or 64/24/24 on one, is the grid's, not the compiled
+kernel's) and the FP8 head backward's transposes, each with the specialization Triton's JIT gives the real launch (TMA
+descriptors: their dtype and block shape). For each: shared memory, registers per thread and the stack frame
+(cuobjdump, which ships with Triton), and the bytes spilled and reloaded (ptxas -v on the same PTX: a stack frame need
+not hold spills). A compile error, shared memory above the target's per-block limit (TARGETS: 163 KB on sm80, 99 KB on
+sm86, sm89 and sm120, 227 KB on sm90 and sm100), or any spill fails it. With several targets it ends with the matrix
+kernel x target (pass, spill, shared memory, does not compile) and checks it against gpt_kernels.RUNS_ON, the table
+train_gpt's `auto` reads: exit 1 where a path is said to run on a target where one of its launches fails (the default,
+sm90 alone: where any fails). Each target compiles in a process of its own: one target's compiles can leave Triton
+state that changes the next's. --kernels keeps the launches whose name starts with PREFIX (one kernel on every target:
+--targets=all --kernels=softcap_ce).
 """
 
 from __future__ import annotations
@@ -58,10 +56,11 @@ import train_gpt as T  # noqa: E402
 H100 = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm90
 # Each target: Triton's GPUTarget and the shared memory one block may use (CUDA's opt-in maximum per block): the A100
-# (sm80), the L40S and RTX 4090 (sm89), the H100 and H200 (sm90), the B200 (sm100). gpt_kernels.TARGETS names the
-# same capabilities.
-TARGETS = {"sm80": (GPUTarget("cuda", 80, 32), 163 * 1024), "sm89": (GPUTarget("cuda", 89, 32), 99 * 1024),
-           "sm90": (H100, SMEM_LIMIT), "sm100": (GPUTarget("cuda", 100, 32), 227 * 1024)}
+# (sm80), the RTX 3090 and A6000 (sm86), the L40S and RTX 4090 (sm89), the H100 and H200 (sm90), the B200 (sm100), the
+# RTX 5090 (sm120). gpt_kernels.TARGETS names the same capabilities.
+TARGETS = {"sm80": (GPUTarget("cuda", 80, 32), 163 * 1024), "sm86": (GPUTarget("cuda", 86, 32), 99 * 1024),
+           "sm89": (GPUTarget("cuda", 89, 32), 99 * 1024), "sm90": (H100, SMEM_LIMIT),
+           "sm100": (GPUTarget("cuda", 100, 32), 227 * 1024), "sm120": (GPUTarget("cuda", 120, 32), 99 * 1024)}
 DEFAULTS = {"num_warps": 4, "num_stages": 3}  # what a launch without options gets
 H100_SMS = 132  # the persistent GEMM's width: one program per SM (an H100 SXM's 132)
 STAGE_ROWS = (16_384, 32_768, 49_152)  # the recipe's rows per micro-step, by stage (train_seq_len's stages)
