@@ -37,7 +37,8 @@ PATH_KERNELS = {"fp8_head": ("transpose_copy",), "fp8_mlp": ("quantize_mlp_down"
 # as measured offline by `python tools/sm90_kernels.py --targets=all` (Triton 3.6.0's compiler and ptxas; it exits 1
 # where this table claims a target on which a launch fails); the FP8 paths also need FP8_MIN.
 SM80, SM86, SM89, SM90, SM100, SM120 = TARGETS.values()
-EVERY_TARGET, FP8_TARGETS = frozenset(TARGETS.values()), frozenset({SM89, SM90, SM100, SM120})  # sm80, sm86: no e4m3
+EVERY_TARGET = frozenset(TARGETS.values())
+FP8_TARGETS = frozenset(c for c in EVERY_TARGET if c >= FP8_MIN)  # not sm80, sm86: no e4m3
 RUNS_ON: dict[str, frozenset[tuple[int, int]]] = {
     "fp8_head": FP8_TARGETS, "fp8_mlp": FP8_TARGETS,
     "relu2_kernel": EVERY_TARGET,  # each at its own configuration (MLP_CONFIGS)

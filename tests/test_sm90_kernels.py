@@ -247,9 +247,9 @@ def test_the_compile_matrix_refuses_a_table_that_claims_a_failing_launch():
 
 @pytest.mark.slow
 def test_each_target_compiles_apart_so_none_leaks_into_the_next(tmp_path):
-    # Triton compiling sm90 first leaves state in its process under which sm80's e5m2 cast comes out as sm89's
-    # cvt.rn.satfinite.e5m2x2 (ptxas: "requires .target sm_89 or higher"); on a cold cache, as here, that failed
-    # the sm80 launch. Each target compiles in a process of its own: both pass, as each does alone.
+    # Compiled after sm90 in one process, sm80's e5m2 cross-entropy came out with a cvt to .e5m2x2, which ptxas
+    # refuses below sm89 ("requires .target sm_89 or higher"): a failure on a cold cache, as here, that sm80 alone
+    # does not have. Each target compiles in a process of its own: both pass, as each does alone.
     launch = "softcap_ce bf16 K=2 loss+grad e5m2"
     run = subprocess.run([sys.executable, str(TOOL), "--targets=sm90,sm80", f"--kernels={launch}", "--json",
                           str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=600,

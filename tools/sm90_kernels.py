@@ -263,11 +263,10 @@ def matrix(rows: list[dict], targets: list[str]) -> tuple[list[str], list[str]]:
     wrong = []
     for path, groups_of_path in K.PATH_KERNELS.items():
         for t in targets:
-            said = K.TARGETS[t] in K.RUNS_ON[path]
             runs = [r for r in rows if r["target"] == t and K.launch_group(r["kernel"]) in groups_of_path]
-            failing = [r["kernel"] for r in runs if not r["ok"]]
-            if not runs:  # not measured in this run (--kernels): nothing to say
+            if not runs:  # not compiled in this run (--kernels): nothing to say
                 continue
+            said, failing = K.TARGETS[t] in K.RUNS_ON[path], [r["kernel"] for r in runs if not r["ok"]]
             if said and failing:
                 wrong.append(f"gpt_kernels.RUNS_ON[{path!r}] has {t}, where {failing[0]} fails")
             elif not said and not failing and ("fp8" not in path or K.TARGETS[t] >= K.FP8_MIN):
@@ -294,9 +293,9 @@ def measure(target: str, prefix: str) -> list[dict]:
 
 
 def measure_apart(target: str, prefix: str) -> list[dict]:
-    """measure in a process of its own, its lines passed on. Triton keeps state across the compiles of a process that
-    can carry one target's code into the next: sm90 compiled first made sm80's e5m2 cast sm89's cvt ... e5m2x2, which
-    ptxas refuses for sm80 (with a cold cache; a warm one hid it)."""
+    """measure in a process of its own, its lines passed on. One target's compiles can change the next's in the same
+    process: after sm90's, sm80's e5m2 cross-entropy came out with a cvt to .e5m2x2, which ptxas refuses below sm89
+    (on a cold cache; a warm one hid it)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
         child = subprocess.Popen([sys.executable, __file__, f"--targets={target}", f"--kernels={prefix}", "--json",
