@@ -25,9 +25,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # What runs where, the facts train_gpt's `auto` (resolve_for_device) and tools/sm90_kernels.py's compile matrix both
-# read. The GPU generations measured, by compute capability: A100 (sm80), L40S and RTX 4090 (sm89), H100 and H200
-# (sm90), B200 (sm100); a capability not here is not measured and takes the torch paths, flex attention and no FP8.
-TARGETS = {"sm80": (8, 0), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0)}
+# read. The GPU generations measured, by compute capability: A100 (sm80), RTX 3090 and A6000 (sm86), L40S and RTX 4090
+# (sm89), H100 and H200 (sm90), B200 (sm100), RTX 5090 (sm120); a capability not here is not measured and takes the
+# torch paths, flex attention and no FP8.
+TARGETS = {"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 FP8_MIN = (8, 9)  # FP8 tensor cores and torch._scaled_mm: Ada (sm89) and later
 # Each path's Triton kernels (the compile matrix's groups: launch_group). The FP8 modes of the ReLU^2 GEMM and of the
 # cross-entropy run only with --fp8_mlp and --fp8_head: their own rows ("relu2_kernel+fp8_mlp", ...).
@@ -38,13 +39,15 @@ PATH_KERNELS = {"fp8_head": ("transpose_copy",), "fp8_mlp": ("quantize_mlp_down"
 # Where every launch of each path's kernels compiles within the target's shared memory per block and without spills,
 # as measured offline by `python tools/sm90_kernels.py --targets=all` (Triton 3.6.0's compiler and ptxas; it exits 1
 # where this table claims a target on which a launch fails); the FP8 paths also need FP8_MIN.
-SM80, SM89, SM90, SM100 = TARGETS.values()
+SM80, SM86, SM89, SM90, SM100, SM120 = TARGETS.values()
+EVERY_TARGET = frozenset(TARGETS.values())
+FP8_TARGETS = frozenset(c for c in EVERY_TARGET if c >= FP8_MIN)  # not sm80, sm86: no e4m3
 RUNS_ON: dict[str, frozenset[tuple[int, int]]] = {
-    "fp8_head": frozenset({SM89, SM90, SM100}), "fp8_mlp": frozenset({SM89, SM90, SM100}),  # sm80: no e4m3
-    "relu2_kernel": frozenset({SM80, SM89, SM90, SM100}),  # sm80, sm89: at their 128 x 128 tiles (MLP_CONFIGS)
-    "relu2_kernel+fp8_mlp": frozenset({SM89, SM90}),  # sm100: does not compile (PassManager::run failed) at any tile
-    "fused_head": frozenset({SM80, SM89, SM90, SM100}), "fused_head+fp8_head": frozenset({SM89, SM90, SM100}),
-    "dc_kernel": frozenset({SM80, SM89, SM90, SM100}), "polar_express": frozenset({SM80, SM89, SM90, SM100})}
+    "fp8_head": FP8_TARGETS, "fp8_mlp": FP8_TARGETS,
+    "relu2_kernel": EVERY_TARGET,  # each at its own configuration (MLP_CONFIGS)
+    "relu2_kernel+fp8_mlp": FP8_TARGETS - {SM100},  # sm100: PassManager::run failed, or spills (MLP_CONFIGS)
+    "fused_head": EVERY_TARGET, "fused_head+fp8_head": FP8_TARGETS,
+    "dc_kernel": EVERY_TARGET, "polar_express": EVERY_TARGET}
 
 
 def launch_group(name: str) -> str:
@@ -219,35 +222,41 @@ class MLPConfig(NamedTuple):
 
 # Each target's configuration, by compute capability: the launcher, mlp_programs (and so the fake kernels' partial
 # maxima) and tools/sm90_kernels.py's compiles of each target all read mlp_config. sm90 and sm100: #89's, 128 x 256
-# tiles. sm80 and sm89 (mma.sync, no TMA: the descriptors become plain loads, 20 KB of shared memory at any
+# tiles. sm80, sm86 and sm89 (mma.sync, no TMA: the descriptors become plain loads, 16-20 KB of shared memory at any
 # num_stages) spill at 128 x 256 (the fp32 accumulator alone is 128 registers a thread); 128 x 128 with 8 warps
 # compiles without spills in every launch (255 registers in the bf16 modes; the FP8 forward, sm89 only, 212 with K
-# blocks of 64: at 128 it spills 104 B). A tile's shape decides only which program computes an output element, and
-# the K loop chains the same k-steps of the tensor core instruction into the accumulator in the same order at K
-# blocks of 64 or 128, so neither changes an element's arithmetic on a given GPU (by construction; not run on an
-# sm80 or sm89 GPU yet; another GPU's instructions may round differently). sm100's FP8 forward does not compile at any
-# tile tried (128 x 256 at 2 stages or 4 warps, 128 x 128, 64 x 128: Triton 3.6.0's TMEM layout pass fails).
+# blocks of 64: at 128 it spills 100 B). sm120 (mma.sync, but TMA: each stage's tiles in shared memory, 99 KB a
+# block): sm89's bf16 forward (K blocks of 64, 4 stages) needs 112 KB there, and 3 stages (80 KB) spill 76 B; K
+# blocks of 32 at 5 stages take 80 KB and 142 registers, no spill. Its FP8 forward takes #89's K blocks of 128 (90 KB,
+# 174 registers), its backward sm89's (96 KB, 145 registers). A tile's shape decides only which program computes an
+# output element, and the K loop chains the same k-steps of the tensor core instruction into the accumulator in the
+# same order at K blocks of 32, 64 or 128, so neither changes an element's arithmetic on a given GPU (by
+# construction, and under the interpreter at each configuration; not run on any GPU but the H100's yet; another
+# GPU's instructions may round differently). sm100's FP8 forward does not compile at 128 x 256 (at 3 or 2 stages, 8
+# or 4 warps) nor at 128 x 128 (Triton 3.6.0's TMEM layout pass fails); at 64 x 128 with 8 warps it compiles and
+# spills 8 B (128 registers), with 4 warps it fails too.
 MLP_CONFIGS: dict[tuple[int, int], MLPConfig] = {
     SM80: MLPConfig(128, 128, 8, MLP_GEMM_MODES),  # its FP8 mode never runs (no e4m3 before sm89)
+    SM86: MLPConfig(128, 128, 8, MLP_GEMM_MODES),  # sm80's (no FP8 either)
     SM89: MLPConfig(128, 128, 8, {**MLP_GEMM_MODES, "fp8 forward": (64, 3)}),
     SM90: MLPConfig(128, 256, 8, MLP_GEMM_MODES),
     SM100: MLPConfig(128, 256, 8, MLP_GEMM_MODES),
+    SM120: MLPConfig(128, 128, 8, {"fp8 forward": (128, 3), "bf16 forward": (32, 5), "backward": (64, 3)}),
 }
-# A capability not measured (sm86, sm120, ...; auto leaves the kernel off there, an explicit flag runs it): sm89's,
-# the smallest footprint measured (within 99 KB of shared memory, no TMA or wgmma needed, no spills).
-MLP_CONFIG_UNKNOWN = MLP_CONFIGS[SM89]
 MLP_PROGRAMS_OFF_GPU = 4  # the persistent grid off a GPU (the interpreter): small, so that programs loop over tiles
 
 
 def mlp_config(device: torch.device | tuple[int, int]) -> MLPConfig:
     """The ReLU^2 GEMM's configuration for a device (a CUDA device: by its capability; off a GPU, the interpreter's
-    CPU tensors and fake CUDA tensors without a GPU (the GPU path's traces): sm90's, the recipe's) or a capability;
-    MLP_CONFIG_UNKNOWN where the capability is not measured."""
+    CPU tensors and fake CUDA tensors without a GPU (the GPU path's traces): sm90's, the recipe's) or a capability.
+    A capability not measured (sm87, sm103, sm121, ...; auto leaves the kernel off there, an explicit flag runs it)
+    takes the measured configuration of least shared memory for how Triton loads its tiles there: sm120's through
+    TMA (sm90 on: within 99 KB), sm89's without (16-20 KB)."""
     if isinstance(device, torch.device):
         if device.type != "cuda" or not torch.cuda.is_available():
             return MLP_CONFIGS[SM90]
         device = tuple(torch.cuda.get_device_capability(device))
-    return MLP_CONFIGS.get(device, MLP_CONFIG_UNKNOWN)
+    return MLP_CONFIGS.get(device, MLP_CONFIGS[SM120] if device >= SM90 else MLP_CONFIGS[SM89])
 
 
 def _persistent_width(device: torch.device) -> int:

@@ -127,7 +127,7 @@ def main_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str
 # Compute capability -> (device name, GiB): the GPUs the resolution tests fake (fake_gpu).
 GPUS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 80), (8, 6): ("NVIDIA GeForce RTX 3090", 24),
         (8, 9): ("NVIDIA L40S", 48), (9, 0): ("NVIDIA H100 80GB HBM3", 80), (10, 0): ("NVIDIA B200", 180),
-        (12, 0): ("NVIDIA GeForce RTX 5090", 32)}
+        (12, 0): ("NVIDIA GeForce RTX 5090", 32), (12, 1): ("NVIDIA GB10", 128)}
 
 
 def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:

@@ -122,6 +122,29 @@ def test_relu2_gemms_post_only_backward_is_89s_within_one_bf16_step():
     assert 0.11 < (steps == 1).float().mean() < 0.14, (steps == 1).float().mean()
 
 
+@pytest.mark.parametrize("config", list({str(c): c for c in K.MLP_CONFIGS.values()}.values()), ids=lambda c: (
+    f"{c.block_m}x{c.block_n}_" + "_".join(f"{bk}-{stages}" for bk, stages in c.modes.values())))
+def test_relu2_gemm_at_each_gpus_configuration_is_the_torch_paths_bit_for_bit(monkeypatch, config):
+    # Each GPU's tiles and K blocks (MLP_CONFIGS; sm120's bf16 forward chains K blocks of 32) move an output element
+    # between programs and its k-steps between blocks, never its value: all three modes on exact operands, K = 80
+    # against blocks of 32, 64 and 128, a persistent grid of 4 programs.
+    monkeypatch.setattr(K, "mlp_config", lambda device: config)
+    x8, w8 = exact_operands(300, 80, 592, E4M3)
+    dequant, act_scale = scalar(0.37), scalar(0.3)
+    post, post8, maxima = GEMM()(x8, w8, scales=(dequant, act_scale), num_sms=4)
+    want_post = ((x8.float() @ w8.float().T) * dequant).to(BF16).float().relu().square().to(BF16)
+    assert torch.equal(post, want_post) and torch.equal(codes(post8), codes(
+        (want_post.float() * (1 / act_scale)).clamp(max=448).to(E4M3)))
+    tiles = tile_maxima(want_post)
+    assert torch.equal(maxima, torch.stack([tiles[p::4].max() for p in range(4)]))
+    x, w = exact_operands(300, 80, 592, BF16)
+    (post,) = GEMM()(x, w, num_sms=4)
+    assert torch.equal(post, torch.relu(x @ w.T).square())
+    g, w_proj = exact_operands(300, 80, 592, BF16, seed=1)
+    (d_pre,) = GEMM()(g, w_proj, aux=post, num_sms=4)
+    assert torch.equal(d_pre, dpre_from_post(g @ w_proj.T, post))
+
+
 def test_relu2_gemm_refuses_rows_tma_cannot_read():
     x, w = exact_operands(64, 24, 256, E4M3)  # fp8 rows of 24 bytes
     with pytest.raises(ValueError, match="rows of 16 bytes"):

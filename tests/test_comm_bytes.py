@@ -2,7 +2,9 @@
 must see; and, on two gloo ranks, the collectives two real optimizer steps issue, pinned to the bucket plan and
 equal to what the tool's stand-ins count for the same model."""
 
+import json
 import os
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -173,3 +175,30 @@ def test_without_train_files_the_first_line_says_which_tokens_were_counted(monke
     C.main(["--pairs=1", f"--train_files={REPO}/data/sample/sample_train_*.bin"])
     assert capsys.readouterr().out.splitlines()[0] == (f"Tokens counted: {REPO}/data/sample/sample_train_*.bin, 1 "
                                                        f"step pairs x 8 sequences per stage")
+
+
+@pytest.mark.slow  # a minute: the tool's whole count on the bundled sample
+def test_the_docs_table_and_row_counts_are_what_the_command_they_name_counts(tmp_path, monkeypatch, capsys):
+    # DETAILS' 8-rank table and its rows per step pair come from the command it names (README runs the same one):
+    # the bundled sample's, in a clone as here
+    details, readme = (REPO / "docs" / "DETAILS.md").read_text(), (REPO / "README.md").read_text()
+    files = re.search(r"`python tools/comm_bytes\.py --train_files='([^']+)'`", details).group(1)
+    assert f"python tools/comm_bytes.py --train_files='{files}'" in readme
+    monkeypatch.chdir(REPO)
+    C.main([f"--train_files={files}", "--json", str(tmp_path / "comm.json")])
+    got = json.loads((tmp_path / "comm.json").read_text())
+    rows = got["touched_rows"]
+    stated = re.search(r"a rank sends ([\d.]+)k rows a step pair at 16,384 tokens and ([\d.]+)k at 49,152 of the "
+                       r"recipe's \(and upstream's\) 377,280-row table, ([\d.]+)k and ([\d.]+)k of #89's",
+                       " ".join(details.split()))
+    assert stated, "DETAILS' rows per step pair"
+    counted = [rows[seq][table] / 1000 for table in ("377280", "754560") for seq in ("16384", "49152")]
+    assert [float(v) for v in stated.groups()] == [round(v, 1) for v in counted], counted
+    table = details[details.index("| step (8 ranks) |"):]
+    kind = None
+    for line in table.splitlines()[2:11]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        kind = cells[0].replace(",", "") or kind  # "Adam, tied" -> the tool's "Adam tied"
+        mb = got["mb"]["8"][kind][cells[1]]
+        assert [float(c.replace(",", "")) for c in cells[2:]] == [round(mb[k], 1) for k in C.KINDS] + [
+            round(sum(mb.values()), 1)], (line, mb)

@@ -21,15 +21,16 @@ def relu2_expected(capability: tuple[int, int], fp8_mlp: bool) -> bool:
 
 
 # What auto takes on each: (fp8_head, fp8_mlp, relu2_kernel, fused_head, dc_kernel, Polar Express kernels, attention);
-# relu2_kernel as RUNS_ON says (today: on at sm80's and sm89's 128 x 128 tiles, off on the B200 with the FP8 MLP,
-# whose FP8 forward does not compile there)
+# relu2_kernel as RUNS_ON says (today: on at each GPU's own tiles, off on the B200 with the FP8 MLP, whose FP8
+# forward does not compile there or spills)
 EXPECTED = {
     (8, 0): (False, False, relu2_expected((8, 0), False), True, True, True, "flex"),  # A100: no FP8
-    (8, 6): (False, False, False, False, False, False, "flex"),  # not in the matrix: the torch paths
+    (8, 6): (False, False, relu2_expected((8, 6), False), True, True, True, "flex"),  # RTX 3090, A6000: no FP8
     (8, 9): (True, True, relu2_expected((8, 9), True), True, True, True, "flex"),  # L40S / 4090
     (9, 0): (True, True, True, True, True, True, "fa3"),  # H100 / H200: as before
     (10, 0): (True, True, relu2_expected((10, 0), True), True, True, True, "flex"),  # B200
-    (12, 0): (False, False, False, False, False, False, "flex"),
+    (12, 0): (True, True, relu2_expected((12, 0), True), True, True, True, "flex"),  # RTX 5090
+    (12, 1): (False, False, False, False, False, False, "flex"),  # not in the matrix: the torch paths
 }
 
 
@@ -57,8 +58,8 @@ def test_auto_takes_each_path_where_the_gpu_runs_it(monkeypatch, capability):
         assert "fp8_mlp off (sm80 has no FP8 tensor cores" in line, line
     if capability == (10, 0) and not EXPECTED[capability][2]:
         assert "relu2_kernel off (its Triton kernels (linear_relu_square fp8) do not compile for sm100" in line, line
-    if capability == (12, 0):
-        assert "sm120 is not in the compile matrix" in line, line
+    if capability == (12, 1):
+        assert "sm121 is not in the compile matrix" in line, line
 
 
 def test_every_measured_target_is_a_row_of_the_table_and_sm90_runs_everything():
@@ -82,6 +83,7 @@ def test_without_fp8_the_b200_takes_the_relu2_kernels_bf16_modes(monkeypatch):
     ((8, 0), ["--fp8_mlp=true"], "--fp8_mlp=true: sm80 has no FP8 tensor cores"),
     ((8, 0), ["--fp8_head=true"], "--fp8_head=true: sm80 has no FP8 tensor cores"),
     ((8, 6), ["--fp8_mlp=true"], "--fp8_mlp=true: sm86 has no FP8 tensor cores"),
+    ((8, 6), ["--fp8_head=true"], "--fp8_head=true: sm86 has no FP8 tensor cores"),
     ((10, 0), ["--relu2_kernel=true"], "(linear_relu_square fp8) do not compile for sm100 within its shared memory "
                                        "and without spills (tools/sm90_kernels.py) (its FP8 mode, with --fp8_mlp); use "
                                        "--relu2_kernel=false (or auto)"),
@@ -116,21 +118,27 @@ def test_the_relu2_gemms_configuration_is_its_gpus(monkeypatch):
     assert K.MLP_CONFIGS[(9, 0)] == (128, 256, 8, {"fp8 forward": (128, 3), "bf16 forward": (64, 4),
                                                    "backward": (64, 3)})  # #89's: unchanged on sm90
     assert set(K.MLP_CONFIGS) == set(K.TARGETS.values())
+    # sm120 loads through TMA (each pipeline stage's tiles in its 99 KB of shared memory), sm89 does not: sm89's bf16
+    # forward (K blocks of 64, 4 stages) would need 112 KB there (tests/test_sm90_kernels.py compiles both)
+    assert K.MLP_CONFIGS[(12, 0)].modes["bf16 forward"] != K.MLP_CONFIGS[(8, 9)].modes["bf16 forward"]
     # a CUDA device without a visible GPU (the GPU path traced on fake tensors) resolves as the recipe's H100
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert K.mlp_config(torch.device("cuda")) == K.MLP_CONFIGS[(9, 0)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for capability in (*K.TARGETS.values(), (8, 6), (12, 0)):
+    # a capability not measured: the measured configuration of least shared memory for its loads, sm120's where
+    # Triton loads through TMA (sm90 on), sm89's before
+    unmeasured = {(8, 7): K.MLP_CONFIGS[(8, 9)], (10, 3): K.MLP_CONFIGS[(12, 0)], (12, 1): K.MLP_CONFIGS[(12, 0)]}
+    for capability in (*K.TARGETS.values(), *unmeasured):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         config = K.mlp_config(torch.device("cuda"))
-        assert config == K.MLP_CONFIGS.get(capability, K.MLP_CONFIG_UNKNOWN), capability
+        assert config == K.MLP_CONFIGS.get(capability, unmeasured.get(capability)), capability
         tiles = -(-49_152 // config.block_m) * -(-3072 // config.block_n)
         assert K.mlp_programs(49_152, 3072, torch.device("cuda"), width=10**6) == tiles
         assert K.mlp_programs(49_152, 3072, torch.device("cuda"), width=132) == min(132, tiles)
 
 
 def test_explicit_flags_are_the_users_on_a_gpu_not_measured_and_on_the_cpu(monkeypatch):
-    fake_gpu(monkeypatch, (12, 0))  # FP8 hardware, not in the matrix: auto leaves it off, a given true runs
+    fake_gpu(monkeypatch, (12, 1))  # FP8 hardware, not in the matrix: auto leaves it off, a given true runs
     assert resolved("--fp8_mlp=true", "--fused_head=true").fp8_mlp is True
     fake_gpu(monkeypatch, (8, 0))  # a CPU rehearsal of the GPU path on a machine with an A100: not refused
     cfg = T.parse_config(["--preset=tiny", "--fp8_head=true"])
@@ -153,3 +161,23 @@ def test_an_fp8_flag_on_an_a100_is_one_line_exit_2_and_writes_nothing(tmp_path, 
     assert lines[0].startswith("error: --fp8_mlp=true: sm80 has no FP8 tensor cores (torch._scaled_mm: sm89 and "
                                "later); use --fp8_mlp=false (or auto)"), err
     assert out == "" and list(tmp_path.rglob("*")) == [work], list(tmp_path.rglob("*"))
+
+
+def test_the_docs_tables_of_what_runs_where_are_every_measured_gpus_resolution(monkeypatch):
+    # DETAILS' compile matrix and its table of what auto takes have a column per gpt_kernels.TARGETS entry, and each
+    # cell of the latter is what resolve_for_device takes on that GPU
+    from conftest import REPO
+    text = (REPO / "docs" / "DETAILS.md").read_text()
+    matrix = text[text.index("| kernel | sm80 (A100) |"):].splitlines()[0]
+    assert [c.split()[0] for c in matrix.strip("|").split("|")[1:]] == list(K.TARGETS), matrix
+    lines = text[text.index("| path | sm80 |"):].split("\n\n")[0].splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")[1:]] == list(K.TARGETS), lines[0]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    for column, capability in enumerate(K.TARGETS.values()):
+        fake_gpu(monkeypatch, capability)
+        cfg = resolved()
+        on = {path: cells[column].startswith("on") for path, cells in rows.items() if path != "attention"}
+        assert on == {"--fp8_head, --fp8_mlp": cfg.fp8_head and cfg.fp8_mlp, "--relu2_kernel": cfg.relu2_kernel,
+                      "--fused_head, --dc_kernel, Polar Express's kernels": cfg.fused_head and cfg.dc_kernel
+                      and T.polar_express_kernels(torch.device("cuda"))}, capability
+        assert rows["attention"][column] == cfg.attention, capability

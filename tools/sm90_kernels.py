@@ -1,26 +1,28 @@
 """Compile the trainer's Triton kernels for the H100 (sm90), or for each GPU generation, without a GPU: the compile
 matrix of what runs where.
 
-    python tools/sm90_kernels.py [--targets sm80,sm89,sm90,sm100 | --targets all] [--json FILE]
+    python tools/sm90_kernels.py [--targets sm80,sm89,... | --targets all] [--kernels PREFIX] [--json FILE]
 
-Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches:
-the MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel; on each target at the tiles its launcher
-takes there, gpt_kernels.mlp_config: 128 x 256 on sm90 and sm100, 128 x 128 on sm80 and sm89; the persistent width
-is an H100's 132 SMs everywhere) in its three modes at model_dim 768
-and hidden 3072 over each stage's rows per micro-step (16,384, 32,768, 49,152): the FP8 forward and the backward
-in training, the bf16 forward in validation (262,144 rows) and in training without FP8; the FP8 MLP's down-weight
-quantizer over the 12 x 3072 x 768 bank and its scale reduction; the softcapped multi-token cross-entropy
-(--fused_head, #89's numerics and upstream's prefix term) over the 50,304-column vocabulary with 1 to 3 loss
-weights (padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in place, and the loss alone
-(validation); Polar Express's symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x 768, mlp 3072 x 768; a
-rank's count of blocks, 8/3/3 on 8 GPUs or 64/24/24 on one, is the grid's, not the compiled kernel's) and the FP8
-head backward's transposes, each
-with the specialization Triton's JIT gives the real launch (TMA descriptors: their dtype and block shape). For each:
-shared memory, registers per thread and spilled bytes (from cuobjdump, which ships with Triton). A compile error,
-shared memory above the target's per-block limit (TARGETS: 163 KB on sm80, 99 KB on sm89, 227 KB on sm90 and
-sm100), or any spill fails it. With several targets it ends with the matrix kernel x target (pass, spill, shared
-memory, does not compile) and checks it against gpt_kernels.RUNS_ON, the table train_gpt's `auto` reads: exit 1
-where a path is said to run on a target where one of its launches fails (the default, sm90 alone: where any fails).
+Triton's own compiler runs (its ptxas included) for every dtype and configuration a run of the recipe launches: the
+MLP's persistent ReLU^2 GEMM (#89's linear_relu_square: --relu2_kernel; on each target at the tiles its launcher takes
+there, gpt_kernels.mlp_config: 128 x 256 on sm90 and sm100, 128 x 128 elsewhere; the persistent width is an H100's 132
+SMs everywhere) in its three modes at model_dim 768 and hidden 3072 over each stage's rows per micro-step (16,384,
+32,768, 49,152): the FP8 forward and the backward in training, the bf16 forward in validation (262,144 rows) and in
+training without FP8; the FP8 MLP's down-weight quantizer over the 12 x 3072 x 768 bank and its scale reduction; the
+softcapped multi-token cross-entropy (--fused_head, #89's numerics and upstream's prefix term) over the 50,304-column
+vocabulary with 1 to 3 loss weights (padded to 2 or 4): with its gradient as e5m2 codes (the FP8 head) or in bf16 in
+place, and the loss alone (validation); Polar Express's symmetric GEMMs on the Muon blocks (qk 256 x 768, vo 768 x
+768, mlp 3072 x 768; a rank's count of blocks, 8/3/3 on 8 GPUs or 64/24/24 on one, is the grid's, not the compiled
+kernel's) and the FP8 head backward's transposes, each with the specialization Triton's JIT gives the real launch (TMA
+descriptors: their dtype and block shape). For each: shared memory, registers per thread and the stack frame
+(cuobjdump, which ships with Triton), and the bytes spilled and reloaded (ptxas -v on the same PTX: a stack frame need
+not hold spills). A compile error, shared memory above the target's per-block limit (TARGETS: 163 KB on sm80, 99 KB on
+sm86, sm89 and sm120, 227 KB on sm90 and sm100), or any spill fails it. With several targets it ends with the matrix
+kernel x target (pass, spill, shared memory, does not compile) and checks it against gpt_kernels.RUNS_ON, the table
+train_gpt's `auto` reads: exit 1 where a path is said to run on a target where one of its launches fails (the default,
+sm90 alone: where any fails). Each target compiles in a process of its own: one target's compiles can leave Triton
+state that changes the next's. --kernels keeps the launches whose name starts with PREFIX (one kernel on every target:
+--targets=all --kernels=softcap_ce).
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ import train_gpt as T  # noqa: E402
 H100 = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm90
 # Each target: Triton's GPUTarget and the shared memory one block may use (CUDA's opt-in maximum per block): the A100
-# (sm80), the L40S and RTX 4090 (sm89), the H100 and H200 (sm90), the B200 (sm100). gpt_kernels.TARGETS names the
-# same capabilities.
-TARGETS = {"sm80": (GPUTarget("cuda", 80, 32), 163 * 1024), "sm89": (GPUTarget("cuda", 89, 32), 99 * 1024),
-           "sm90": (H100, SMEM_LIMIT), "sm100": (GPUTarget("cuda", 100, 32), 227 * 1024)}
+# (sm80), the RTX 3090 and A6000 (sm86), the L40S and RTX 4090 (sm89), the H100 and H200 (sm90), the B200 (sm100), the
+# RTX 5090 (sm120). gpt_kernels.TARGETS names the same capabilities.
+TARGETS = {"sm80": (GPUTarget("cuda", 80, 32), 163 * 1024), "sm86": (GPUTarget("cuda", 86, 32), 99 * 1024),
+           "sm89": (GPUTarget("cuda", 89, 32), 99 * 1024), "sm90": (H100, SMEM_LIMIT),
+           "sm100": (GPUTarget("cuda", 100, 32), 227 * 1024), "sm120": (GPUTarget("cuda", 120, 32), 99 * 1024)}
 DEFAULTS = {"num_warps": 4, "num_stages": 3}  # what a launch without options gets
 H100_SMS = 132  # the persistent GEMM's width: one program per SM (an H100 SXM's 132)
 STAGE_ROWS = (16_384, 32_768, 49_152)  # the recipe's rows per micro-step, by stage (train_seq_len's stages)
@@ -183,7 +186,7 @@ def source(kernel, args: tuple, keywords: dict, target: GPUTarget = H100) -> tup
 
 
 def resources(cubin: bytes) -> dict[str, int]:
-    """Registers, stack and local (spill) bytes of the kernel in a cubin, as cuobjdump reports them."""
+    """Registers, stack frame and local memory bytes of the kernel in a cubin, as cuobjdump reports them."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.cubin"
@@ -191,7 +194,34 @@ def resources(cubin: bytes) -> dict[str, int]:
         text = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
                               check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
-    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "spill_bytes": int(fields["LOCAL"])}
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"])}
+
+
+def spills(ptx: str, gpu: GPUTarget, fp_fusion: bool) -> dict[str, int]:
+    """The bytes ptxas spills (stores) and reloads, and its registers, from the PTX assembled again as Triton assembles
+    it (its ptxas for the target, its flags, -v). The cubin's stack frame alone does not tell a spill: on sm120 every
+    TMA load gets an out-of-line call whose frame is 8 bytes, with nothing spilled."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.ptx"
+        path.write_text(ptx)
+        log = subprocess.run([get_ptxas(gpu.arch).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
+                              f"--gpu-name={sm_arch_from_capability(gpu.arch)}", str(path), "-o", f"{path}.o"],
+                             capture_output=True, text=True, check=True).stderr
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
+    return {"spill_bytes": int(stores), "reload_bytes": int(loads),
+            "ptxas_registers": int(re.search(r"Used (\d+) registers", log).group(1))}
+
+
+def problems(row: dict, limit: int) -> list[str]:
+    """Why a compiled launch cannot run cleanly: shared memory above the target's per-block limit, bytes spilled or
+    reloaded, local memory; and a reassembly that is not the cubin's (its registers differ)."""
+    return ([f"shared memory {row['shared_bytes']} B > {limit} B"] if row["shared_bytes"] > limit else []) + (
+        [f"spills: {row['spill_bytes']} B stored, {row['reload_bytes']} B reloaded"]
+        if row["spill_bytes"] or row["reload_bytes"] else []) + (
+        [f"local memory: {row['local_bytes']} B"] if row["local_bytes"] else []) + (
+        [f"ptxas -v used {row['ptxas_registers']} registers, the cubin {row['registers']}"]
+        if row["ptxas_registers"] != row["registers"] else [])
 
 
 def check(name: str, kernel, args: tuple, keywords: dict, target: str = "sm90") -> dict:
@@ -202,15 +232,16 @@ def check(name: str, kernel, args: tuple, keywords: dict, target: str = "sm90") 
     try:
         compiled = triton.compile(src, target=gpu, options=options)
     except Exception as e:  # a compile error is this check's finding, reported in its row
-        why = str(e).strip().splitlines()
+        text = str(e).strip()
+        ptxas = re.search(r"^ptxas.*?; error\s*:\s*(.+)$", text, re.M)  # its words, not the repro command after them
+        why = ptxas.group(1) if ptxas else text.splitlines()[-1] if text else ""
         return {**row, "ok": False, "status": "does not compile",
-                "problem": f"does not compile for {target}: {type(e).__name__}: {why[-1] if why else ''}"[:300]}
-    row |= {"shared_bytes": compiled.metadata.shared, **resources(compiled.asm["cubin"])}
-    problems = ([f"shared memory {row['shared_bytes']} B > {limit} B"] if row["shared_bytes"] > limit
-                else []) + ([f"spills: {row['spill_bytes']} B local, {row['stack_bytes']} B stack"]
-                                          if row["spill_bytes"] or row["stack_bytes"] else [])
-    status = "shared memory" if row["shared_bytes"] > limit else "spill" if problems else "pass"
-    return {**row, "ok": not problems, "status": status, "problem": "; ".join(problems)}
+                "problem": f"does not compile for {target}: {type(e).__name__}: {why}"[:300]}
+    row |= {"shared_bytes": compiled.metadata.shared, **resources(compiled.asm["cubin"]),
+            **spills(compiled.asm["ptx"], gpu, compiled.metadata.enable_fp_fusion)}
+    found = problems(row, limit)
+    status = "shared memory" if row["shared_bytes"] > limit else "spill" if found else "pass"
+    return {**row, "ok": not found, "status": status, "problem": "; ".join(found)}
 
 
 def matrix(rows: list[dict], targets: list[str]) -> tuple[list[str], list[str]]:
@@ -226,15 +257,16 @@ def matrix(rows: list[dict], targets: list[str]) -> tuple[list[str], list[str]]:
             runs = by_target.get(t, [])
             bad = [r for r in runs if not r["ok"]]
             worst = sorted({r["status"] for r in bad})
-            cells.append("-" if not runs else f"pass ({len(runs)})" if not bad else f"{' / '.join(worst)} ({len(bad)} of {len(runs)})")
+            cells.append("-" if not runs else f"pass ({len(runs)})" if not bad
+                         else f"{' / '.join(worst)} ({len(bad)} of {len(runs)})")
         lines.append(f"| {group} | {' | '.join(cells)} |")
     wrong = []
-    measured = {r["target"] for r in rows}
     for path, groups_of_path in K.PATH_KERNELS.items():
-        for t in (t for t in targets if t in measured):
-            said = K.TARGETS[t] in K.RUNS_ON[path]
-            failing = [r["kernel"] for r in rows if r["target"] == t and not r["ok"]
-                       and K.launch_group(r["kernel"]) in groups_of_path]
+        for t in targets:
+            runs = [r for r in rows if r["target"] == t and K.launch_group(r["kernel"]) in groups_of_path]
+            if not runs:  # not compiled in this run (--kernels): nothing to say
+                continue
+            said, failing = K.TARGETS[t] in K.RUNS_ON[path], [r["kernel"] for r in runs if not r["ok"]]
             if said and failing:
                 wrong.append(f"gpt_kernels.RUNS_ON[{path!r}] has {t}, where {failing[0]} fails")
             elif not said and not failing and ("fp8" not in path or K.TARGETS[t] >= K.FP8_MIN):
@@ -242,24 +274,54 @@ def matrix(rows: list[dict], targets: list[str]) -> tuple[list[str], list[str]]:
     return lines, wrong
 
 
+def line(row: dict) -> str:
+    """One launch's line of the output: PASS or FAIL, its figures, what is wrong."""
+    figures = (f"shared {row['shared_bytes'] / 1024:6.1f} KB  registers {row['registers']:3d}  spills "
+               f"{row['spill_bytes']} B" + (f"  stack {row['stack_bytes']} B" if row["stack_bytes"] else "")
+               if "shared_bytes" in row else "")
+    verdict = "PASS" if row["ok"] else "FAIL"
+    return f"{verdict}  {row['target']:5s} {row['kernel']:50s} {figures}  {row['problem']}".rstrip()
+
+
+def measure(target: str, prefix: str) -> list[dict]:
+    """The rows of target's launches whose names start with prefix, compiled in this process, each printed."""
+    rows = []
+    for case in (c for c in cases(T.Config(), target=target) if c[0].startswith(prefix)):
+        rows.append(check(*case, target=target))
+        print(line(rows[-1]), flush=True)
+    return rows
+
+
+def measure_apart(target: str, prefix: str) -> list[dict]:
+    """measure in a process of its own, its lines passed on. One target's compiles can change the next's in the same
+    process: after sm90's, sm80's e5m2 cross-entropy came out with a cvt to .e5m2x2, which ptxas refuses below sm89
+    (on a cold cache; a warm one hid it)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rows.json"
+        child = subprocess.Popen([sys.executable, __file__, f"--targets={target}", f"--kernels={prefix}", "--json",
+                                  str(out)], stdout=subprocess.PIPE, text=True)
+        for text in child.stdout:
+            if text.startswith(("PASS", "FAIL")):
+                print(text, end="", flush=True)
+        if child.wait() and not out.exists():
+            sys.exit(f"error: compiling {target}'s launches stopped (exit {child.returncode})")
+        return json.loads(out.read_text())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="sm90", help=f"comma-separated, of {', '.join(TARGETS)}; or all")
+    parser.add_argument("--kernels", default="", help="only the launches whose name starts with this (e.g. softcap_ce)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     targets = list(TARGETS) if args.targets == "all" else args.targets.split(",")
     if set(targets) - set(TARGETS):
         parser.error(f"--targets: unknown {', '.join(sorted(set(targets) - set(TARGETS)))}; choose from "
                      f"{', '.join(TARGETS)}")
-    rows = []
-    for target in targets:
-        for case in cases(T.Config(), target=target):
-            r = check(*case, target=target)
-            rows.append(r)
-            figures = (f"shared {r['shared_bytes'] / 1024:6.1f} KB  registers {r['registers']:3d}  "
-                       f"spills {r['spill_bytes'] + r['stack_bytes']} B" if "shared_bytes" in r else "")
-            print(f"{'PASS' if r['ok'] else 'FAIL'}  {target:5s} {r['kernel']:50s} {figures}  {r['problem']}".rstrip(),
-                  flush=True)
+    if not any(name.startswith(args.kernels) for name, *_ in cases(T.Config())):
+        parser.error(f"--kernels: no launch's name starts with {args.kernels!r}")
+    rows = measure(targets[0], args.kernels) if len(targets) == 1 else [
+        row for target in targets for row in measure_apart(target, args.kernels)]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
