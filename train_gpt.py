@@ -2757,7 +2757,7 @@ def newest_checkpoint(cfg: Config) -> tuple[Path | None, str]:
             shutil.rmtree(folder, ignore_errors=True)
     else:
         folder = None
-    taken = f"taking {folder.name}" if folder else "no checkpoint left: from step 0"
+    taken = f"taking {folder.name}" if folder else "none before it"
     more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
     return folder, f"{skipped[0]}{more}: removed, {taken}" if skipped else ""
 
