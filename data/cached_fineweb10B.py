@@ -24,9 +24,10 @@ import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from command_line import OneLineParser, fail  # noqa: E402
 from train_gpt import UsageError, shard_token_count  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
@@ -110,18 +111,9 @@ def clean_up(local_dir: Path, created: bool) -> None:
         local_dir.rmdir()
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
-        fail(f"{message} (usage: python data/cached_fineweb10B.py N [--dir DIR]; see --help)", 2)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0],
+                           usage_hint="usage: python data/cached_fineweb10B.py N [--dir DIR]; see --help")
     parser.add_argument("num_train", metavar="N", help=f"number of train shards to fetch, 1..{MAX_TRAIN_SHARDS}")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"target folder (default {DEFAULT_DIR})")
     parser.add_argument("--workers", type=int, default=8, help="parallel downloads (default 8)")

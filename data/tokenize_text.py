@@ -34,11 +34,12 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from command_line import OneLineParser, fail  # noqa: E402
 from train_gpt import BOS_ID, HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UsageError, atomic_file  # noqa: E402
 
 if TYPE_CHECKING:
@@ -212,18 +213,8 @@ def existing_shards(out_dir: Path, name: str) -> list[Path]:
 
 # -- command line ---------------------------------------------------------------------------------
 
-def fail(message: str, code: int = 1) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
-        fail(f"{message} (see --help)", 2)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files, or folders of them")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder for the shards (created if needed)")
     parser.add_argument("--name", default="text", help="shard name prefix (default: text)")

@@ -1,15 +1,19 @@
+import contextlib
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +54,65 @@ def tiny_args(tmp_path: Path, **overrides: object) -> list[str]:
     return [f"--{k}={v}" for k, v in fields.items()]
 
 
+def config(**fields: object) -> "T.Config":
+    """The Config the command line makes of these fields (--name=value each)."""
+    import train_gpt as T
+    return T.parse_config([f"--{k}={v}" for k, v in fields.items()])
+
+
+# The recipe's layout at toy widths and lengths (one pair of 32-wide heads, 64-token sequences in three stages): the
+# optimizer's and the collectives' tests add their layers and buckets.
+TOY = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512, train_seq_len=64,
+           seq_len_stages="64,64,64", val_seq_len=64, block_size=32, mudd_dim=8)
+
+
+def cli(args: list[str], cwd: Path, env: dict | None = None, launcher: list[str] | None = None):
+    """train_gpt.py run as a command (under launcher, e.g. torchrun, if given); env adds variables."""
+    cmd = (launcher or [sys.executable]) + [str(REPO / "train_gpt.py"), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def fail_in_step_2(monkeypatch) -> None:
+    """GPT.forward raises "a bug in step 2" in step 2's first training micro-step (two micro-steps a step: step 1 is
+    logged first)."""
+    import train_gpt as T
+    forward, calls = T.GPT.forward, [0]
+
+    def failing_in_step_2(self, *args):
+        if self.training and calls[0] == 2:
+            raise RuntimeError("a bug in step 2")
+        calls[0] += self.training
+        return forward(self, *args)
+
+    monkeypatch.setattr(T.GPT, "forward", failing_in_step_2)
+
+
+def outputs_and_grads(fn, tensors: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    """[fn's output, then the gradient of each of tensors (leaves)] for fn(*tensors) and the output gradient grad."""
+    for x in tensors:
+        x.grad = None
+    out = fn(*tensors)
+    out.backward(grad)
+    return [out.detach()] + [x.grad.clone() for x in tensors]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The relative error of a against b, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The repository's files as a clone would have them (tracked, and new files git does not ignore)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
 def orthogonalizing(fn: Callable[[torch.Tensor], torch.Tensor]) -> "T.UpdateSteps":
     """The optimizer's eager functions with fn in place of Polar Express, after the file's Nesterov momentum."""
     import train_gpt as T
@@ -65,6 +128,18 @@ def free_port() -> int:
 def live_threads() -> list[str]:
     """The names of this process's threads, C++ ones (gloo's, the TCP store's) included: Linux's /proc."""
     return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """This spawned process as rank `rank` of a gloo group on 127.0.0.1:port, one thread; the group destroyed after."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _run_rank(rank: int, world_size: int, port: int, args: list[str], out: str) -> None:
@@ -93,6 +168,26 @@ def run_world(world_size: int, args: list[str], tmp_path: Path) -> list[tuple[in
 @pytest.fixture(autouse=True)
 def _cpu_threads():
     torch.set_num_threads(2)
+
+
+def _single_thread():
+    """Small matmuls (float64 references, toy models) run far faster on one thread of the shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# A module opts in with pytestmark = pytest.mark.usefixtures("one_thread"): each test on one thread, set after
+# _cpu_threads' two; with one_thread_module too, its module-scoped fixtures.
+@pytest.fixture
+def one_thread(_cpu_threads):
+    yield from _single_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    yield from _single_thread()
 
 
 def cpu_gemms():

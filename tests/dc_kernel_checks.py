@@ -19,6 +19,8 @@ import interpreter_sm90  # noqa: E402
 interpreter_sm90.install()  # before any kernel runs
 
 import train_gpt as DC  # noqa: E402
+from conftest import outputs_and_grads  # noqa: E402
+from test_dc_attention import inputs  # noqa: E402
 importlib.import_module("gpt_kernels")  # registers torch.ops.speedrun's DC attention ops
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernels_dc.py (it sets TRITON_INTERPRET=1)"
@@ -33,26 +35,6 @@ CASES = {"spec": (256, [0, 0, 37, 200, 256, 256]), "ragged": (300, [0, 21, 22, 1
 # dtype for its dots, where the torch path's autograd keeps it fp32; out, dv <= 5.4e-4: one rounding apart now and
 # then). Bounds about 3x the measurements.
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-
-
-def inputs(T: int, H: int, D: int, dtype: torch.dtype, seed: int = 0, w2_scale: float = 0.3) -> list[torch.Tensor]:
-    """The spec's inputs: q, k RMS-normed N(0, 1); v, base N(0, 1); w1 RMS-normed over heads around 1; w2 = w2_scale
-    N(0, 1); leaves that require grad."""
-    g = torch.Generator().manual_seed(seed)
-    rms = lambda x: x / x.square().mean(-1, keepdim=True).sqrt()  # noqa: E731
-    q, k = (rms(torch.randn(1, T, H, D, generator=g)) for _ in range(2))
-    v, base = torch.randn(1, T, H, D, generator=g), torch.randn(T, H, D, generator=g)
-    w1, w2 = rms(torch.randn(1, T, H, generator=g) + 1), w2_scale * torch.randn(1, T, H, generator=g)
-    return [x.to(dtype).requires_grad_() for x in (base, q, k, v, w1, w2)]
-
-
-def run(fn, tensors: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
-    """[out, d base, d q, d k, d v, d w1, d w2] of fn on tensors, for the output gradient grad."""
-    for x in tensors:
-        x.grad = None
-    out = fn(*tensors)
-    out.backward(grad)
-    return [out.detach()] + [x.grad.clone() for x in tensors]
 
 
 def kernel(*tensors: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
@@ -75,8 +57,8 @@ def test_dc_kernels_follow_the_torch_path_forward_and_backward(case, dtype):
     tensors = inputs(T, H, D, dtype)
     grad = torch.randn(T, H, D, generator=torch.Generator().manual_seed(7)).to(dtype)
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    got = run(lambda *x: kernel(*x, cu=cu_t), tensors, grad)
-    want = run(lambda *x: torch_path(*x, cu=cu_t), tensors, grad)
+    got = outputs_and_grads(lambda *x: kernel(*x, cu=cu_t), tensors, grad)
+    want = outputs_and_grads(lambda *x: torch_path(*x, cu=cu_t), tensors, grad)
     errors = {name: relative(a, b) for name, a, b in zip(NAMES, got, want)}
     print(case, dtype, {name: f"{e:.1e}" for name, e in errors.items()})
     assert all(a.dtype == dtype and a.shape == b.shape for a, b in zip(got, want))
@@ -90,7 +72,7 @@ def test_dc_backward_is_deterministic_and_w2_zero_returns_base_bit_for_bit():
     cu_t = torch.tensor(cu, dtype=torch.int32)
     tensors = inputs(T, 6, 128, torch.bfloat16)  # the recipe's heads
     grad = torch.randn(T, 6, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
-    first, second = (run(lambda *x: kernel(*x, cu=cu_t), tensors, grad) for _ in range(2))
+    first, second = (outputs_and_grads(lambda *x: kernel(*x, cu=cu_t), tensors, grad) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     base, q, k, v, w1, _ = (x.detach() for x in tensors)
     out, lse = torch.ops.speedrun.dc_attention(base, q, k, v, w1, torch.zeros_like(w1), cu_t, SCALE, WINDOW)

@@ -25,6 +25,7 @@ interpreter_sm90.install()  # before any kernel runs
 import gpt_kernels as K  # noqa: E402
 import reference89_optim as R  # noqa: E402
 import train_gpt as T  # noqa: E402
+from conftest import rel  # noqa: E402
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernels.py (it sets TRITON_INTERPRET=1)"
 
@@ -393,10 +394,6 @@ def prefix_case(targets: torch.Tensor, vocab: int, seed: int = 12) -> torch.Tens
     after = (kind == 3) & (torch.arange(targets.numel()) < targets.numel() - 1)
     prefix[after] = targets[1:][after[:-1]]
     return prefix
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def ce_operands(m: int, d: int = 24, vocab: int = 300, spread: float = 1.0):

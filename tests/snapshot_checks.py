@@ -1,6 +1,7 @@
 """What every record snapshot under records/snapshots/ must show (tests/test_record28.py, test_record70.py,
 test_record89.py): its tiny preset's first steps equal its tiny record's (bit for bit on the record's kind of CPU),
-and its own tests pass against it, each in a process of its own where `import train_gpt` finds the snapshot."""
+and its own tests pass against it, each in a process of its own where `import train_gpt` finds the snapshot; for
+#70's and #89's, that their tiny records ran the snapshot's code, and what compare.py shows against today's file."""
 
 import os
 import re
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -48,6 +50,56 @@ def rerun_tiny_record(snapshot: Path, record: Path, tmp_path: Path, run_id: str,
     else:  # another kind of CPU: the same run up to the kernels' rounding (test_first_contact)
         assert all(abs(loss - theirs[key]) <= DRIFT[key[1]] for key, loss in ours.items())
     return same_cpu
+
+
+def sections(report: str) -> dict[str, list[str]]:
+    """compare.py diff's report by section: the lines under each '== name' heading ('' for the ones above)."""
+    out, name = {"": []}, ""
+    for line in report.splitlines():
+        if line.startswith("== "):
+            name = line[3:]
+            out[name] = []
+        elif line:
+            out[name].append(line)
+    return out
+
+
+def compare_diff(a: Path, b: Path) -> dict[str, list[str]]:
+    """tools/compare.py diff a b, by section, after checking that it ran."""
+    diff = subprocess.run([sys.executable, "tools/compare.py", "diff", str(a), str(b)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert diff.returncode == 0, diff.stderr
+    return sections(diff.stdout)
+
+
+def check_the_tiny_records_ran_the_snapshots_code(snapshot: Path, runs: tuple[str, ...]) -> None:
+    # Each log opens with the source that ran it, then a line of 100 '=' (tools/compare.py's split).
+    source = (snapshot / "train_gpt.py").read_text()
+    for run in runs:
+        assert (snapshot / f"{run}.txt").read_text().startswith(f"{source}\n{'=' * 100}\n"), run
+
+
+def check_the_first_6_steps_equal_the_tiny_record(snapshot: Path, tiny_record: Path, tmp_path: Path, run_id: str
+                                                  ) -> None:
+    # Stopped at step 6 (of 40); on another kind of CPU the losses are compared within rounding instead.
+    same_cpu = rerun_tiny_record(snapshot, tiny_record, tmp_path, run_id)
+    log = (tmp_path / f"{run_id}.txt").read_text()
+    assert log.startswith((snapshot / "train_gpt.py").read_text())  # the snapshot ran, not the repository's file
+    if same_cpu:
+        report = compare_diff(tiny_record.with_suffix(".txt"), tmp_path / f"{run_id}.txt")
+        assert report[""][0].startswith("verdict: equal on the steps both cover, ")  # the rerun stopped early
+        assert report["config (A -> B)"] == ["(no differences)"] and report["code (A -> B)"] == ["(identical)"]
+
+
+def check_compare_shows_the_recipe_change(tiny_record: Path, today: Path) -> None:
+    if not today.exists():
+        pytest.skip(f"today's tiny record {today.relative_to(REPO)} is not made yet (the tiny preset of the "
+                    f"repository's train_gpt.py, run once it holds its new recipe)")
+    report = compare_diff(tiny_record.with_suffix(".txt"), today)
+    assert report[""][0].startswith("verdict: not reproduced: ")  # another recipe: other losses
+    config, code = report["config (A -> B)"], report["code (A -> B)"]
+    assert config and config != ["(no differences)"], config  # fields changed, added or dropped
+    assert len(code) == 1 and code[0].endswith("added (--code shows the hunks)"), code
 
 
 def run_own_tests(snapshot: Path) -> dict[str, int]:

@@ -7,15 +7,13 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SAMPLE_TRAIN, SMALL, main_in_process, run_world, tiny_args
+from conftest import REPO, SAMPLE_TRAIN, SMALL, cli, main_in_process, run_world, tiny_args
 
 K = 3
 # Schedules that do not depend on --num_steps (no lr or momentum cooldown, one next-token weight, fixed windows), so
@@ -107,11 +105,6 @@ def test_resume_at_world_size_two_is_exact_and_reshards_to_one(tmp_path):
     assert [s for s, _ in one.val_losses] == [K, 2 * K]
     for (_, a), (_, b) in zip(one.val_losses, full[1:]):
         assert a == pytest.approx(b, abs=2e-3)
-
-
-def cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "train_gpt.py"), *argv], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

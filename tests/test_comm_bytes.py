@@ -3,7 +3,6 @@ must see; and, on two gloo ranks, the collectives two real optimizer steps issue
 equal to what the tool's stand-ins count for the same model."""
 
 import json
-import os
 import re
 import sys
 from collections import Counter
@@ -12,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import REPO, free_port
+from conftest import REPO, TOY, config, free_port, gloo_rank
 
 sys.path.insert(0, str(REPO / "tools"))
 import comm_bytes as C  # noqa: E402
@@ -99,18 +97,12 @@ def test_recipe_adam_lines_at_8_ranks_are_upstreams_and_its_counts(recipe_model)
 
 
 def small_config() -> T.Config:
-    """The recipe's layout at toy widths, buckets small enough to split groups (tests/test_sharded_optim.py's)."""
-    fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
-                  train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, bigram_rows=1032,
-                  mudd_dim=8, bucket_mb=0.05)
-    return T.parse_config([f"--{k}={v}" for k, v in fields.items()])
+    """The tiny preset's layout at conftest's toy widths, buckets small enough to split groups."""
+    return config(**TOY, bigram_rows=1032, bucket_mb=0.05)
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_rank(rank, world_size, port):
         cfg = small_config()
         torch.manual_seed(0)
         model = T.GPT(cfg, use_flex=False, fp8_head=False)
@@ -130,8 +122,6 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 opt.wait_for_params()
                 calls[kind] = seen.take()
         torch.save(calls, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # spawns two processes

@@ -5,6 +5,7 @@ kernel, a graph break or a recompile shows up without a GPU."""
 
 import json
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,6 +40,19 @@ def model_graphs() -> int:
     return len(_debug_get_cache_entry_list(T.GPT.forward.__code__))
 
 
+def measured_after_warmup(monkeypatch, *measures: Callable[[], int]) -> list[list[int]]:
+    """Per measure, a list to which each warmup the run does (T.warmup) appends the measure's value after it."""
+    warmup, values = T.warmup, [[] for _ in measures]
+
+    def counted_warmup(*args, **kwargs):
+        warmup(*args, **kwargs)
+        for measure, seen in zip(measures, values):
+            seen.append(measure())
+
+    monkeypatch.setattr(T, "warmup", counted_warmup)
+    return values
+
+
 def train_losses(tmp_path, run_id: str) -> list[float]:
     lines = (tmp_path / "logs" / f"{run_id}.jsonl").read_text().splitlines()
     return [e["train_loss"] for e in map(json.loads, lines) if "train_loss" in e]
@@ -55,15 +69,8 @@ def test_windows_of_the_rehearsal_cross_zero(tmp_path):
 # MUDD), compiled. Four heads: the paired layer attends as two (with one, CPU inductor fuses the kernel's output into
 # the next op, which its CPU FlexAttention template does not support; the recipe pairs six heads into three).
 def test_compiled_fp8_training_compiles_each_length_in_the_warmup_only_and_follows_eager(tmp_path, monkeypatch):
-    graphs_after_warmup, adam_graphs_after_warmup = [], []
-    warmup = T.warmup
-
-    def counted_warmup(*args, **kwargs):
-        warmup(*args, **kwargs)
-        graphs_after_warmup.append(model_graphs())
-        adam_graphs_after_warmup.append(len(_debug_get_cache_entry_list(T.adam_step_.__code__)))
-
-    monkeypatch.setattr(T, "warmup", counted_warmup)
+    graphs_after_warmup, adam_graphs_after_warmup = measured_after_warmup(
+        monkeypatch, model_graphs, lambda: len(_debug_get_cache_entry_list(T.adam_step_.__code__)))
     # A limit below the plan's graphs (as dynamo's default 8 is below an 8-length plan's 9): the run raises it.
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()

@@ -11,7 +11,7 @@ import torch
 import train_gpt as T
 from conftest import tiny_args
 import test_compiled
-from test_compiled import REHEARSAL, model_graphs
+from test_compiled import REHEARSAL, measured_after_warmup, model_graphs
 
 pytestmark = test_compiled.pytestmark
 _fresh_dynamo_after = test_compiled._fresh_dynamo_after  # the fixture, here too
@@ -27,14 +27,7 @@ def test_compiled_fa3_path_compiles_each_training_plan_in_the_warmup_only(tmp_pa
     # semantics on the CPU) runs inside the compiled graph, as FA3's kernel does on a GPU.
     import fa3_standin
     monkeypatch.setattr(T, "load_fa3", lambda: (fa3_standin.flash_attn_varlen_func, ""))
-    graphs_after_warmup = []
-    warmup = T.warmup
-
-    def counted_warmup(*args, **kwargs):
-        warmup(*args, **kwargs)
-        graphs_after_warmup.append(model_graphs())
-
-    monkeypatch.setattr(T, "warmup", counted_warmup)
+    graphs_after_warmup, = measured_after_warmup(monkeypatch, model_graphs)
     torch._dynamo.reset()
     # The FP8 ops off (the rehearsal compiles them) and a narrower model: the graphs to count, at less compile time.
     args = dict(REHEARSAL, attention="fa3", fp8_head="false", fp8_mlp="false", model_dim=64, head_dim=32,

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import gpt_kernels as K
 import train_gpt as T
-from conftest import SAMPLE_TRAIN, tiny_args
+from conftest import SAMPLE_TRAIN, rel, tiny_args
 from test_model import assert_fp8_head_saturates
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,10 +27,6 @@ fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_
 # The runs below share these shapes, so the compiled graphs are built once (inductor's cache) for all of them.
 RUN = dict(device="cuda", global_batch_seqs=2, model_dim=64, head_dim=32, val_tokens=1024, val_seq_len=1024)
 SLEEP_CYCLES = 2_000_000  # torch.cuda._sleep: about a millisecond of one stream held busy
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def test_cuda_environment(record_property):

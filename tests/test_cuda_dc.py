@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import train_gpt as DC
+from conftest import outputs_and_grads
 importlib.import_module("gpt_kernels")  # registers torch.ops.speedrun.dc_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,23 +33,15 @@ def recipe_inputs(T: int, entries: int, H: int = 6, D: int = 128) -> tuple[list[
     return [x.bfloat16().requires_grad_() for x in (base, q, k, v, w1, w2)], cu
 
 
-def grads(fn, tensors: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
-    for x in tensors:
-        x.grad = None
-    out = fn(*tensors)
-    out.backward(grad)
-    return [out.detach()] + [x.grad.clone() for x in tensors]
-
-
 def test_dc_attention_kernels_at_the_recipes_shape_follow_the_torch_path_and_their_backward_is_deterministic(
         record_property):
     T, entries = 16_384, 64  # the first stage's micro-step and cu_seqlens slots
     tensors, cu = recipe_inputs(T, entries)
     grad = torch.randn(T, 6, 128, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(2)).bfloat16()
     kernel = lambda *x: torch.ops.speedrun.dc_attention(*x, cu, SCALE, WINDOW)[0]  # noqa: E731
-    got = grads(kernel, tensors, grad)
-    again = grads(kernel, tensors, grad)
-    want = grads(lambda *x: DC.dc_attention(*x, cu, SCALE, WINDOW), tensors, grad)
+    got = outputs_and_grads(kernel, tensors, grad)
+    again = outputs_and_grads(kernel, tensors, grad)
+    want = outputs_and_grads(lambda *x: DC.dc_attention(*x, cu, SCALE, WINDOW), tensors, grad)
     names = ("out", "base", "q", "k", "v", "w1", "w2")
     errors = {n: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
               for n, a, b in zip(names, got, want)}

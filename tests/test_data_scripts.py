@@ -11,13 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "data"))
-
-import cached_fineweb10B  # noqa: E402
-import tokenize_text  # noqa: E402
-import train_gpt  # noqa: E402
+import cached_fineweb10B
+import tokenize_text
+import train_gpt
+from conftest import REPO
 
 needs_tokenizer = pytest.mark.skipif(
     not (REPO / "data" / "tokenizer").is_dir(), reason="no data/tokenizer/ in this checkout (the bundled GPT-2 BPE)")

@@ -1,17 +1,20 @@
 """The docs are true as written: every command in README.md's and docs/DETAILS.md's code blocks is either run here
 from a fresh copy of the repository (the ones that take under a minute) or skipped for a reason listed below; every
-repository path the docs name exists; the lists the docs copy from the code (the resume refusals, the sm90 check's
-rows) are the code's."""
+repository path the docs name exists; every name of the code they write inline (a function, class, constant,
+method, Config field or flag) is the code's; the lists the docs copy from the code (the resume refusals, the sm90
+check's rows) are the code's."""
 
+import ast
+import dataclasses
+import fnmatch
 import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, fresh_copy
 
 DOCS = ("README.md", "docs/DETAILS.md")
 # Every README and doc a reader follows paths from (the paths test).
@@ -69,17 +72,6 @@ def test_every_command_in_the_docs_is_run_here_or_skipped_for_a_listed_reason():
                                          "listed commands no doc has", set(COMMANDS) - set(found))
 
 
-def fresh_copy(dest: Path) -> Path:
-    """The repository's files as a clone would have them (tracked, and new files git does not ignore)."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, files):
-        if (REPO / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, dest / name)
-    return dest
-
-
 @pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
 @pytest.mark.parametrize("command", [c for c, why in COMMANDS.items() if why is None])
 def test_a_quick_command_of_the_docs_runs_as_written_from_a_fresh_copy(command, tmp_path):
@@ -108,6 +100,175 @@ def test_every_repository_path_a_doc_names_exists(doc):
     missing = [p for p in sorted(named_paths(doc))
                if not any(root.glob(p.rstrip("/")) for root in (REPO, base)) and not (REPO / p).exists()]
     assert not missing, missing
+
+
+# The docs that name the code inline, and the code they name: the project's own Python files.
+NAME_DOCS = ("README.md", "docs/DETAILS.md", "tools/README.md")
+CODE_FILES = ("train_gpt.py", "gpt_kernels.py", "sample.py", "tools/*.py", "data/*.py")
+FILE_ENDINGS = {"py", "sh", "json", "jsonl", "md", "txt", "bin", "pt", "gz", "png", "so"}  # `model.pt` is a file
+# Another code base (a record's, upstream's) named: a table column headed by it lists its names, and so does its
+# possessive in prose ("upstream's `sparse_comms_start`", "#89's `XXT`"), not this project's.
+OTHER_CODE = r"#\d+|upstream"
+
+
+def inline_code(markdown: str) -> list[tuple[int, str]]:
+    """(line, text) of each `span` of a markdown text outside its code blocks and other code bases' names; a span may
+    wrap across lines."""
+    kept, fenced, other_columns = [], False, set()
+    for line in markdown.splitlines():
+        fence = line.lstrip().startswith("```")
+        fenced ^= fence
+        if fenced or fence:
+            line = ""
+        elif line.startswith("|"):
+            cells = line.strip().strip("|").split("|")
+            if not other_columns:  # the header row: which columns list other code's names
+                other_columns = {i for i, cell in enumerate(cells) if re.fullmatch(OTHER_CODE, cell.strip(), re.I)}
+                other_columns.add(-1)  # the table has begun, whatever its columns
+            line = "|".join(cell for i, cell in enumerate(cells) if i not in other_columns)
+        else:
+            other_columns = set()
+        kept.append(line)
+    text = "\n".join(kept)
+    return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
+            for m in re.finditer(r"`([^`]+)`", text)
+            if not re.search(rf"(?:{OTHER_CODE})'s\s+$", text[max(m.start() - 20, 0):m.start()], re.I)]
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """The ids of a module's docstring nodes: prose, which may be as stale as the docs."""
+    bodies = [n.body for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    return {id(body[0].value) for body in bodies if body and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)}
+
+
+@dataclasses.dataclass
+class CodeNames:
+    """What the project's code holds, read from its source (nothing imported but the Config)."""
+    members: dict[str, set[str]]  # module stem or class name -> its top-level names or members
+    names: set[str]  # every identifier the code uses or defines, and the words of its strings (log and JSON keys)
+    flags: set[str]  # the Config fields and the --flags the other commands parse
+    fields: set[str]
+    tests: set[str]  # the tests' function names
+
+    @classmethod
+    def read(cls) -> "CodeNames":
+        import train_gpt as T
+        fields = {f.name for f in dataclasses.fields(T.Config)}
+        code = cls({}, set(), fields | {"help"}, fields, set())  # argparse's --help
+        for path in sorted(p for pattern in CODE_FILES for p in REPO.glob(pattern)):
+            code.add_module(path.stem, ast.parse(path.read_text()))
+        code.names |= set(re.findall(r"\w+", (REPO / "run.sh").read_text()))  # its Python part: torchrun's error
+        for path in (REPO / "tests").glob("test_*.py"):
+            code.tests |= {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        return code
+
+    def add_module(self, stem: str, tree: ast.Module) -> None:
+        self.members.setdefault(stem, set()).update(defined_names(tree.body))
+        prose = docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                self.members.setdefault(node.name, set()).update(defined_names(node.body), self_attributes(node))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if id(node) not in prose:
+                    self.names |= set(re.findall(r"[A-Za-z_]\w*", node.value))
+                    self.flags |= set(re.findall(r"^--([a-z]\w*)$", node.value))
+            else:
+                self.names |= {getattr(node, a) for a in ("id", "attr", "name", "arg") if isinstance(
+                    getattr(node, a, None), str)}
+
+    def unknown(self, span: str, gone: set[str]) -> str | None:
+        """Why a doc's inline `span` names nothing in the code, or None: it does, or it is no code name of this
+        project (a command, a file, a number, a word, another library's name)."""
+        text = span.removesuffix("()")
+        if flag := re.fullmatch(r"--([a-z][a-z0-9_]*)(=\S*)?", text):
+            name = flag.group(1)
+            return None if name in self.flags | gone else f"no Config field or command parses --{name}"
+        if "*" in text and re.fullmatch(r"[a-z0-9_*]+", text) and "_" in text:  # a family of fields: `fp8_*`
+            return None if fnmatch.filter(self.fields, text) else f"no Config field matches {text}"
+        if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", text) and text.rsplit(".", 1)[1] not in FILE_ENDINGS:
+            return self.unresolved(text.split("."))
+        if re.fullmatch(r"[A-Za-z_]\w*", text) and re.search(r"_|[A-Z]", text):  # a code name, not a word
+            if text.startswith("test_"):
+                return None if text in self.tests else f"no test in tests/ is named {text}"
+            return None if text in self.names else f"the code has no name {text}"
+        return None
+
+    def unresolved(self, path: list[str]) -> str | None:
+        """A dotted path from a module or class of the project: why it does not resolve, or None."""
+        head, *rest = path
+        if head not in self.members:
+            return f"the code has no module or class {head}" if head[0].isupper() else None  # torch.compile: others'
+        scope = head
+        for part in rest:
+            if part not in self.members[scope]:
+                return f"{scope} has no {part}"
+            if part not in self.members:  # a function or a value: what lies beyond it is not read
+                return None
+            scope = part
+        return None
+
+
+def defined_names(body: list[ast.stmt]) -> set[str]:
+    """The names a module's or class's body binds (in its if and try blocks too): functions, classes, assignments (a
+    dataclass's fields)."""
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):
+            blocks = [node.body, node.orelse, getattr(node, "finalbody", []),
+                      *(h.body for h in getattr(node, "handlers", []))]
+            names |= set().union(*map(defined_names, blocks))
+    return names
+
+
+def self_attributes(cls: ast.ClassDef) -> set[str]:
+    """The attributes a class's methods assign to self (a module's submodules and buffers, say)."""
+    return {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
+def gone_flags() -> set[str]:
+    """The flags the README lists as gone (`- **Gone**: `--flag``): named in the docs, absent from the code."""
+    return set(re.findall(r"\*\*Gone\*\*: `--(\w+)`", (REPO / "README.md").read_text()))
+
+
+def test_every_code_name_the_docs_write_inline_is_the_codes():
+    code, gone = CodeNames.read(), gone_flags()
+    unknown = [f"{doc}:{line} `{span}`: {why}" for doc in NAME_DOCS
+               for line, span in inline_code((REPO / doc).read_text()) if (why := code.unknown(span, gone))]
+    assert not unknown, "\n".join(unknown)
+
+
+def test_a_flag_the_readme_lists_as_gone_is_no_config_field():
+    import train_gpt as T
+    gone = gone_flags()
+    assert gone and not gone & {f.name for f in dataclasses.fields(T.Config)}, gone
+
+
+def test_the_inline_code_the_rule_reads_leaves_out_code_blocks_and_other_code_bases_names():
+    markdown = ("Ours: `a_name` and `a\nwrapped_name`; #89's `XXT` and upstream's\n`sparse_comms_start` are theirs.\n"
+                "```bash\npython `in_a_block`\n```\n"
+                "| #89 | here |\n|---|---|\n| `theirs_in_a_table` | `ours_in_a_table` |\n\nAfter: `ours_again`\n")
+    assert inline_code(markdown) == [(1, "a_name"), (1, "a wrapped_name"), (9, "ours_in_a_table"), (11, "ours_again")]
+
+
+def test_the_code_names_rule_tells_the_codes_names_from_stale_ones_and_from_words():
+    code = CodeNames.read()
+    for name in ("TrainTokenStream._take", "GPT.mudd", "gpt_kernels.xxt", "train_gpt.GPT.apply_yarn", "schedule()",
+                 "--warmup_steps", "--top_k", "fp8_*", "ShardedMuonAdam", "final_val_loss",
+                 "test_every_code_name_the_docs_write_inline_is_the_codes"):
+        assert code.unknown(name, set()) is None, name
+    for name in ("TrainTokenStream._pack", "GPT.no_such_method", "gpt_kernels.no_such_kernel", "NoSuchClass.method",
+                 "--no_such_flag=1", "no_such_field_*", "no_such_function()", "test_no_such_test"):
+        assert code.unknown(name, set()), name
+    for word in ("./run.sh", "train_gpt.py", "model.pt", "torch.compile", "sqrt.rn", "mlp", "2.13.0+cpu", "error:",
+                 "--monitor-interval=5", "python tools/compare.py diff"):
+        assert code.unknown(word, set()) is None, word
 
 
 def test_details_lists_the_fields_a_resume_must_match():

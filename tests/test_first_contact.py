@@ -6,7 +6,6 @@ promises of it (the install line, the final line) agreeing with CI and the recor
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, SMALL, tiny_args
+from conftest import REPO, SMALL, fresh_copy, tiny_args
 
 RECORD = Path("records/2026-11-28_tiny_cpu_head/tiny_cpu_w1.txt")
 README = (REPO / "README.md").read_text()
@@ -47,18 +46,6 @@ def test_the_readme_points_a_linux_cpu_machine_at_pytorchs_cpu_wheels():
     assert f"Running PyTorch {version}+cpu compiled for CUDA None" in (REPO / RECORD).read_text()
 
 
-def scratch_copy(tmp_path: Path) -> Path:
-    """The tracked files (and the uncommitted edits to them) alone, as a clone would have them."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
-    copy = tmp_path / "speedrun"
-    for name in files:
-        if (REPO / name).is_file():
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, copy / name)
-    return copy
-
-
 def logged_losses(jsonl: Path) -> dict[tuple[int, str], float]:
     """Every train and val loss a run logged, by (step, name)."""
     entries = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -83,7 +70,7 @@ DRIFT = {"train_loss": 0.2, "val_loss": 0.05}
 def test_the_quick_start_reproduces_the_bundled_record_and_compares_with_it(tmp_path):
     if not (REPO / ".git").exists():
         pytest.skip("needs the git checkout (the copy takes its tracked files)")
-    repo = scratch_copy(tmp_path)
+    repo = fresh_copy(tmp_path / "speedrun")
     assert not (repo.parent / "shared").exists()
     run = subprocess.run([str(repo / "run.sh"), "--run_id=first"], cwd=repo, capture_output=True, text=True,
                          timeout=900)

@@ -10,17 +10,10 @@ import torch
 
 import reference_head as RH
 import train_gpt as T
+from conftest import config
 
 R89 = RH.R89
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(_cpu_threads):
-    """Small float64 matmuls run far faster on one thread of the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small(**kw) -> T.Config:
@@ -32,7 +25,7 @@ def small(**kw) -> T.Config:
                   value_embeds=ref.value_embeds, skip=ref.skip, attn_input_layer=ref.attn_input_layer,
                   xsa_layers="1,3,4,7", attn_gate_layers="3,10", bigram_rows=ref.bigram_rows,
                   mudd_dim=ref.mudd_dim, block_size=ref.block_size, **kw)
-    return T.parse_config([f"--{k}={v}" for k, v in fields.items()])
+    return config(**fields)
 
 
 def reference_config(cfg: T.Config) -> RH.CfgHead:

@@ -11,14 +11,7 @@ import torch
 from tests import reference_head as RH
 
 R89, O89 = RH.R89, RH.O89
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(_cpu_threads):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed: int) -> torch.Generator:

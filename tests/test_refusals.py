@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SMALL, main_in_process, tiny_args
+from conftest import REPO, SMALL, fail_in_step_2, main_in_process, tiny_args
 
 
 @pytest.mark.parametrize("args, message", [
@@ -173,21 +173,14 @@ def test_a_signal_during_the_final_validation_stops_there_and_hands_the_handlers
 
 
 def test_a_signal_while_a_failed_run_cleans_up_changes_nothing(tmp_path, monkeypatch, capsys):
-    forward, close = T.GPT.forward, T.Checkpointer.close
-
-    def failing_in_step_2(self, *args):
-        if self.training and failing_in_step_2.calls == 2:  # two micro-steps a step: step 1 is logged first
-            raise RuntimeError("a bug in step 2")
-        failing_in_step_2.calls += self.training
-        return forward(self, *args)
+    close = T.Checkpointer.close
 
     def sigterm_in_the_cleanup(self, error=False):  # torchrun's SIGTERM to the rank while it waits for its writes
         if error:
             T.STOP(signal.SIGTERM, None)
         close(self, error)
 
-    failing_in_step_2.calls = 0
-    monkeypatch.setattr(T.GPT, "forward", failing_in_step_2)
+    fail_in_step_2(monkeypatch)
     monkeypatch.setattr(T.Checkpointer, "close", sigterm_in_the_cleanup)
     with pytest.raises(RuntimeError, match="a bug in step 2"):
         main_in_process(tiny_args(tmp_path, run_id="bug", save_every=1, **FIELDS), monkeypatch, capsys)

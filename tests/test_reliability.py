@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SMALL, main_in_process, tiny_args
+from conftest import REPO, SMALL, fail_in_step_2, main_in_process, tiny_args
 from tokenize_text import write_shard
 
 
@@ -161,16 +161,7 @@ def test_a_signal_between_adam_steps_stops_at_once(tmp_path, monkeypatch, capsys
 
 
 def test_a_failed_runs_logs_are_set_aside_and_a_rerun_with_its_id_starts_and_keeps_them(tmp_path, monkeypatch):
-    forward = T.GPT.forward
-
-    def failing_in_step_2(self, *args):
-        if self.training and failing_in_step_2.calls == 2:  # two micro-steps a step: step 1 is logged first
-            raise RuntimeError("a bug in step 2")
-        failing_in_step_2.calls += self.training
-        return forward(self, *args)
-
-    failing_in_step_2.calls = 0
-    monkeypatch.setattr(T.GPT, "forward", failing_in_step_2)
+    fail_in_step_2(monkeypatch)
     with pytest.raises(RuntimeError, match="a bug in step 2") as failure:
         T.run(tiny_args(tmp_path, run_id="again", num_steps=4, val_every=0, **SMALL))
     logs = tmp_path / "logs"

@@ -13,7 +13,6 @@ one rounding). "fp32" (fp32 embeddings, a float64 polar factor for the orthogona
 compared against the plain single-process sum at fp32 tolerance, W = 2 and 4.
 """
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train_gpt as T
-from conftest import cpu_gemms, free_port, orthogonalizing
+from conftest import TOY, config, cpu_gemms, free_port, gloo_rank, orthogonalizing
 
 STEPS, GLOBAL_SEQS = 3, 8
 LR_MULT = [1.0, 0.8, 0.5]  # varied so the test notices an optimizer that ignores lr_mult or momentum
@@ -36,30 +35,18 @@ COLLECTIVES = {"reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor
                "all_to_all_single": "all_to_all", "all_reduce": "other", "reduce_scatter": "other",
                "all_gather": "other", "all_to_all": "other", "broadcast": "other"}
 
-
-def _single_thread():
-    """Tiny matmuls on a shared 2-core machine run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-# Once for the module-scoped fixtures, and again per test, after conftest's own thread setting.
-_one_thread_module = pytest.fixture(autouse=True, scope="module")(_single_thread)
-_one_thread = pytest.fixture(autouse=True)(_single_thread)
+# Tiny matmuls: one thread, for the module-scoped fixtures and again per test (after conftest's own setting).
+pytestmark = pytest.mark.usefixtures("one_thread_module", "one_thread")
 
 
 def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
-    fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
-                  train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, normuon_beta2=0.9,
-                  num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2", attn_input_layer=3,
-                  bigram_rows=1028, mudd_dim=8, paired_layers="0,3", xsa_layers="1")
+    fields = dict(TOY, normuon_beta2=0.9, num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2",
+                  attn_input_layer=3, bigram_rows=1028, paired_layers="0,3", xsa_layers="1")
     if variant == "fp32":
         # Adam's step does not shrink with the gradient, so an element whose gradient nearly cancels
         # turns summation-order noise into a visible step; a larger eps bounds that gain.
         fields["adam_eps"] = 1e-6
-    return T.parse_config([f"--{k}={v}" for k, v in {**fields, **overrides}.items()])
+    return config(**{**fields, **overrides})
 
 
 def polar(G: torch.Tensor) -> torch.Tensor:
@@ -217,10 +204,7 @@ def train_sharded(cfg: T.Config, variant: str, rank: int, world_size: int, count
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_rank(rank, world_size, port):
         with cpu_gemms():  # the bf16 GEMM path of the reference, computed in the test's process
             counter = CollectiveCounter()
             variants = ["fp32", "recipe"] if world_size == 2 else ["fp32"]
@@ -237,8 +221,6 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
                     results["rows", rows_exchanged, name] = train_sharded(cfg, "recipe", rank, world_size, counter,
                                                                           data=data)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

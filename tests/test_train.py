@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SMALL, main_in_process, run_world, spawn_world, tiny_args
+from conftest import REPO, SMALL, cli, main_in_process, run_world, spawn_world, tiny_args
 from test_first_contact import logged_losses
 
 
@@ -68,12 +68,6 @@ def test_importing_has_no_side_effects(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
     assert list(tmp_path.iterdir()) == []
-
-
-def cli(args: list[str], cwd: Path, env: dict | None = None, launcher: list[str] | None = None):
-    cmd = (launcher or [sys.executable]) + [str(REPO / "train_gpt.py"), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
 
 
 def run_sh(args: list[str], cwd: Path, nproc: int, env: dict | None = None, **popen) -> subprocess.Popen:
