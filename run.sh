@@ -3,16 +3,38 @@
 # Without a GPU it runs the tiny preset on the bundled sample, on the CPU, to show the pipeline working, on the
 # bundled records' arithmetic (the record path: the same bits on any x86-64 CPU with AVX2, Intel's or AMD's);
 # CPU_PATH=native runs the CPU's own kernels instead (faster with AVX-512 or bf16 GEMMs; the losses differ by rounding).
-# NPROC=N sets the number of processes (NPROC=2 ./run.sh on a CPU: two gloo ranks).
+# NPROC=N sets the number of processes (NPROC=2 ./run.sh on a CPU: two gloo ranks): a whole number from 1, at most
+# one per GPU (the trainer's own rule, checked here before any process starts) or, on a CPU, one per CPU it may use
+# (every rank is a full process with its own torch threads: more ranks than CPUs only share them and slow each step).
 # One process runs python directly. Several run under torchrun, whose own report of a failed rank would
 # bury the rank's one line: here the launcher stays quiet, so that line is the last one printed, and the
 # exit code is the rank's (2: bad input, 130: Ctrl-C, 143: SIGTERM).
 set -euo pipefail
 cd "$(dirname "$0")"
+if [ -n "${NPROC:-}" ] && ! [[ $NPROC =~ ^[1-9][0-9]*$ ]]; then  # before torch loads: a typo costs no wait
+    echo "error: NPROC=$NPROC: give the number of processes, a whole number from 1 (e.g. NPROC=2), or leave it" \
+         "unset for one per GPU (one on a CPU)" >&2
+    exit 2
+fi
 # Some images (a distribution's, a container's) have only python3.
 python=$(command -v python || command -v python3) || { echo "run.sh: neither python nor python3 is on PATH" >&2; exit 1; }
-probe=$("$python" -c "import torch; print(torch.cuda.device_count(), int(torch.cpu._is_avx2_supported()))")
-read -r gpus avx2 <<<"$probe"
+# Ctrl-C while torch loads: the probe dies of the signal (no KeyboardInterrupt traceback) and run.sh exits 130.
+trap 'exit 130' INT
+probe=$("$python" -c "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
+import os, torch
+cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+print(torch.cuda.device_count(), int(torch.cpu._is_avx2_supported()), cpus)")
+trap - INT
+read -r gpus avx2 cpus <<<"$probe"
+nproc=${NPROC:-$((gpus > 0 ? gpus : 1))}
+on_cpu=$((gpus == 0))
+for a in "$@"; do [ "$a" = "--device=cpu" ] && on_cpu=1; done
+if [ "$on_cpu" -eq 1 ]; then most=$cpus unit=CPU; else most=$gpus unit=GPU; fi
+if [ ${#nproc} -gt ${#most} ] || [ "$nproc" -gt "$most" ]; then  # lengths first: no overflow on a long number
+    echo "error: NPROC=$nproc but $most ${unit}(s) are available: give NPROC=$most or fewer (one process per" \
+         "$unit)" >&2
+    exit 2
+fi
 args=("$@")
 if [ "$gpus" -eq 0 ]; then
     for a in "$@"; do  # a GPU asked for by name: say so, not that a CPU run starts
@@ -54,8 +76,7 @@ if [ "$gpus" -eq 0 ]; then
     echo "run.sh: no CUDA GPU visible; running on the CPU${added[*]:+ with ${added[*]}}, $how" >&2
     args=("${added[@]}" "$@")
 fi
-nproc=${NPROC:-$((gpus > 0 ? gpus : 1))}
-if [ "$nproc" -le 1 ]; then
+if [ "$nproc" -eq 1 ]; then
     exec "$python" train_gpt.py "${args[@]}"
 fi
 exec "$python" - "$nproc" "${args[@]}" <<'PY'

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -70,12 +71,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens; 0: all (at "
                         "most the model's vocabulary: 50304 for the recipe's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     args = parser.parse_args(argv)
     try:
         for name, ok, rule in (("tokens", args.tokens >= 1, ">= 1"), ("top_k", args.top_k >= 0, ">= 0"),
                                ("temperature", math.isfinite(args.temperature) and args.temperature >= 0,
-                                "a finite number >= 0")):
+                                "a finite number >= 0"),
+                               ("device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device), "auto, cpu, cuda or "
+                                "cuda:N")):
             if not ok:
                 raise T.UsageError(f"--{name} must be {rule}, got {getattr(args, name)}")
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

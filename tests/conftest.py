@@ -5,6 +5,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,6 +124,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Poll until ready() holds; fails if proc exits first or timeout_s passes (generous: a loaded machine is slow)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"exited {proc.returncode} first: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"not ready after {timeout_s} s"
+        time.sleep(0.05)
 
 
 def live_threads() -> list[str]:

@@ -29,6 +29,7 @@ PLACEHOLDER = "names placeholders (A.txt, RUN..., <run_id>) a reader fills in"
 SLURM = "a SLURM job script's lines (sbatch runs them on a cluster; tests/test_resume_auto.py runs their kind of loop)"
 COMMANDS = {
     "python -m venv .venv && . .venv/bin/activate": "makes a virtual environment (CI's image has its own)",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": PIP,
     "pip install torch==2.13.0 triton==3.6.0 -r requirements.txt": PIP,
     "pip install torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130": PIP,
     "pip install triton==3.6.0 -r requirements.txt": PIP,

@@ -6,6 +6,7 @@ promises of it (the install line, the final line) agreeing with CI and the recor
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, SMALL, fresh_copy, tiny_args
+from conftest import REPO, SMALL, fresh_copy, tiny_args, wait_until
 
 RECORD = Path("records/2026-11-28_tiny_cpu_head/tiny_cpu_w1.txt")
 README = (REPO / "README.md").read_text()
@@ -35,14 +36,17 @@ def test_the_readme_installs_what_ci_installs_and_quotes_the_records_final_loss(
     assert f"| {final:.4f} |" in row  # records/README.md quotes the same run
 
 
-def test_the_readme_points_a_linux_cpu_machine_at_pytorchs_cpu_wheels():
-    # pip's default torch for Linux is the CUDA build: gigabytes a CPU machine never uses. Beside CI's line, the
-    # README gives the CPU index's torch, at CI's pin, the build the bundled record ran.
+def test_the_readmes_first_install_command_is_pytorchs_cpu_build_then_cis_line():
+    # pip's default torch for Linux is the CUDA build: gigabytes a CPU machine never uses. The first pip command a
+    # reader copies takes the CPU index's torch at CI's pin (the build the bundled record ran); CI's line follows,
+    # and its torch==2.13.0 is met by the 2.13.0+cpu already there.
     install = README.split("\n## Install\n")[1].split("\n## ")[0]
     ci = re.search(r"^python -m pip install --quiet (.+)$", (REPO / ".ci" / "run").read_text(), re.M).group(1)
-    cpu = re.search(r"`pip install (torch==\S+) --index-url https://download\.pytorch\.org/whl/cpu`", install)
-    assert cpu and cpu.group(1) in ci.split(), install
-    version = cpu.group(1).split("==")[1]
+    pips = [line.split("#")[0].split() for line in install.splitlines() if line.startswith("pip install ")]
+    torch_pin = next(p for p in ci.split() if p.startswith("torch=="))
+    assert pips[0] == ["pip", "install", torch_pin, "--index-url", "https://download.pytorch.org/whl/cpu"], pips
+    assert pips[1] == ["pip", "install", *ci.split()], pips
+    version = torch_pin.split("==")[1]
     assert f"Running PyTorch {version}+cpu compiled for CUDA None" in (REPO / RECORD).read_text()
 
 
@@ -104,6 +108,52 @@ def test_run_sh_refuses_a_cpu_path_it_does_not_know_in_one_line(tmp_path):
     assert run.returncode == 2 and run.stdout == "" and not any(tmp_path.iterdir()), run.stderr
     assert run.stderr.splitlines() == ["error: CPU_PATH=avx512: use CPU_PATH=record (the default: the bundled records' "
                                        "arithmetic) or CPU_PATH=native (this CPU's own kernels)"]
+
+
+def stand_in_torch(folder: Path, body: str) -> dict[str, str]:
+    """The environment of a machine whose `import torch` runs body instead (what run.sh's probe sees of it)."""
+    (folder / "torch").mkdir(parents=True)
+    (folder / "torch" / "__init__.py").write_text(body)
+    return {**os.environ, "PYTHONPATH": str(folder)}
+
+
+TWO_GPUS = """
+class cuda:
+    device_count = staticmethod(lambda: 2)
+class cpu:
+    _is_avx2_supported = staticmethod(lambda: True)
+"""
+CPUS = len(os.sched_getaffinity(0))  # the CPUs this process may use
+
+
+@pytest.mark.parametrize("nproc, gpus, flags, message", [
+    *((n, False, [], f"NPROC={n}: give the number of processes, a whole number from 1 (e.g. NPROC=2), or leave it "
+      "unset for one per GPU (one on a CPU)") for n in ("abc", "0", "-1", "2.5", "02", " 2")),
+    (str(CPUS + 1), False, [], f"NPROC={CPUS + 1} but {CPUS} CPU(s) are available: give NPROC={CPUS} or fewer (one "
+     "process per CPU)"),
+    ("9" * 30, False, [], f"NPROC={'9' * 30} but {CPUS} CPU(s) are available"),  # past bash's integers
+    ("3", True, [], "NPROC=3 but 2 GPU(s) are available: give NPROC=2 or fewer (one process per GPU)"),
+    (str(CPUS + 1), True, ["--device=cpu"], f"NPROC={CPUS + 1} but {CPUS} CPU(s) are available"),
+])
+def test_run_sh_refuses_an_nproc_it_cannot_run_in_one_line(tmp_path, nproc, gpus, flags, message):
+    # --bogus: a flag the trainer refuses at once, so that an NPROC let through starts no training either.
+    env = stand_in_torch(tmp_path / "site", TWO_GPUS) if gpus else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([str(REPO / "run.sh"), f"--log_dir={tmp_path / 'logs'}", *flags, "--bogus=1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**env, "NPROC": nproc})
+    assert run.returncode == 2 and run.stdout == "" and not (tmp_path / "logs").exists(), run.stderr
+    assert len(run.stderr.splitlines()) == 1 and run.stderr.startswith(f"error: {message}"), run.stderr
+
+
+def test_ctrl_c_while_run_sh_loads_torch_exits_130_quietly(tmp_path):
+    loading = tmp_path / "loading"  # a torch that takes its time to load, and says when it has started
+    env = stand_in_torch(tmp_path / "site", f"import pathlib, time\npathlib.Path({str(loading)!r}).touch()\n"
+                                            "time.sleep(600)\n")
+    proc = subprocess.Popen([str(REPO / "run.sh")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    wait_until(loading.exists, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    out, err = proc.communicate(timeout=300)
+    assert (proc.returncode, out, err) == (130, "", "")
 
 
 @pytest.mark.slow

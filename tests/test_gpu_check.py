@@ -2,10 +2,16 @@
 survive a failing or hanging step. The whole check on the CPU is `python tools/gpu_check.py` (about two
 minutes); here its parts run on small inputs."""
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+
+from conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -99,3 +105,57 @@ def test_the_bench_runs_the_recipe_at_its_last_and_largest_shape():
     shape = lambda s: (s.seq_len, s.long_window, s.short_window, s.max_doc_len, s.lr_mult)  # noqa: E731
     assert shape(first) == (49152, 11, 5, 2048, 1.73)
     assert shape(last)[:4] == shape(first)[:4]  # the last stage's (its lr has cooled down by then)
+
+
+# A stage that hangs, with a helper process in its group (as inductor's compile workers are): it writes both ids.
+HANGING_STAGE = """
+import os, pathlib, subprocess, time
+
+def test_hangs():
+    helper = subprocess.Popen(["sleep", "600"])
+    pathlib.Path(os.environ["STAGE_PIDS"]).write_text(f"{os.getpid()} {helper.pid}\\n")
+    time.sleep(600)
+"""
+# gpu_check.py's own main, its stages replaced by that one.
+CHECK_WITH_A_HANGING_STAGE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import gpu_check
+_, stage, out = sys.argv[1:]
+gpu_check.stages = lambda folder, cuda: gpu_check.run_tests([stage], folder, 600, "kernels")
+sys.argv = ["gpu_check.py", "--out", out, "--skip_bench"]
+sys.exit(gpu_check.main())
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether pid is a live process (not one that has exited and awaits its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGINT, 130, "interrupted"),
+                                                (signal.SIGTERM, 143, "terminated")])
+def test_a_stopped_check_ends_its_stages_process_group(tmp_path, signum, code, line):
+    # The stage runs in a session of its own (so that its limit can kill its whole group): a Ctrl-C in the terminal
+    # does not reach it, and a SIGTERM is gpu_check's alone. Either one used to leave pytest running, orphaned.
+    (tmp_path / "test_stage.py").write_text(HANGING_STAGE)
+    pids = tmp_path / "stage.pids"
+    proc = subprocess.Popen([sys.executable, "-c", CHECK_WITH_A_HANGING_STAGE, str(REPO / "tools"),
+                             str(tmp_path / "test_stage.py"), str(tmp_path / "out")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "STAGE_PIDS": str(pids)},
+                            start_new_session=True)
+    wait_until(lambda: pids.exists() and pids.read_text().endswith("\n"), proc)
+    stage = [int(pid) for pid in pids.read_text().split()]
+    try:
+        os.killpg(proc.pid, signum)  # the terminal's Ctrl-C goes to its process group; a scheduler's SIGTERM too
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == code and err.splitlines()[-1] == line and "Traceback" not in err, err
+        assert not any(running(pid) for pid in stage)
+    finally:  # what a stopped check left behind (or a check that did not stop), ended here
+        for pid in filter(running, [*stage, proc.pid]):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()

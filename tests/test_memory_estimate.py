@@ -264,3 +264,26 @@ def test_the_card_table_names_the_smallest_split_that_fits(card_table, repo_rows
         for b in card_table:
             if a["gpus"] == b["gpus"] and a["path"] == b["path"] and a["gb"] < b["gb"] and a["micro_split"]:
                 assert b["micro_split"] is not None and b["micro_split"] <= a["micro_split"], (a, b)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("notes.txt/memory.json", "{tmp}/notes.txt is a file, not a folder"),
+    (".", "a folder, not a file"),
+    ("/proc/memory.json", "cannot write a file in /proc ("),  # procfs takes no new file, not even root's
+])
+def test_a_json_path_it_cannot_write_is_one_line_before_any_tracing(tmp_path, target, message):
+    # The tracing takes minutes: a bad --json used to fail after them, with a traceback.
+    (tmp_path / "notes.txt").write_text("kept\n")
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "memory_estimate.py"), "--json", target],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == "", run.stderr  # no table: it stopped before the estimate
+    assert run.stderr.startswith(f"error: --json={target}: {message.format(tmp=tmp_path)}") and \
+        run.stderr.count("\n") == 1, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_json_path_it_can_write_is_left_as_it_was(tmp_path):
+    existing, new = tmp_path / "rows.json", tmp_path / "new" / "rows.json"
+    existing.write_text("kept\n")
+    assert M.unwritable(existing) is None and M.unwritable(new) is None
+    assert existing.read_text() == "kept\n" and sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]

@@ -71,6 +71,8 @@ def test_sampling_is_reproducible_and_greedy_is_top_1(checkpoint, capsys):
     (["--top_k=50305"], "--top_k must be at most this model's vocabulary, 50304 tokens (0: all of them), got 50305"),
     (["--tokens=100000"], "this model takes at most 1024"),
     (["--device=cuda"], "--device=cuda but no CUDA GPU is visible; use --device=cpu (or auto)"),
+    (["--device=bogus"], "error: --device must be auto, cpu, cuda or cuda:N, got bogus\n"),  # not torch's own list
+    (["--device=cuda:x"], "error: --device must be auto, cpu, cuda or cuda:N, got cuda:x\n"),
 ])
 def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without CUDA, GPU or not

@@ -23,7 +23,7 @@ first, each under its own time limit:
 
 A stage killed at its limit keeps the outcome of every test that finished (read from pytest's verbose log).
 Every check prints PASS, FAIL or SKIP with its figures, and the script goes on past a failure (exit code 1 if
-any failed). The folder (default records/<date>_gpu_check/) receives the tests' log and junit XML, the bench's
+any failed). Ctrl-C or SIGTERM stops it, the running stage's processes with it (exit code 130 or 143). The folder (default records/<date>_gpu_check/) receives the tests' log and junit XML, the bench's
 run log, summary and report (its trace stays in logs/, git-ignored there), and the table as check.md and
 check.json.
 """
@@ -31,6 +31,7 @@ check.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -75,15 +76,39 @@ REHEARSAL_TESTS = ["tests/test_compiled.py"]
 # cold cache.
 LIMITS_S = {"kernels": 110, "model": 180, "bench": 140}
 MEMORY_MARGIN = 1.15  # measured peak allocated over the estimate that still passes
+STOP_GRACE_S = 10  # after the check is stopped, how long a stage has to stop on the forwarded signal before a kill
 BENCH_FIGURES = [("ms_per_step_median", "ms/step", "{:.1f}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
                  ("mfu_pct", "MFU", "{:.1f}%"), ("peak_memory_allocated_mib", "peak alloc MiB", "{:,.0f}"),
                  ("peak_memory_reserved_mib", "peak reserved MiB", "{:,.0f}"), ("gpu_idle_frac", "GPU idle", "{:.2%}"),
                  ("h2d_overlap_frac", "H2D overlapped", "{:.0%}")]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop): handled as Ctrl-C is."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def end_group(proc: subprocess.Popen, signum: int) -> None:
+    """A stage's process group, in a session of its own that no Ctrl-C reaches, when the check is stopped: signum
+    forwarded (pytest stops where it is), then the group killed (compile workers), at the latest after STOP_GRACE_S."""
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=STOP_GRACE_S)
+    finally:  # a second Ctrl-C during the grace included
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run_logged(cmd: list[str], log: Path, limit_s: float) -> tuple[int | None, float]:
     """Run cmd from the repo root, its output shown and appended to log; (exit code, or None if it ran past
-    limit_s and was killed with its whole process group, inductor's compile workers included; seconds)."""
+    limit_s and was killed with its whole process group, inductor's compile workers included; seconds). Stopped
+    itself (Ctrl-C, SIGTERM), it ends cmd's process group first."""
     t0 = time.monotonic()
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
@@ -98,11 +123,16 @@ def run_logged(cmd: list[str], log: Path, limit_s: float) -> tuple[int | None, f
 
         watchdog = threading.Timer(limit_s, kill)
         watchdog.start()
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            f.write(line)
-        proc.wait()
-        watchdog.cancel()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                f.write(line)
+            proc.wait()
+        except KeyboardInterrupt as stop:
+            end_group(proc, signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+            raise
+        finally:
+            watchdog.cancel()
         if expired.is_set():  # on a line of its own: the last one may be a test's id still waiting for its outcome
             print(f"\nkilled after {limit_s:.0f} s", flush=True)
             f.write(f"\nkilled after {limit_s:.0f} s\n")
@@ -251,6 +281,17 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
+    """The check; stopped by Ctrl-C or SIGTERM, it ends the running stage and exits 130 or 143, saying which."""
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        return check()
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, Terminated)
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        return 143 if terminated else 130
+
+
+def check() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "records" / f"{datetime.date.today()}_gpu_check")
     parser.add_argument("--skip_bench", action="store_true", help="the test stages alone (kernels, model)")

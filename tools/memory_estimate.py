@@ -64,6 +64,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -658,6 +659,23 @@ def comparison(columns: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def unwritable(path: Path) -> str | None:
+    """Why no file can be written at path, or None: known before minutes of tracing, and nothing is created."""
+    if path.is_dir():
+        return "a folder, not a file"
+    folder = next(p for p in path.absolute().parents if p.exists())  # where the file, or its first new folder, goes
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    try:
+        if path.exists():
+            path.open("r+b").close()  # opened for writing, left as it is
+        else:
+            tempfile.TemporaryFile(dir=folder).close()  # nameless on Linux: nothing is left behind
+    except OSError as e:
+        return f"cannot write a file in {folder} ({e.strerror})"
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the rows here (with --cards, the card table's too)")
@@ -666,6 +684,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.cards and not hasattr(T.Config, "micro_split"):
         parser.error(f"--cards: {TRAINER} has no --micro_split")
+    if args.json and (problem := unwritable(args.json)):
+        print(f"error: --json={args.json}: {problem}", file=sys.stderr)
+        return 2
     rows = [row for name, preset in PRESETS.items() for row in estimate(name, preset)]
     if "recipe torch path" in PRESETS:  # the repository's trainer: #89 ran this recipe
         one = {r["preset"]: r for r in rows if r["gpus"] == 1}

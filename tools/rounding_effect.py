@@ -37,10 +37,19 @@ def recipe_config() -> T.Config:
     return cfg
 
 
-def batches(cfg: T.Config, steps: int, seq_len: int) -> list[torch.Tensor]:
-    """steps x (global_batch_seqs, seq_len + 1) token windows from the bundled sample, at fixed offsets."""
-    tokens = torch.from_numpy(T.load_shard(T.find_shards(str(REPO / "data/sample/sample_train_*.bin"))[0],
-                                           cfg.vocab_size).astype("int64"))
+def sample_tokens(cfg: T.Config) -> torch.Tensor:
+    """The bundled sample's first train shard."""
+    return torch.from_numpy(T.load_shard(T.find_shards(str(REPO / "data/sample/sample_train_*.bin"))[0],
+                                         cfg.vocab_size).astype("int64"))
+
+
+def most_steps(cfg: T.Config, tokens: torch.Tensor, seq_len: int) -> int:
+    """How many steps' batches the tokens hold, none shared between steps."""
+    return tokens.numel() // (cfg.global_batch_seqs * (seq_len + 1))
+
+
+def batches(cfg: T.Config, tokens: torch.Tensor, steps: int, seq_len: int) -> list[torch.Tensor]:
+    """steps x (global_batch_seqs, seq_len + 1) token windows from tokens, at fixed offsets."""
     seq = seq_len + 1
     return [torch.stack([tokens[(s * cfg.global_batch_seqs + i) * seq:][:seq] for i in range(cfg.global_batch_seqs)])
             for s in range(steps)]
@@ -82,12 +91,18 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="steps each variant trains (default 8)")
     args = parser.parse_args()
     torch.manual_seed(0)
     cfg = recipe_config()
     at = T.stage_starts(cfg)[2]  # the last stage's first step: its sequence length, windows and YaRN
-    data = batches(cfg, args.steps, T.schedule(at, cfg).seq_len)
+    seq_len, tokens = T.schedule(at, cfg).seq_len, sample_tokens(cfg)
+    most = most_steps(cfg, tokens, seq_len)
+    if not 1 <= args.steps <= most:
+        print(f"error: --steps must be in [1, {most}] (the bundled sample's batches at this shape), got {args.steps}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    data = batches(cfg, tokens, args.steps, seq_len)
     start = T.GPT(cfg, use_flex=False, fp8_head=False)
     start.apply_yarn(T.schedule(at, cfg).yarn_windows)
     initial = {n: p.detach().float().clone() for n, p in start.named_parameters()}
