@@ -8,6 +8,7 @@ recipe function in "Init & optimizer hyperparameters" and its line in OPTIMIZERS
 from __future__ import annotations
 
 import dataclasses, datetime, difflib, functools, inspect, json, math, os, random, sys, textwrap, uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import AdamW
 
-from train_gpt import (AUTO, CKPT_FORMAT, CKPT_META, CKPT_MODEL, EXIT_CODES, SEPARATOR, STOP, STOPS, OutOfMemory,
-                       PrefetchLoader, RankLost, RunLog, Runtime, TrainClock, UsageError, _parse_value,
-                       all_gather_into, bf16_gemm_path, cpu_gemms, environment_report, find_shards, load_shard,
-                       more_data_hint, on_rank0, one_line_error, print0, rank_file, read_checkpoint_meta, read_options,
-                       read_part, rule_holds, save_atomic, shard_token_count, source_digests, source_files,
-                       write_json_atomic)
+from train_gpt import (CKPT_FORMAT, CKPT_META, CKPT_MODEL, EXIT_CODES, SEPARATOR, STOP, STOPS, OutOfMemory,
+                       PrefetchLoader, RankLost, RunLog, Runtime, TrainClock, UsageError, _parse_value, all_gather_into,
+                       bf16_gemm_path, cpu_gemms, environment_report, find_shards, load_shard, more_data_hint, on_rank0,
+                       one_line_error, print0, rank_file, read_checkpoint_meta, read_options, read_part, rule_holds,
+                       save_atomic, shard_token_count, source_digests, source_files, write_json_atomic)
 
 # -----------------------------------------------------------------------------
 # Architecture
@@ -293,10 +293,8 @@ OPTIMIZERS: dict[str, Callable[[GPT], Recipe]] = {"muon": muon_recipe, "adam": a
 def build_recipe(name: str, model: GPT) -> Recipe:
     """The recipe `name` on model (initialized by it), each group's initial lr kept; every parameter optimized once."""
     recipe = OPTIMIZERS[name](model)
-    taken = [p for opt in recipe.optimizers for group in opt.param_groups for p in group["params"]]
-    if len(taken) != len(set(taken)) or set(taken) != set(model.parameters()):
-        counts = {id(p): taken.count(p) for p in model.parameters()}
-        wrong = [f"{n} ({counts[id(p)]}x)" for n, p in model.named_parameters() if counts[id(p)] != 1]
+    taken = Counter(id(p) for opt in recipe.optimizers for group in opt.param_groups for p in group["params"])
+    if wrong := [f"{n} ({taken[id(p)]}x)" for n, p in model.named_parameters() if taken[id(p)] != 1]:
         raise ValueError(f"recipe {name} must give every parameter to exactly one optimizer group: {', '.join(wrong)}")
     for opt in recipe.optimizers:
         for group in opt.param_groups:
@@ -453,10 +451,10 @@ def validate_config(cfg: Config, world_size: int) -> None:
     for name, rule in FIELD_RULES.items():
         if not rule_holds(rule, getattr(cfg, name)):
             raise UsageError(f"--{name} must be {rule}, got {getattr(cfg, name)}")
-    rank_seqs = cfg.batch_seqs // world_size
+    rank_seqs, near = cfg.batch_seqs // world_size, difflib.get_close_matches(cfg.optimizer, OPTIMIZERS, 1)
     refusals = [
         (cfg.optimizer not in OPTIMIZERS, f"unknown --optimizer={cfg.optimizer!r}; choose from: "
-         f"{', '.join(OPTIMIZERS)}{''.join(f' (did you mean {m}?)' for m in difflib.get_close_matches(cfg.optimizer, OPTIMIZERS, 1))}"),
+         f"{', '.join(OPTIMIZERS)}{f' (did you mean {near[0]}?)' if near else ''}"),
         (cfg.batch_seqs % world_size or rank_seqs % cfg.mbs, f"--batch_seqs={cfg.batch_seqs} over {world_size} "
          f"rank(s) must give each a multiple of --mbs={cfg.mbs} sequences: launch 1, 2, 4 or 8 ranks for the track"),
         (cfg.val_tokens % (world_size * cfg.mbs * cfg.seq_len), f"--val_tokens={cfg.val_tokens} must split into "

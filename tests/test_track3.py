@@ -356,3 +356,15 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch,
     assert code == 2 and out == "", (out, err)
     assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
+
+
+def test_a_recipe_leaving_a_parameter_out_or_taking_one_twice_is_named():
+    def partial(model: O.GPT) -> O.Recipe:
+        matrices = [p for p in model.blocks.parameters() if p.ndim >= 2]
+        vectors = [p for p in model.parameters() if p.ndim < 2]
+        return O.Recipe([O.Muon(matrices), torch.optim.AdamW([model.embed.weight, model.embed.weight, *vectors])], 10)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(O.OPTIMIZERS, "partial", partial)
+        with pytest.raises(ValueError, match=r"exactly one optimizer group: embed.weight \(2x\), proj.weight \(0x\)"):
+            O.build_recipe("partial", O.GPT(VOCAB, 1, DIM, HEAD_DIM))
