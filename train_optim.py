@@ -421,13 +421,13 @@ class Config:
     run_id: str = ""  # names the run's files; empty: a fresh one
     save_every: int = 0  # a checkpoint every N steps of each trial (0: none): <log_dir>/<run_id>/ckpt_<step>/
     resume: str = ""  # a checkpoint folder to continue from (a new run id; the same world size)
-    preset: str = ""  # tiny: the baseline at 4 x 128 on the bundled sample, 24 steps, on the CPU
+    preset: str = ""  # tiny: the baseline at 4 x 128 on the bundled sample, 20 steps, on the CPU
 
 PRESETS: dict[str, dict[str, object]] = {
     # The baseline scaled down to the bundled sample: 8 micro-batches of 1 x 128 tokens a step as upstream's 8 of
     # 64 x 1,024, the validation cadence scaled with the steps, fp32 GEMMs (the CPU record path: records/README.md).
-    "tiny": dict(train_steps=24, seed=1337, num_layers=4, model_dim=128, head_dim=64, seq_len=128, batch_seqs=8, mbs=1,
-                 val_tokens=4096, val_every=8, val_every_end=2, train_files="data/sample/sample_train_*.bin",
+    "tiny": dict(train_steps=20, seed=1337, num_layers=4, model_dim=128, head_dim=64, seq_len=128, batch_seqs=8, mbs=1,
+                 val_tokens=2048, val_every=8, val_every_end=2, train_files="data/sample/sample_train_*.bin",
                  val_files="data/sample/sample_val_*.bin", device="cpu", cpu_bf16_gemm="fp32"),
 }
 FIELD_KINDS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -477,17 +477,18 @@ def validate_config(cfg: Config, world_size: int) -> None:
             raise UsageError(line)
 
 def config_help() -> str:
-    """--help from Config's source: its group comments and each field's comment."""
+    """--help from Config's source: its group comments and each field's default and comment."""
     lines = ["usage: train_optim.py [--field=value ...]   (on N GPUs: torchrun --standalone --nproc_per_node=N "
              "train_optim.py ...)"]
+    defaults = {f.name: "auto" if f.default is None else f.default for f in dataclasses.fields(Config)}
     for line in inspect.getsource(Config).splitlines()[2:]:
         code, _, comment = line.strip().partition("  # ")
         if code.startswith("# "):
             lines.append(f"\n{code[2:]}:")
         elif ":" in code:
-            name, default = code.split(":")[0], code.partition("= ")[2]
-            lines.append(textwrap.fill(comment, 120, initial_indent=f"  --{name}={default}".ljust(40),
-                                       subsequent_indent=" " * 40))
+            flag = f"  --{(name := code.split(':')[0])}={defaults[name]}"
+            body = textwrap.fill(comment, 120, initial_indent=" " * 40, subsequent_indent=" " * 40)
+            lines.append(f"{flag:<40}{body[40:]}" if len(flag) < 40 else f"{flag}\n{body}")
     lines += ["\npresets:", *(textwrap.fill(", ".join(f"--{k}={v}" for k, v in fields.items()), 116,
                                             initial_indent=f"  {name}: ", subsequent_indent="    ")
                               for name, fields in PRESETS.items())]
@@ -581,7 +582,7 @@ def open_log(cfg: Config, rt: Runtime, gemm_path: str, parameters: int) -> RunLo
 
 TRAINER = "train_optim.py"
 # The fields a checkpoint's run must share with the run resuming it: the model's shapes, the recipe and the data.
-RESUME_MATCH = ("optimizer", "vocab_size", "num_layers", "model_dim", "head_dim", "seq_len", "batch_seqs", "mbs",
+RESUME_MATCH = ("optimizer", "vocab_size", "num_layers", "model_dim", "head_dim", "seq_len", "batch_seqs",
                 "val_tokens", "train_files", "val_files")
 
 @dataclass
@@ -628,7 +629,7 @@ def check_resume(cfg: Config, world_size: int) -> ResumePoint:
         read_part(folder / name, entry.get("sha256"))
     saved = meta["config"]
     if meta.get("trainer") != TRAINER:
-        raise UsageError(f"checkpoint {folder} was not written by {TRAINER} (train_gpt.py's resume with it)")
+        raise UsageError(f"checkpoint {folder} is not {TRAINER}'s (train_gpt.py's resumes with train_gpt.py)")
     if meta["world_size"] != world_size:
         raise UsageError(f"checkpoint {folder} was saved by {meta['world_size']} rank(s): resume it with as many "
                          f"(this launch has {world_size}); Muon's momenta are spread over the ranks")

@@ -44,6 +44,9 @@ COMMANDS = {
     "python tools/memory_estimate.py": None,
     "python tools/comm_bytes.py --train_files='data/proxy/proxy_train_*.bin'":
         "needs the proxy corpus in the git-ignored data/proxy/ (without it the tool refuses the glob, as it should)",
+    "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python train_optim.py --preset=tiny":
+        "minutes on a CPU (tests/test_track3_record.py runs it and compares it with its record)",
+    "torchrun --standalone --nproc_per_node=8 train_optim.py --trials=4": GPU,
 }
 
 

@@ -268,6 +268,33 @@ def records(log_dir: Path, run_id: str) -> list[dict]:
     return [json.loads(line) for line in (log_dir / f"{run_id}.jsonl").read_text().splitlines()]
 
 
+def test_a_run_logs_the_losses_of_the_references_loop_on_the_same_shards(tmp_path):
+    """The whole run at world size 1 (seeded init, the prefetched token stream, the val tokens, the schedule over
+    train_steps, upstream's cadence) against the reference's loop: the val losses bit for bit; the train losses as
+    the reference sums a step's micro-batch losses in fp32, the run in fp64 on the device (measured over these 6
+    steps: 7.6e-8 relative apart at most, one fp32 ulp of the reference's sum; step 1 equal)."""
+    O.run(small_args(tmp_path, val_every=125, val_every_end=25))
+    logged = records(tmp_path / "logs", "a")
+    data = tmp_path / "data"
+    torch.manual_seed(5)
+    ref = R.RefGPT(VOCAB, LAYERS, DIM, HEAD_DIM)
+    torch.manual_seed(5)
+    R.init_baseline_(ref)
+    optimizers = R.baseline_optimizers(ref)
+    stream = R.data_batches(sorted(data.glob("t_train_*.bin")), SEQS * SEQ, SEQ, 0, 1)
+    val = R.val_batch(sorted(data.glob("t_val_*.bin")), 4 * MBS * SEQ, SEQ, 0, 1)
+    val_losses, train_losses = {}, {}
+    for step in range(7):
+        if step in R.validation_steps(6):
+            val_losses[step] = R.val_loss(ref, *val, MBS)
+        if step < 6:
+            train_losses[step + 1] = R.train_step(ref, optimizers, *next(stream), step, 6, MBS) / (SEQS * SEQ)
+    assert {r["step"]: r["val_loss"] for r in logged if "val_loss" in r} == val_losses
+    ours = {r["step"]: r["train_loss"] for r in logged if "train_loss" in r}
+    assert ours.keys() == train_losses.keys()
+    assert all(abs(ours[s] - train_losses[s]) <= 3e-7 * train_losses[s] for s in ours), (ours, train_losses)
+
+
 def test_trials_run_each_seed_as_its_own_run_would_one_after_another_in_one_log(tmp_path):
     trials = O.run(small_args(tmp_path, trials=2, run_id="both"))
     alone = [O.run(small_args(tmp_path, seed=seed, run_id=f"seed{seed}"))[0] for seed in (5, 6)]
