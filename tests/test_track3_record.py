@@ -16,8 +16,9 @@ from test_first_contact import cpu_kind, logged_losses
 
 RECORD = REPO / "records" / "2026-12-03_track3_tiny_cpu"
 README = (RECORD / "README.md").read_text()
-# The native path's run against the record path's (its README): the largest gaps were 0.016 (train) and 0.0020 (val).
-DRIFT = {"train_loss": 0.05, "val_loss": 0.01}
+# Another CPU path drifts by rounding: the native path (AVX-512, bf16 GEMMs) ran 6.7e-4 (train) and 5.8e-4 (val) from
+# the record at most (its README); the bounds leave 15 times that.
+DRIFT = {"train_loss": 0.01, "val_loss": 0.01}
 
 
 def test_the_readmes_command_is_the_tiny_preset_on_the_record_path():
@@ -26,7 +27,8 @@ def test_the_readmes_command_is_the_tiny_preset_on_the_record_path():
     assert f"{env} python train_optim.py --preset=tiny" in (REPO / "README.md").read_text()
     summary = json.loads((RECORD / "tiny_w1.json").read_text())
     assert summary["config"]["train_steps"] == 20 and summary["world_size"] == 1
-    assert f"| tiny_w1 | 1 (8 micro-batches) | {summary['final_val_loss']:.5f} |" in README
+    row = next(line for line in README.splitlines() if line.startswith("| tiny_w1 |"))
+    assert f"| {summary['final_val_loss']:.5f} | {summary['train_time_ms'] / 1000:.1f} s |" in row
 
 
 @pytest.mark.slow
