@@ -234,7 +234,7 @@ def test_a_trajectory_at_world_size_2_is_the_references_up_to_summation_order(tm
     over 4 steps (2-core AMD EPYC, torch 2.13): the train losses of steps 1-2 equal, of steps 3-4 2.3e-6 relative
     apart at most; each parameter's distance from the reference's, relative to how far the reference moved it,
     7.0e-3 at most (an attention matrix: Muon's bf16 Newton-Schulz turns a rounding into a bf16 step of the update),
-    4.8e-4 for the embedding (one bf16 ulp in 0.5% of its entries)."""
+    4.8e-4 for the embedding (0.5% of its entries differ, three in four of those by one bf16 ulp)."""
     out = tmp_path / "rank0.pt"
     mp.spawn(_trajectory_rank, args=(2, free_port(), str(out)), nprocs=2, join=True)
     got = torch.load(out)
