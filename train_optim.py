@@ -796,11 +796,11 @@ def run(argv: list[str]) -> list[Trial]:
             cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"))
         model = GPT(cfg.vocab_size, cfg.num_layers, cfg.model_dim, cfg.head_dim).to(rt.device)
         train_files, val_files = check_data(cfg, cfg.train_steps or build_recipe(cfg.optimizer, model).train_steps)
+        val = load_val(cfg, rt, val_files)
         on_rank0(rt, lambda: check_run_paths(cfg))
         gemm_path = bf16_gemm_path(cfg.cpu_bf16_gemm, rt.device.type == "cuda")
         parameters = sum(p.numel() for p in model.parameters())
         log = on_rank0(rt, lambda: open_log(cfg, rt, gemm_path, parameters), share=False) or log
-        val = load_val(cfg, rt, val_files)
         Compiled.enabled = cfg.compile
         if cfg.compile:
             model.compile(dynamic=False)

@@ -395,3 +395,11 @@ def test_a_recipe_leaving_a_parameter_out_or_taking_one_twice_is_named():
         m.setitem(O.OPTIMIZERS, "partial", partial)
         with pytest.raises(ValueError, match=r"exactly one optimizer group: embed.weight \(2x\), proj.weight \(0x\)"):
             O.build_recipe("partial", O.GPT(VOCAB, 1, DIM, HEAD_DIM))
+
+
+def test_a_val_token_outside_the_vocabulary_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    args = small_args(tmp_path)
+    write_shard(tmp_path / "data" / "t_val_000000.bin", np.full(2_000, VOCAB))
+    code, out, err = main_in_process(args, monkeypatch, capsys)
+    assert code == 2 and out == "" and not (tmp_path / "logs").exists()
+    assert err.startswith("error: shard ") and f"holds token id {VOCAB} at position 0" in err and err.count("\n") == 1
