@@ -403,3 +403,28 @@ def test_a_val_token_outside_the_vocabulary_is_refused_before_anything_is_writte
     code, out, err = main_in_process(args, monkeypatch, capsys)
     assert code == 2 and out == "" and not (tmp_path / "logs").exists()
     assert err.startswith("error: shard ") and f"holds token id {VOCAB} at position 0" in err and err.count("\n") == 1
+
+
+def _run_rank(rank: int, world_size: int, port: int, args: list[str]) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with cpu_gemms():
+        O.run(args)
+
+
+@pytest.mark.slow
+def test_two_ranks_save_a_checkpoint_and_resume_it_bit_for_bit(tmp_path):
+    """At world size 2: each rank's Muon momenta in its own rank file, meta.json listing both; the resumed run's
+    losses equal the whole run's."""
+    logs = tmp_path / "logs"
+    mp.spawn(_run_rank, args=(2, free_port(), small_args(tmp_path, save_every=3, run_id="whole")), nprocs=2)
+    folder = logs / "whole" / "ckpt_3"
+    assert set(json.loads((folder / "meta.json").read_text())["files"]) == {"model.pt", "rank0.pt", "rank1.pt"}
+    momenta = [torch.load(folder / f"rank{r}.pt")["optimizers"][1]["state"] for r in range(2)]
+    assert len(momenta[0]) == len(momenta[1]) == LAYERS * 6 // 2  # 12 matrices: six updated on each rank
+    mp.spawn(_run_rank, args=(2, free_port(), small_args(tmp_path, resume=folder, run_id="resumed", seed=-1)),
+             nprocs=2)
+    whole = [r for r in records(logs, "whole") if r["step"] > 3]
+    assert [{k: v for k, v in r.items() if k != "train_time_ms"} for r in records(logs, "resumed")] == [
+        {k: v for k, v in r.items() if k != "train_time_ms"} for r in whole]
