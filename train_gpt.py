@@ -1793,9 +1793,10 @@ def _parse_value(name: str, kind: str, text: str) -> object:
         raise UsageError(f"--{name} expects true or false{'' if kind == 'bool' else ' or auto'}, got {text!r}")
     return None if low == AUTO else low in ("1", "true", "yes", "on", "")
 
-def read_options(argv: list[str]) -> dict[str, str]:
-    """{field: text}, read as argparse reads them: --field=value, --field value, a bool field alone (true)."""
-    kinds, options, args = FIELD_KINDS, {}, list(argv)
+def read_options(argv: list[str], kinds: dict[str, str] = FIELD_KINDS) -> dict[str, str]:
+    """{field: text}, read as argparse reads them: --field=value, --field value, a bool field alone (true); kinds: the
+    fields and their types (train_optim.py passes its own)."""
+    options, args = {}, list(argv)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):

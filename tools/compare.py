@@ -9,6 +9,9 @@ upstream modded-nanogpt logs. A record folder stands for every run log (*.txt) i
     python tools/compare.py stats RUN... [--target 3.28] [--baseline RUN...]
     python tools/compare.py plot RUN... [-o compare.png]
     python tools/compare.py code LOG DIR   (writes the source files a log holds into DIR, byte for byte)
+    python tools/compare.py track3 LOG... [--baseline LOG...] [--target 3.28] [-o track3.png]
+                                           (the optimization track's rule: n trials' mean val loss per late step,
+                                              the earliest valid step, the pairwise rule against a baseline)
 
 Bad input is reported as one `error:` line on stderr with exit code 2, before any output.
 """
@@ -138,6 +141,14 @@ def _float(text: str | None, unit: str = "") -> float | None:
         return None
 
 
+def _duration_ms(text: str | None) -> float | None:
+    """A duration field in ms: '153ms' as this project's track-1 logs print it, '22.870s' as track 3's do."""
+    if text is not None and text.endswith("s") and not text.endswith("ms"):
+        seconds = _float(text, "s")
+        return None if seconds is None else seconds * 1000
+    return _float(text, "ms")
+
+
 def parse_step_line(line: str) -> StepLine | None:
     """One `step:S/T key:value ...` line, or None when the line is something else."""
     match = STEP_RE.match(line.strip())
@@ -148,9 +159,10 @@ def parse_step_line(line: str) -> StepLine | None:
         key, sep, value = token.partition(":")
         if sep:
             fields[key] = value
-    units = {"val_loss": "", "train_loss": "", "train_time": "ms", "step_avg": "ms", "tok/s": ""}
-    values = {key: _float(fields.get(key), unit) for key, unit in units.items()}
-    malformed = [f"{key}:{fields[key]}" for key in units if key in fields and values[key] is None]
+    readers = {"val_loss": _float, "train_loss": _float, "train_time": _duration_ms, "step_avg": _duration_ms,
+               "tok/s": _float}
+    values = {key: read(fields.get(key)) for key, read in readers.items()}
+    malformed = [f"{key}:{fields[key]}" for key in readers if key in fields and values[key] is None]
     digits = {key: len(fields[key].partition(".")[2]) for key in ("val_loss", "train_loss") if key in fields}
     return StepLine(step=int(match.group(1)), total=int(match.group(2)), malformed=malformed,
                     val_loss=values["val_loss"], train_loss=values["train_loss"], train_time_ms=values["train_time"],
@@ -918,9 +930,13 @@ def plot_figure(runs: Sequence[Run]):  # -> matplotlib Figure
 
 
 def plot_runs(runs: Sequence[Run], out: Path) -> None:
+    save_figure(plot_figure(runs), out)
+
+
+def save_figure(fig: Any, out: Path) -> None:
+    """The figure as a PNG at out, then closed."""
     import matplotlib.pyplot as plt
 
-    fig = plot_figure(runs)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format="png", dpi=110)
@@ -939,6 +955,332 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise LogError("no run has a validation line ('step:S/T val_loss:V ...'); nothing to plot")
     plot_runs(runs, Path(args.output))
     print(f"wrote {Path(args.output).resolve()}")
+    return 0
+
+
+# -----------------------------------------------------------------------------
+# track3
+# The optimization track (upstream's records/track_3_optimization/): the fewest steps to the target val loss with
+# the baseline's model, data and batch, any optimizer. A result is n trials: several in one log (a trial starts
+# where the step count returns to 0, as upstream's result logs and this project's multi-trial logs print them),
+# one per log, or a folder of logs. The track's rule (upstream's README): at one step, the same for every trial,
+# the trials' mean val loss must satisfy (target - mean) * sqrt(n) >= 0.004, a one-sided z-test at sigma 0.0013
+# (p < .001); the result's step count is the earliest step that does. Against an earlier result, the pairwise
+# rule counts the steps saved as loss, at 0.0045 per 100 steps.
+
+RULE_MARGIN = 0.004  # 3.09 sigma (one-sided p < .001) at upstream's sigma of 0.0013
+LOSS_PER_100_STEPS = 0.0045  # upstream's slope near the target: result #12 run 200 steps shorter lost 0.0091
+LABEL_WIDTH = 40  # a result's name in the plot's legend
+
+
+@dataclass
+class Trial:
+    name: str
+    path: Path
+    total: int  # the steps it was to train: the T of its `step:S/T` lines
+    losses: dict[int, float]  # val loss by step
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The trials' mean val loss at one step, measured against the target by the track's rule."""
+    step: int
+    n: int
+    mean: float
+    target: float
+
+    @property
+    def margin(self) -> float:
+        return (self.target - self.mean) * math.sqrt(self.n)
+
+    @property
+    def valid(self) -> bool:
+        return self.margin >= RULE_MARGIN  # never for a NaN mean: a diverged trial counts against its result
+
+    @property
+    def evidence(self) -> str:
+        """The mean as upstream's results table writes it, e.g. '3.2790 (n=20)'."""
+        return f"{self.mean:.4f} (n={self.n})"
+
+
+@dataclass
+class Result:
+    label: str  # names the logs it came from
+    trials: list[Trial]
+    table: list[StepStats]  # the steps every trial validated in its last 10%, and the result's step
+    headline: StepStats  # the earliest valid step, else the last step every trial validated
+
+
+def trial_numbers(steps: Sequence[int]) -> list[int]:
+    """For validations in file order, the trial (0, 1, ...) each belongs to: a trial starts where the step count
+    returns to 0, as upstream's make_figures.py splits its logs."""
+    numbers, current = [], 0
+    for i, step in enumerate(steps):
+        if step == 0 and i > 0:
+            current += 1
+        numbers.append(current)
+    return numbers
+
+
+def by_trial(records: Sequence[tuple[int, ValPoint]]) -> list[list[ValPoint]]:
+    """(trial, point) records as one list per trial, in the order the trials first appear."""
+    grouped: dict[int, list[ValPoint]] = {}
+    for trial, point in records:
+        grouped.setdefault(trial, []).append(point)
+    return list(grouped.values())
+
+
+def read_trial_records(path: Path) -> list[list[ValPoint]] | None:
+    """Per trial, the exact val losses of a .jsonl beside a log: one object per validation with "step", "val_loss"
+    and "trial" (without "trial", a trial starts where the step returns to 0); None when unreadable. A kill may cut
+    the last line short: it is left out."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as e:
+        warn(f"{path}: cannot read ({e.strerror or e}); the val losses come from the log lines")
+        return None
+    records: list[tuple[int | None, ValPoint]] = []
+    for number, line in enumerate(lines):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) - 1:
+                break
+            entry = None
+        if not isinstance(entry, dict):
+            warn(f"{path}: line {number + 1} is not a JSON object; the val losses come from the log lines")
+            return None
+        step, loss = _int(entry.get("step")), _loss(entry.get("val_loss"))
+        if step is not None and loss is not None:
+            records.append((_int(entry.get("trial")), ValPoint(step, loss, None)))
+    trials = [trial for trial, _ in records]
+    if None in trials:
+        trials = trial_numbers([point.step for _, point in records])
+    return by_trial(list(zip(trials, (point for _, point in records))))
+
+
+def exact_losses(path: Path, printed: list[list[ValPoint]]) -> list[list[ValPoint]]:
+    """The printed val losses of a log's trials, each replaced by its exact value from the .jsonl beside the log
+    where that has it; all printed ones (with a warning) when the .jsonl disagrees with a line."""
+    records = read_trial_records(path) if path.is_file() else None
+    if not records:
+        return printed
+    exact = [{point.step: point for point in trial} for trial in records]
+    merged = [[exact[k].get(p.step, p) if k < len(exact) else p for p in trial] for k, trial in enumerate(printed)]
+    if any(not same_loss(p, m) for trial, mine in zip(printed, merged) for p, m in zip(trial, mine)):
+        warn(f"{path}: its val losses differ from the log's lines (from another run?); using the lines'")
+        return printed
+    return merged
+
+
+def parse_trials(text: str, path: Path) -> list[Trial]:
+    """The trials of a log, in its order, with the exact val losses of the .jsonl beside it where it has them."""
+    _, rest = split_code(text)
+    if rest is None:
+        raise LogError(f"{path}: not a run log: no line of 100 '=' (expected {LOG_SHAPE})")
+    lines = [s for s in map(parse_step_line, rest) if s is not None and s.val_loss is not None]
+    if not lines:
+        raise LogError(f"{path}: not a run log: no 'step:S/T val_loss:V ...' line")
+    numbers = trial_numbers([s.step for s in lines])
+    totals = {k: s.total for k, s in zip(numbers, lines)}  # the last line's: a trial's lines all name the same
+    printed = by_trial([(k, ValPoint(s.step, s.val_loss, None, s.digits["val_loss"]))
+                        for k, s in zip(numbers, lines)])
+    trials = exact_losses(path.with_suffix(".jsonl"), printed)
+    names = [path.stem] if len(trials) == 1 else [f"{path.stem} trial {k + 1}" for k in range(len(trials))]
+    return [Trial(name, path, totals[k], {p.step: p.loss for p in points})
+            for k, (name, points) in enumerate(zip(names, trials))]
+
+
+def load_trials(paths: Sequence[str]) -> list[Trial]:
+    """The trials of the logs and folders of logs given, in that order (a folder's *.txt by name); a log named twice
+    counts once, since its trials would count twice in n."""
+    trials: list[Trial] = []
+    seen: set[Path] = set()
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise LogError(f"{raw}: no such file or directory")
+        found = []
+        for log in sorted(path.glob("*.txt")) if path.is_dir() else [path]:
+            if log.resolve() in seen:
+                warn(f"{log}: given more than once; counting its trials once")
+                continue
+            seen.add(log.resolve())
+            try:
+                found += parse_trials(_read(log), log)
+            except LogError as e:
+                if not path.is_dir():
+                    raise
+                warn(f"skipped {e}")  # notes beside the logs are fine, but say which files were left out
+        if path.is_dir() and not found:
+            raise LogError(f"{raw}: no run logs in this folder (expected *.txt files holding {LOG_SHAPE})")
+        trials += found
+    return trials
+
+
+def finished(trial: Trial) -> bool:
+    """Whether it validated its last step: one that stopped (or is still running) lacks its late steps and is no
+    result yet."""
+    return trial.total in trial.losses
+
+
+def common_steps(trials: Sequence[Trial]) -> list[int]:
+    """The steps every trial validated, in order."""
+    return sorted(set.intersection(*(set(trial.losses) for trial in trials)))
+
+
+def late_steps(trials: Sequence[Trial]) -> list[int]:
+    """The steps every trial validated in its last 10% of steps (where upstream's trainer validates every 25),
+    its last included."""
+    return [s for s in common_steps(trials) if all(10 * s >= 9 * trial.total for trial in trials)]
+
+
+def stats_at(trials: Sequence[Trial], step: int, target: float) -> StepStats:
+    losses = [trial.losses[step] for trial in trials]
+    return StepStats(step, len(losses), sum(losses) / len(losses), target)
+
+
+def result_step(trials: Sequence[Trial], target: float) -> StepStats:
+    """The result as upstream's table states it: the earliest step, the same for every trial, at which the trials'
+    mean is valid; where none is, the last step every trial validated."""
+    steps = [stats_at(trials, step, target) for step in common_steps(trials)]
+    return next((stats for stats in steps if stats.valid), steps[-1])
+
+
+def pairwise_margin(new: StepStats, old: StepStats) -> float:
+    """Upstream's pairwise rule: new's lead over the earlier result old, (loss saved + the steps saved counted as
+    loss) / sqrt(1/n_new + 1/n_old); new is significantly better at RULE_MARGIN or more."""
+    saved_loss = old.mean - new.mean
+    saved_steps_loss = (old.step - new.step) / 100 * LOSS_PER_100_STEPS
+    return (saved_loss + saved_steps_loss) / math.sqrt(1 / new.n + 1 / old.n)
+
+
+def result_label(paths: Sequence[str]) -> str:
+    """The logs' names (a file's stem, a folder's name), shortened to LABEL_WIDTH."""
+    names = [Path(raw).stem if Path(raw).is_file() else Path(raw).resolve().name for raw in paths]
+    text = ", ".join(names)
+    return text if len(text) <= LABEL_WIDTH else f"{names[0][:LABEL_WIDTH - 12]}... and {len(names) - 1} more"
+
+
+def track3_result(paths: Sequence[str], target: float) -> Result:
+    """The statistics of the finished trials of the logs given; refusals come before any warning."""
+    loaded = load_trials(paths)
+    trials = [trial for trial in loaded if finished(trial)]
+    if not trials:
+        raise LogError(f"{' '.join(paths)}: no trial validated its last step")
+    if not common_steps(trials):
+        raise LogError(f"{' '.join(paths)}: the trials share no validated step")
+    for trial in loaded:
+        if not finished(trial):
+            warn(f"{trial.name}: stopped before its last step ({max(trial.losses)} of {trial.total}); left out")
+    totals = sorted({trial.total for trial in trials})
+    if len(totals) > 1:
+        warn(f"{result_label(paths)}: the trials train for different step counts ({', '.join(map(str, totals))}); "
+             f"their statistics are at the steps all of them validated")
+    for trial in trials:
+        if any(not math.isfinite(loss) for loss in trial.losses.values()):
+            warn(f"{trial.name}: diverged (a val loss is not finite); it counts, so its result's mean is not valid")
+    headline = result_step(trials, target)
+    table = [stats_at(trials, step, target) for step in sorted({*late_steps(trials), headline.step})]
+    return Result(result_label(paths), trials, table, headline)
+
+
+def describe_result(role: str, result: Result) -> list[str]:
+    """A result's trials, its table of late steps, and its step count by the rule."""
+    n, files = len(result.trials), len({trial.path for trial in result.trials})
+    totals = sorted({trial.total for trial in result.trials})
+    length = f"{totals[0]} to {totals[-1]} steps" if len(totals) > 1 else f"{totals[0]} steps{' each' * (n > 1)}"
+    rows = [[str(s.step), str(s.n), f"{s.mean:.5f}", f"{s.margin:+.5f}", "yes" if s.valid else "no"]
+            for s in result.table]
+    head = result.headline
+    verdict = (f"valid at {head.step} steps: {head.evidence}, margin {head.margin:.5f} >= {RULE_MARGIN}"
+               if head.valid else f"not valid at any step; at its last, {head.step}: {head.evidence}, margin "
+                                  f"{head.margin:.5f} < {RULE_MARGIN}")
+    return [f"{role}: {result.label}: {n} trial{'s' * (n > 1)} from {files} log{'s' * (files > 1)}, {length}",
+            format_table(["step", "n", "mean val loss", f"({head.target:g} - mean) * sqrt(n)", "valid"], rows,
+                         left=()),
+            f"{role}: {verdict}"]
+
+
+def describe_pairwise(new: StepStats, old: StepStats) -> str:
+    """The pairwise rule's sum as upstream's README writes it out, and its verdict."""
+    margin = pairwise_margin(new, old)
+    numerator = (old.mean - new.mean) + (old.step - new.step) / 100 * LOSS_PER_100_STEPS
+    better = "significantly better" if margin >= RULE_MARGIN else "not significantly better"
+    return (f"pairwise, runs ({new.step} steps, {new.evidence}) vs baseline ({old.step} steps, {old.evidence}): "
+            f"the runs are {better}\n"
+            f"  ((baseline - runs mean) + (baseline - runs steps) / 100 * {LOSS_PER_100_STEPS}) / sqrt(1/n_runs + "
+            f"1/n_baseline)\n"
+            f"  = (({old.mean:.5f} - {new.mean:.5f}) + ({old.step} - {new.step}) / 100 * {LOSS_PER_100_STEPS}) "
+            f"/ sqrt(1/{new.n} + 1/{old.n}) = {numerator:+.5f} / {math.sqrt(1 / new.n + 1 / old.n):.4f} = "
+            f"{margin:+.5f} {'>=' if margin >= RULE_MARGIN else '<'} {RULE_MARGIN}")
+
+
+def track3_report(runs: Result, baseline: Result | None) -> str:
+    out = [f"rule: valid where (target - mean) * sqrt(n) >= {RULE_MARGIN}, at one step for every trial", "",
+           *describe_result("runs", runs)]
+    if baseline is not None:
+        out += ["", *describe_result("baseline", baseline), "", describe_pairwise(runs.headline, baseline.headline)]
+    return "\n".join(out)
+
+
+def mean_curve(trials: Sequence[Trial]) -> dict[int, float]:
+    """The mean val loss at each step over the trials that validated it, by step (as make_figures.py averages)."""
+    by_step: dict[int, list[float]] = {}
+    for trial in trials:
+        for step, loss in trial.losses.items():
+            by_step.setdefault(step, []).append(loss)
+    return {step: sum(by_step[step]) / len(by_step[step]) for step in sorted(by_step)}
+
+
+def track3_figure(results: Sequence[Result], target: float) -> Any:
+    """Per result, its mean val loss against step up to its step count (as upstream's make_figures.py draws them),
+    and the target: the whole run, and from 90% of the fewest steps on."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (whole, late) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curves = [{s: loss for s, loss in mean_curve(r.trials).items() if s <= r.headline.step} for r in results]
+    for i, (result, curve) in enumerate(zip(results, curves)):
+        head = result.headline
+        label = f"{result.label} → {head.evidence} in {head.step} steps{'' if head.valid else ' (not valid)'}"
+        for ax in (whole, late):
+            ax.plot(list(curve), list(curve.values()), marker="o", markersize=3.5, linewidth=2.2, label=label,
+                    color=f"C{i}")
+    last = max(r.headline.step for r in results)
+    start = 0.9 * min(r.headline.step for r in results)
+    shown = [loss for curve in curves for s, loss in curve.items() if s >= last / 10 and math.isfinite(loss)]
+    zoomed = [loss for curve in curves for s, loss in curve.items() if s >= start and math.isfinite(loss)]
+    for ax, left, losses in ((whole, 0, shown), (late, start, zoomed)):
+        low, high = min([*losses, target]), max([*losses, target])
+        margin = 0.08 * (high - low) or 0.01  # room below the target line for its label
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1.5)
+        ax.annotate(f"target={target:g}", xy=(left, target), xytext=(8, -12), textcoords="offset points",
+                    color="gray", fontsize=9)  # below the line: the curves come down to it from above
+        ax.set_xlim(left, last * 1.02)
+        ax.set_ylim(low - margin, high + margin)
+        ax.set_xlabel("training steps")
+        ax.set_ylabel("validation loss (mean over trials)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    whole.set_title("mean val loss vs step")
+    late.set_title(f"from step {start:.0f} (90% of the fewest steps)")
+    fig.tight_layout()
+    return fig
+
+
+def cmd_track3(args: argparse.Namespace) -> int:
+    if not math.isfinite(args.target):  # argparse's float takes nan and inf
+        raise LogError(f"--target={args.target}: the val loss target must be a finite number (e.g. --target=3.28)")
+    runs = track3_result(args.logs, args.target)
+    baseline = track3_result(args.baseline, args.target) if args.baseline else None
+    report = track3_report(runs, baseline)
+    if args.output:  # written before any output: a path it cannot write is the one error line
+        save_figure(track3_figure([r for r in (runs, baseline) if r is not None], args.target), Path(args.output))
+    print(report)
+    if args.output:
+        print(f"wrote {Path(args.output).resolve()}")
     return 0
 
 
@@ -1001,6 +1343,14 @@ def build_parser() -> argparse.ArgumentParser:
     code.add_argument("log", metavar="LOG", help="run log (.txt)")
     code.add_argument("dir", metavar="DIR", help="folder to write them into (created; no file there is overwritten)")
     code.set_defaults(func=cmd_code)
+    track3 = sub.add_parser("track3", help="the optimization track's rule: per late step n, mean val loss, margin, "
+                                           "valid; the earliest valid step; the pairwise rule vs a baseline")
+    track3.add_argument("logs", nargs="+", metavar="LOG", help="track-3 log (.txt, one or several trials) or folder")
+    track3.add_argument("--baseline", nargs="+", metavar="LOG", help="an earlier result's logs: the pairwise rule")
+    track3.add_argument("--target", type=float, default=DEFAULT_TARGET,
+                        help=f"the val loss the trials must reach (default: {DEFAULT_TARGET})")
+    track3.add_argument("-o", "--output", help="also write a PNG of each result's mean val loss against step")
+    track3.set_defaults(func=cmd_track3)
     return parser
 
 
