@@ -3,6 +3,7 @@ formula here (not from the implementation), and the scaled-down recipe through e
 for bit inside each. Record #89's own numbers (its parameter table, its schedule at every step, NorMuon's axis per
 block) are pinned in tests/test_record89_exact.py."""
 
+import itertools
 import math
 
 import numpy as np
@@ -145,6 +146,47 @@ def test_stage_starts_round_a_third_of_the_scheduled_steps_ties_to_even():
         assert [T.schedule(k, cfg).seq_len for k in (round(n / 3) - 1, round(n / 3))] == [16384, 32768], n
     cfg = T.parse_config(["--preset=tiny"])  # 40 steps, 38 scheduled: untied after 25 | 1
     assert [k for k in range(cfg.num_steps) if T.schedule(k, cfg).tied][-1] == 25
+
+
+# The stage tables as upstream states its own (TRAINING_STAGES): a row per stage, the last the extension, each weight
+# from its start to its end value across the row, a + (b - a) t. The recipe's (#89's) and the tiny preset's.
+ROWS = ("seq_len", "doc_len", "windows", "lr_mul", "mtp_start", "mtp_end", "prefix_start", "prefix_end")
+RECIPE_TABLE = [(16384, 896, (1, 3), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+                (32768, 2048, (3, 7), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+                (49152, 2048, (5, 11), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+                (49152, 2048, (6, 13), 1.73, (1.0,), (1.0,), 0.0, 0.0)]
+TINY_TABLE = [(256, 224, (0, 1), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+              (384, 512, (1, 2), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+              (512, 512, (1, 3), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+              (512, 512, (2, 4), 1.73, (1.0,), (1.0,), 0.0, 0.0)]
+
+
+def upstream_step(step: int, cfg: T.Config, table: list[tuple]) -> dict:
+    """What a step trains with, looked up as upstream's TrainingSchedule does: the row whose steps hold it and the
+    share t of them done (1 at the final validation), the lr cooled down from the row's, YaRN over the long windows
+    of the rows so far; the last validation's windows its own."""
+    rows, scheduled = [dict(zip(ROWS, r)) for r in table], cfg.num_steps - cfg.extension_steps
+    n = len(rows) - 1
+    ends = [0, *(round(c * scheduled) for c in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
+    k, t = next(((k, (step - a) / (b - a)) for k, (a, b) in enumerate(zip(ends, ends[1:])) if step < b), (n, 1.0))
+    row, most = rows[k], max(len(r["mtp_start"]) for r in rows)
+    cooldown = int(scheduled * (1 - cfg.cooldown_frac))
+    c = min(1.0, (step - cooldown) / max(scheduled - cooldown, 1))
+    mtp = [a + (b - a) * t for a, b in zip(row["mtp_start"], row["mtp_end"])]
+    windows = tuple(int(w) for w in cfg.final_val_windows.split("/")) if step == cfg.num_steps else row["windows"]
+    return dict(seq_len=row["seq_len"], max_doc_len=row["doc_len"], short_window=windows[0], long_window=windows[1],
+                lr_mult=row["lr_mul"] * (1 - c) + cfg.final_lr_frac * c if step >= cooldown else row["lr_mul"],
+                mtp_weights=tuple(mtp) + (0.0,) * (most - len(mtp)),
+                prefix_weight=row["prefix_start"] + (row["prefix_end"] - row["prefix_start"]) * t,
+                yarn_windows=tuple(dict.fromkeys(r["windows"][1] for r in rows[:k + 1])))
+
+
+@pytest.mark.parametrize("preset, table", [("", RECIPE_TABLE), ("tiny", TINY_TABLE)])
+def test_every_step_gets_the_stage_tables_values_bit_for_bit(preset, table):
+    cfg = T.parse_config([f"--preset={preset}"] if preset else [])
+    for step, s in enumerate(T.schedule_table(cfg)):
+        want = upstream_step(step, cfg, table)
+        assert {k: getattr(s, k) for k in want} == want, step
 
 
 def test_batch_stages_set_the_sequence_lengths_and_the_warmup_replays_each():
