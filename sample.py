@@ -13,7 +13,6 @@ Bad input: one `error:` line, exit code 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -28,8 +27,7 @@ from tokenize_text import load_encoding  # noqa: E402
 def load_model(folder: Path, device: torch.device) -> T.GPT:
     """The model of a complete checkpoint, in eval mode on device."""
     meta = T.read_checkpoint_meta(folder, taker="sample.py's CHECKPOINT argument")
-    fields = {f.name for f in dataclasses.fields(T.Config)}
-    cfg = T.Config(**{k: v for k, v in meta["config"].items() if k in fields})
+    cfg = T.config_of(meta["config"])
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     model.load_state_dict(T.read_part(folder / T.CKPT_MODEL, meta["files"][T.CKPT_MODEL]["sha256"], load=True))
     s = T.schedule(meta["step"], cfg)  # what the schedule had set when it saved: the untie and YaRN's tables

@@ -49,13 +49,33 @@ class RankLost(Exception):
 # Upstream modded-nanogpt f411b3d (2026-08-01, 8xH100): record #89 with #85 v3's MUDD gates and DC attention, #86's
 # XSA, #87's ReLU^2 backward, #88's prefix-token loss, each knob a --field=value; earlier: records/snapshots/*_record*/.
 
+@dataclass(frozen=True)
+class Stage:
+    """A row of the stage table: one of the equal stages the scheduled steps split into, or (the last row) the
+    extension. Each weight goes from its start to its end value across the row's steps."""
+    seq_len: int  # tokens per training sequence (#46)
+    doc_len: int  # documents are cut to this many tokens (#29, #72)
+    windows: tuple[int, int]  # the short and long layers' attention windows, blocks back in a document (0: itself)
+    lr_mul: float  # of every lr (#46); the cooldown falls from it
+    mtp_start: tuple[float, ...]  # the loss weights of the next 1, 2, ... tokens at the row's start (#53)
+    mtp_end: tuple[float, ...]  # ... at its end
+    prefix_start: float  # the loss weight of the next token's prefix token at the row's start (#88)
+    prefix_end: float  # ... at its end
+
+RECIPE_STAGES = (  # #89's: batches of 8 x 16k, 32k, 48k tokens, then the extension's longer windows
+    Stage(16384, 896, (1, 3), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+    Stage(32768, 2048, (3, 7), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+    Stage(49152, 2048, (5, 11), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+    Stage(49152, 2048, (6, 13), 1.73, (1.0,), (1.0,), 0.0, 0.0),  # the extension: lr at final_lr_frac by then
+)
+
 @dataclass
 class Config:
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # training shards (glob; relative: also under this folder)
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # validation shards (glob)
     train_epochs: int = 1  # passes over the training files, in order
-    train_seq_len: int = 48 * 1024  # the longest training sequence (--seq_len_stages' longest); buffers fit it
+    train_seq_len: int = 48 * 1024  # the longest training sequence (--stage_seq_len's longest); buffers fit it
     global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
     micro_split: int = 1  # N micro-steps per sequence: less memory (tools/memory_estimate.py); attention stops at a cut
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence (contiguous, not document-aligned)
@@ -117,14 +137,8 @@ class Config:
     final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
-    window_stages: str = "1/3,3/7,5/11,6/13"  # S/L per stage, then the extension's: blocks back in a document
-    #                                           (0: itself only)
-    seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
-    lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
-    doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
-    mtp_stages: str = "1/0.5/0.25,1/0.5,1"  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0
-    prefix_stages: str = "0.25/0.25,0.25/0,0/0"  # "A/B,...": per stage the prefix token's loss weight, A -> B (#88)
-    final_val_windows: str = "6/20"  # "S/L": the last validation's windows in blocks (#35, #62)
+    stages: tuple[Stage, ...] = RECIPE_STAGES  # the stage table (Stage), a row per stage, the extension last
+    final_val_windows: str = "6/20"  # SHORT/LONG: the last validation's windows in blocks (#35, #62)
     untie_stage: int = 2  # the embedding, a lookup into the head until then, unties after this stage's first Adam step
     vocab_file: str = "data/tokenizer/0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"  # GPT-2's BPE: the prefix table
     # systems
@@ -173,7 +187,10 @@ PRESETS: dict[str, dict[str, object]] = {
         value_embeds="0--12", skip="1:2", attn_input_layer=3, xsa_layers="1,3", attn_gate_layers="1,4",
         bigram_rows=50304, mudd_dim=16, block_size=128,
         num_steps=40, extension_steps=2, muon_momentum_warmup_steps=10, muon_momentum_cooldown_steps=5,
-        window_stages="0/1,1/2,1/3,2/4", seq_len_stages="256,384,512", doc_len_stages="224,512,512",
+        stages=(Stage(256, 224, (0, 1), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+                Stage(384, 512, (1, 2), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+                Stage(512, 512, (1, 3), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+                Stage(512, 512, (2, 4), 1.73, (1.0,), (1.0,), 0.0, 0.0)),
         final_val_windows="2/6", val_every=20, warmup_steps=2,
     ),
 }
@@ -812,27 +829,22 @@ class StepSchedule:
     tied: bool  # the embedding still reads the head (untied after the last tied step's update)
 
 def stage_starts(cfg: Config) -> list[int]:
-    """The first step of each equal stage, of the extension, then num_steps: stage k of n at round(N (1/n + ... + 1/n)),
-    k float terms, ties to even, N = num_steps - extension_steps, as #89 rounds."""
-    n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
+    """The first step of each row of the stage table, then num_steps: stage k of n at round(N (1/n + ... + 1/n)), k
+    float terms, ties to even, N = num_steps - extension_steps, as #89 rounds; the extension at N."""
+    n, scheduled = len(cfg.stages) - 1, cfg.num_steps - cfg.extension_steps
     return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
 
 def schedule(step: int, cfg: Config) -> StepSchedule:
     """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
-    scheduled = cfg.num_steps - cfg.extension_steps
-    stages, starts = num_stages(cfg), stage_starts(cfg)
-    stage = min(bisect.bisect_right(starts, step) - 1, stages)  # of the equal stages; the extension's is `stages`
-    progress = 1.0 if stage >= stages else (step - starts[stage]) / (starts[stage + 1] - starts[stage])
-
-    def staged(name: str) -> Any:  # a staged field's value now; the extension keeps the last (or has its own pair)
-        values = parse_stages(name, getattr(cfg, name))
-        return values[min(stage, len(values) - 1)]
-
+    scheduled, starts = cfg.num_steps - cfg.extension_steps, stage_starts(cfg)
+    # The row whose steps hold this one, and the share of them done (1 at the final validation), as #89 looks it up.
+    k, t = next(((k, (step - a) / (b - a)) for k, (a, b) in enumerate(itertools.pairwise(starts)) if step < b),
+                (len(cfg.stages) - 1, 1.0))
+    stage = cfg.stages[k]
     # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #89's does (cooldown_frac 0: none).
     cooldown_start = int(scheduled * (1 - cfg.cooldown_frac))
-    t = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
-    peak = staged("lr_stages")
-    lr_mult = peak * (1 - t) + cfg.final_lr_frac * t if step >= cooldown_start else peak
+    c = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
+    lr_mult = stage.lr_mul * (1 - c) + cfg.final_lr_frac * c if step >= cooldown_start else stage.lr_mul
     momentum_range = cfg.muon_momentum_end - cfg.muon_momentum_start
     momentum_fall = cfg.num_steps - cfg.muon_momentum_cooldown_steps
     if step < cfg.muon_momentum_warmup_steps:
@@ -842,23 +854,18 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     else:
         momentum = cfg.muon_momentum_end
     # The last validation (step num_steps, no training step) has its own windows; YaRN follows the training ones.
-    final = parse_stages("final_val_windows", cfg.final_val_windows)[0]
-    short, long = final if step == cfg.num_steps else staged("window_stages")
-    trained = parse_stages("window_stages", cfg.window_stages)[: stage + 1]
-    yarn_windows = tuple(dict.fromkeys(long for _, long in trained))
-    # A stage's last multi-token weight of several falls to 0 across it; padded with zeros to the most.
-    mtp = list(staged("mtp_stages"))
-    if len(mtp) > 1:
-        mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #89 interpolates, a + (b - a) t, bit for bit
-    mtp = tuple(mtp) + (0.0,) * (max(map(len, parse_stages("mtp_stages", cfg.mtp_stages))) - len(mtp))
-    start, end = staged("prefix_stages")
-    prefix = start + (end - start) * (0.0 if stage >= stages else progress)  # the extension keeps its start
+    short, long = final_val_windows(cfg) if step == cfg.num_steps else stage.windows
+    yarn_windows = tuple(dict.fromkeys(s.windows[1] for s in cfg.stages[: k + 1]))
+    # Each weight from its start to its end value as #89 interpolates, a + (b - a) t, bit for bit; the multi-token
+    # weights padded with zeros to the most a row has (as many every step).
+    mtp = tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
+    mtp += (0.0,) * (max(len(s.mtp_start) for s in cfg.stages) - len(mtp))
+    prefix = stage.prefix_start + (stage.prefix_end - stage.prefix_start) * t
     # The last tied step is the first Adam step at or after the untie stage's start.
     split = starts[cfg.untie_stage]
     tied = step <= split + (-(split + 1) % cfg.adam_every)
-    seq_len = staged("seq_len_stages")
-    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, seq_len,
-                        seq_len // cfg.micro_split, staged("doc_len_stages"), yarn_windows, mtp, prefix, tied)
+    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, stage.seq_len,
+                        stage.seq_len // cfg.micro_split, stage.doc_len, yarn_windows, mtp, prefix, tied)
 
 def schedule_table(cfg: Config) -> list[StepSchedule]:
     """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
@@ -1780,7 +1787,9 @@ class PrefetchLoader(Iterator[Tensor], contextlib.AbstractContextManager):
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
 BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", AUTO)  # what may follow a bare bool flag
-FIELD_KINDS: dict[str, str] = {f.name: f.type for f in dataclasses.fields(Config)}  # int, float, str, bool, bool | None
+# Each flag's type: a Config field's (int, float, str, bool, bool | None), or a column of the stage table's.
+FIELD_KINDS: dict[str, str] = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "stages"}
+STAGE_FLAGS: dict[str, str] = {f"stage_{f.name}": f.type for f in dataclasses.fields(Stage)}
 
 def _parse_value(name: str, kind: str, text: str) -> object:
     if kind not in ("bool", "bool | None"):
@@ -1795,7 +1804,7 @@ def _parse_value(name: str, kind: str, text: str) -> object:
 
 def read_options(argv: list[str]) -> dict[str, str]:
     """{field: text}, read as argparse reads them: --field=value, --field value, a bool field alone (true)."""
-    kinds, options, args = FIELD_KINDS, {}, list(argv)
+    kinds, options, args = FIELD_KINDS | STAGE_FLAGS, {}, list(argv)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
@@ -1819,46 +1828,87 @@ def read_options(argv: list[str]) -> dict[str, str]:
     return options
 
 def parse_config(argv: list[str]) -> Config:
-    """Defaults, then the presets' fields, then explicit --field=value overrides."""
-    overrides = {name: _parse_value(name, FIELD_KINDS[name], text) for name, text in read_options(argv).items()}
+    """Defaults, then the presets' fields, then explicit --field=value overrides (a stage column: the table's)."""
+    options = read_options(argv)
+    columns = {name.removeprefix("stage_"): options.pop(name) for name in STAGE_FLAGS if name in options}
+    overrides = {name: _parse_value(name, FIELD_KINDS[name], text) for name, text in options.items()}
     fields: dict[str, object] = {}
     for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
         if preset not in PRESETS:
             raise UsageError(f"unknown preset {preset!r}; choose from: {', '.join(PRESETS)} (several: --preset=A,B)")
         fields.update(PRESETS[preset])
-    return Config(**{**fields, **overrides})
+    cfg = Config(**{**fields, **overrides})
+    cfg.stages = with_columns(cfg.stages, columns)
+    return cfg
 
-def config_help() -> str:
-    """--help from Config's source: its group comments, each field's comment (continued on lines indented past '#')."""
-    groups: list[tuple[str, list[list[str]]]] = []
-    for line in inspect.getsource(Config).splitlines()[2:]:
+def field_comments(cls: type) -> list[tuple[str, list[list[str]]]]:
+    """A dataclass's fields from its source, in its '# group' lines' groups, each with its comment (continued on lines
+    indented past '#')."""
+    groups: list[tuple[str, list[list[str]]]] = [("", [])]
+    names = {f.name for f in dataclasses.fields(cls)}
+    for line in inspect.getsource(cls).splitlines():
         code, _, comment = line.strip().partition("  # ")
         if code.startswith("#  "):
             groups[-1][1][-1][1] += f" {code[1:].strip()}"
         elif code.startswith("# "):
             groups.append((code[2:], []))
-        elif ":" in code:
+        elif code.split(":")[0] in names:
             groups[-1][1].append([code.split(":")[0], comment])
+    return [group for group in groups if group[1]]
+
+def help_entry(flag: str, comment: str, rule: str) -> str:
+    """A flag, its comment from column 44 wrapped at 120, and its rule whole, on the last line or one of its own."""
+    body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
+                         break_on_hyphens=False)
+    if rule:
+        body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};", f"{'':<44}{rule}"]
+    return (f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:]
+
+def stage_table_lines(stages: tuple[Stage, ...], indent: str) -> list[str]:
+    """The stage table as a table: a row per stage, the extension last, a column per --stage_<column> flag."""
+    names = [f.name for f in dataclasses.fields(Stage)]
+    cells = [["", *names], *([f"stage {k + 1}" if k < len(stages) - 1 else "extension",
+                              *(entry_text(getattr(s, n)) for n in names)] for k, s in enumerate(stages))]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(names) + 1)]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+
+def config_json(cfg: Config) -> dict[str, Any]:
+    """The config as a log and a checkpoint hold it: JSON (the stage table a list of rows, each a dict of lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+def config_of(saved: dict[str, Any]) -> Config:
+    """The Config that config_json gave `saved` (fields it does not know are left out)."""
+    rows = [Stage(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items()}) for row in saved["stages"]]
+    names = {f.name for f in dataclasses.fields(Config)} - {"stages"}
+    return Config(**{k: v for k, v in saved.items() if k in names}, stages=tuple(rows))
+
+def config_help() -> str:
+    """--help from Config's source: its group comments and each field's comment; the stage table as a table."""
     lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
              "--nproc_per_node=N train_gpt.py ..., or ./run.sh ...)",
              "Every field of the Config dataclass, with its default and the range a number must be in (each given at "
              "most once; a bool field alone is true):"]
     defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
-    for group, fields in groups:
+    for group, fields in field_comments(Config):
         lines.append(f"\n{group}:")
         for name, comment in fields:
-            flag = f"  --{name}={defaults[name]}"
-            body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
-                                 break_on_hyphens=False)
-            if name in FIELD_RULES or name in STAGE_FORMATS:  # the range whole, on the last line or one of its own
-                rule = f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else f"each: {STAGE_FORMATS[name][3]}"
-                body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};",
-                                                                                            f"{'':<44}{rule}"]
-            lines.append((f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:])
+            if name != "stages":
+                lines.append(help_entry(f"  --{name}={defaults[name]}", comment,
+                                        f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else ""))
+                continue
+            lines += ["  the stage table: a row per stage (equal shares of the scheduled steps), the extension last; "
+                      "each weight", "  goes from its start to its end value across its row's steps. A flag per "
+                      "column lists an entry per row:", *stage_table_lines(RECIPE_STAGES, "    ")]
+            lines += [help_entry(f"  --stage_{column}={column_text(RECIPE_STAGES, column)}", text,
+                                 f"each: {STAGE_COLUMNS[column][0]}, {STAGE_COLUMNS[column][2]}")
+                      for column, text in field_comments(Stage)[0][1]]
     lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
     for name, fields in PRESETS.items():
-        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
-                                   initial_indent=f"  {name}: ", subsequent_indent="    "))
+        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()
+                                             if k != "stages"),
+                                   width=116, initial_indent=f"  {name}: ", subsequent_indent="    "))
+        if "stages" in fields:
+            lines += ["    and the stage table:", *stage_table_lines(fields["stages"], "      ")]
     return "\n".join(lines)
 
 def profile_steps(spec: str, num_steps: int) -> range:
@@ -1875,55 +1925,89 @@ def profile_steps(spec: str, num_steps: int) -> range:
         raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
     return range(a, b)
 
-# The staged fields: "A,B,..." an entry per stage (--window_stages: then the extension's), an entry "X/Y/..." numbers.
-# name -> (numbers per entry, type, what each may be, what an entry is, example). lr: the records' 1 to 1.73 (<= 100).
-STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] = {
-    "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks, LONG >= 1", "1/3,3/7,5/11,6/13"),
-    "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
-    "lr_stages": (range(1, 2), float, lambda m: 0 < m <= 100, "a multiplier in (0, 100]", "1,1.52,1.73"),
-    "doc_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "2048,2048,2048"),
-    "mtp_stages": (range(1, 65), float, lambda w: 0 <= w <= 100, "1-64 weights W/W/... in [0, 100]",
-                   "1/0.5/0.25,1/0.5,1"),
-    "prefix_stages": (range(2, 3), float, lambda w: 0 <= w <= 100, "a weight at the stage's start and end in "
-                      "[0, 100], START/END", "0.25/0.25,0.25/0,0/0"),
-    "final_val_windows": (range(2, 3), int, lambda w: w >= 0, "one SHORT/LONG pair of blocks", "6/20"),
+# The stage table on the command line: a flag per column, --stage_<column>=A,B,..., an entry per row (the stages, then
+# the extension), an entry a number or numbers joined by '/'. A column given replaces the preset's (or the recipe's);
+# a table of another number of rows needs every column. Column -> (what an entry is, how many numbers, each one's
+# range as FIELD_RULES states it). lr: the records' 1 to 1.73; a window: at most 2**20 blocks, beyond any sequence.
+STAGE_COLUMNS: dict[str, tuple[str, range, str]] = {
+    "seq_len": ("tokens", range(1, 2), "> 0"), "doc_len": ("tokens", range(1, 2), "> 0"),
+    "windows": ("SHORT/LONG blocks", range(2, 3), "in [0, 1048576]"), "lr_mul": ("a multiplier", range(1, 2),
+                                                                                "in (0, 100]"),
+    **dict.fromkeys(("mtp_start", "mtp_end"), ("1-64 weights W/W/...", range(1, 65), "in [0, 100]")),
+    **dict.fromkeys(("prefix_start", "prefix_end"), ("a weight", range(1, 2), "in [0, 100]")),
 }
-STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
 
-@functools.lru_cache(maxsize=64)  # schedule() reads every staged field at every step: each spec is parsed once
-def parse_stages(name: str, spec: str) -> tuple:
-    """A staged field's entries: a number each, or a tuple (the windows' (short, long), mtp's weights)."""
-    counts, kind, allowed, what, example = STAGE_FORMATS[name]
+def entry_text(value: object) -> str:
+    """A column's entry as the command line writes it: 16384, 1/3, 0.25, 1/0.5/0."""
+    return "/".join(repr(x).removesuffix(".0") for x in (value if isinstance(value, tuple) else (value,)))
+
+def column_text(stages: tuple[Stage, ...], column: str) -> str:
+    return ",".join(entry_text(getattr(s, column)) for s in stages)
+
+def parse_entries(text: str, column: str) -> list | None:
+    """A column's text as its values, one per row: a number, or a tuple (the windows, the weights); None when an entry
+    is not numbers, or not as many as the column takes."""
+    kind, counts = STAGE_FLAGS[f"stage_{column}"], STAGE_COLUMNS[column][1]
     try:
-        entries = [tuple(kind(x) for x in entry.split("/")) for entry in spec.split(",")]
+        entries = [tuple((int if "int" in kind else float)(x) for x in entry.split("/")) for entry in text.split(",")]
     except ValueError:
-        entries = []
-    staged = name in STAGED  # the others take one entry
-    if not entries or not (staged or len(entries) == 1) or any(
-            len(e) not in counts or not all(math.isfinite(x) and allowed(x) for x in e) for e in entries):
-        per_stage = " per stage, comma-separated" if staged else ""
-        raise UsageError(f"--{name} expects {what}{per_stage} (e.g. {example}), got {spec!r}")
-    if "window" in name and any(short > long for short, long in entries):
-        wrong = ", ".join(f"{a}/{b}" for a, b in entries if a > b)
-        raise UsageError(f"--{name}={spec}: the short window exceeds the long one in {wrong} (SHORT/LONG, in blocks)")
-    # A long window of 0 cannot be meant (and YaRN divides by it); a short one of 0 is the tiny preset's first.
-    if "window" in name and any(long == 0 for _, long in entries):
-        raise UsageError(f"--{name}={spec}: a long window must be at least 1 block (0 would leave each token of the "
-                         f"long layers only itself); a short window of 0 is allowed (itself only)")
-    if name == "mtp_stages" and any(e[0] == 0 for e in entries):
-        raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
-                         f"without it the stage trains on nothing")
-    return tuple(e[0] for e in entries) if counts == range(1, 2) else tuple(entries)
+        return None
+    return None if any(len(e) not in counts for e in entries) else [e if "tuple" in kind else e[0] for e in entries]
 
-def num_stages(cfg: Config) -> int:
-    """The equal stages the scheduled steps split into, as the staged fields list them; UsageError if they disagree."""
-    counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED}
-    counts["--window_stages"] -= 1 if cfg.extension_steps else 0
-    if len(set(counts.values())) > 1:
-        raise UsageError(f"the staged fields must list the same number of stages, got "
-                         f"{', '.join(f'{k}: {v}' for k, v in counts.items())} (--window_stages also lists the "
-                         f"extension's windows when --extension_steps > 0)")
-    return max(counts.values())
+def with_columns(stages: tuple[Stage, ...], columns: dict[str, str]) -> tuple[Stage, ...]:
+    """The stage table with each given column (its flag's text) in place of the one it had."""
+    given = {c: parse_entries(text, c) for c, text in columns.items()}
+    if bad := next((c for c, values in given.items() if values is None), None):
+        raise UsageError(f"--stage_{bad} expects {STAGE_COLUMNS[bad][0]} per row of the stage table, comma-separated "
+                         f"(e.g. {column_text(RECIPE_STAGES, bad)}), got {columns[bad]!r}")
+    rows = {len(values) for values in given.values()} | ({len(stages)} if len(given) < len(STAGE_COLUMNS) else set())
+    if len(rows) > 1:
+        said = ", ".join(f"--stage_{c}={columns[c]} lists {len(v)}" for c, v in given.items())
+        raise UsageError(f"the stage table's columns must each list an entry per row (the stages, then the extension): "
+                         f"{said}" + (f", the table has {len(stages)} rows; give every column to change the number of "
+                                      f"stages" if len(given) < len(STAGE_COLUMNS) else ""))
+    return tuple(Stage(**{**(dataclasses.asdict(stages[k]) if k < len(stages) else {}),
+                          **{c: values[k] for c, values in given.items()}}) for k in range(min(rows, default=0)))
+
+def entry_problem(column: str, value: object) -> str | None:
+    """Why a value cannot be a row's entry in a column of the stage table (windows: also --final_val_windows'), or
+    None."""
+    what, counts, rule = STAGE_COLUMNS[column]
+    entry = value if isinstance(value, tuple) else (value,)
+    if len(entry) not in counts or not all(rule_holds(rule, x) for x in entry):
+        return f"an entry is {what}{', each' if len(counts) > 1 or counts.start > 1 else ''} {rule}"
+    if column == "windows" and entry[0] > entry[1]:
+        return "the short window exceeds the long one (SHORT/LONG, in blocks)"
+    if column == "windows" and entry[1] < 1:  # YaRN divides by it; a short window of 0 is the tiny preset's first
+        return "a long window must be at least 1 block (0 would leave each token of the long layers only itself)"
+    if column.startswith("mtp") and entry[0] == 0:
+        return "its first weight (the next token's) must be above 0: without it the stage trains on nothing"
+    return None
+
+def final_val_windows(cfg: Config) -> tuple[int, int]:
+    """--final_val_windows as (short, long) blocks; UsageError unless one pair the stage table's windows could be."""
+    pairs = parse_entries(cfg.final_val_windows, "windows")
+    if pairs is None or len(pairs) != 1:
+        raise UsageError(f"--final_val_windows expects one SHORT/LONG pair of blocks (e.g. 6/20), got "
+                         f"{cfg.final_val_windows!r}")
+    if why := entry_problem("windows", pairs[0]):
+        raise UsageError(f"--final_val_windows={cfg.final_val_windows}: {why}")
+    return pairs[0]
+
+def check_stages(cfg: Config) -> None:
+    """Refuse a stage table the schedule cannot run, naming the column's flag with what it holds, and the row."""
+    if len(cfg.stages) < 2:
+        raise UsageError(f"the stage table needs a stage and the extension (its last row), got {len(cfg.stages)} "
+                         f"row: {' '.join(f'--stage_{c}={column_text(cfg.stages, c)}' for c in STAGE_COLUMNS)}")
+    for column in STAGE_COLUMNS:
+        for k, stage in enumerate(cfg.stages, 1):
+            value = getattr(stage, column)
+            why = entry_problem(column, value) or (
+                f"as many weights as --stage_mtp_start's ({len(stage.mtp_start)})"
+                if column == "mtp_end" and len(value) != len(stage.mtp_start) else None)
+            if why:
+                raise UsageError(f"--stage_{column}={column_text(cfg.stages, column)}: row {k} holds "
+                                 f"{entry_text(value)}: {why}")
 
 def paired_layers(cfg: Config) -> set[int]:
     return layer_list(cfg, "paired_layers")
@@ -2004,13 +2088,13 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
         raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
                          f"({cfg.num_layers} layers)")
-    for name in STAGE_FORMATS:
-        parse_stages(name, getattr(cfg, name))
+    check_stages(cfg)
+    final_val_windows(cfg)
     if cfg.profile:
         profile_steps(cfg.profile, cfg.num_steps)
-    tables, stages = sorted(set(cfg.value_embeds) - {"-"}), num_stages(cfg)
-    seq_lens = parse_stages("seq_len_stages", cfg.seq_len_stages)
-    long_seq = next((n for n in seq_lens if n > cfg.train_seq_len or n % cfg.block_size), None)
+    tables, stages = sorted(set(cfg.value_embeds) - {"-"}), len(cfg.stages) - 1
+    seq_lens = column_text(cfg.stages, "seq_len")
+    long_seq = next((n for n in (s.seq_len for s in cfg.stages) if n > cfg.train_seq_len or n % cfg.block_size), None)
     refusals = [  # (a problem, its line), in order
         (cfg.run_id in (".", "..") or len(cfg.run_id) > RUN_ID_MAX or any(  # "" (the default): a fresh one
             c in "/\\" or c.isspace() or not c.isprintable() for c in cfg.run_id),
@@ -2047,11 +2131,11 @@ def validate_config(cfg: Config, world_size: int) -> int:
                        ("save_every", "adam_every"))),
         *((getattr(cfg, n) not in choices, f"--{n} must be {', '.join(choices)}, got {getattr(cfg, n)!r}")
           for n, choices in (("attention", ("auto", "fa3", "flex")), ("cpu_bf16_gemm", ("auto", "native", "fp32")))),
-        (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
-         f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
-        (any(n % (cfg.micro_split * cfg.block_size) for n in seq_lens), f"--micro_split={cfg.micro_split}: every "
-         f"--seq_len_stages length must cut into {cfg.micro_split} pieces of a multiple of --block_size="
-         f"{cfg.block_size}, got {cfg.seq_len_stages}"),
+        (long_seq is not None, f"--stage_seq_len={seq_lens}: {long_seq} must be a multiple of --block_size="
+         f"{cfg.block_size} from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
+        (any(s.seq_len % (cfg.micro_split * cfg.block_size) for s in cfg.stages), f"--micro_split={cfg.micro_split}: "
+         f"every --stage_seq_len length must cut into {cfg.micro_split} pieces of a multiple of --block_size="
+         f"{cfg.block_size}, got {seq_lens}"),
         (cfg.extension_steps >= cfg.num_steps, f"--extension_steps={cfg.extension_steps} must be below --num_steps="
          f"{cfg.num_steps} (the extension is the end of the run)"),
         (stages > cfg.num_steps - cfg.extension_steps, f"{stages} stages need at least as many scheduled steps, got "
@@ -2651,7 +2735,7 @@ class StepProfiler:
 # exactly (bit for bit at the same world size, re-sharded at another), from a complete and matching checkpoint only.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 10  # bumped whenever what is saved changes (10: every source file's sha256, "sources")
+CKPT_FORMAT = 11  # bumped whenever what is saved changes (10: every source file's sha256, "sources"; 11: "stages")
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
@@ -2720,7 +2804,7 @@ CONTINUATION_FREE = ("resume", "save_every", "save_final", "save_minutes", "pref
 def continuation_error(what: str, config: dict, sources: dict[str, str], cfg: Config) -> str | None:
     """Why what (a log or a checkpoint of run --run_id, its config and source digests) cannot be continued exactly by
     this launch (another recipe, other code), or None: --resume=auto continues a run only as it began."""
-    mine = dataclasses.asdict(cfg)
+    mine = config_json(cfg)
     changed = [f"--{k}={config.get(k)!r} (this launch: {v!r})" for k, v in mine.items()
                if k not in CONTINUATION_FREE and config.get(k) != v]
     now = source_digests(source_files())
@@ -2855,8 +2939,9 @@ def load_checkpoint(cfg: Config, rt: Runtime, folder: Path, model: GPT, optimize
         raise UsageError(error)
     rng = parts[rt.rank if rt.rank < saved_world else 0]["rng"]  # a new rank takes rank 0's RNG states
     how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
-    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
-               if k not in ("run_id", "resume") and hasattr(cfg, k) and getattr(cfg, k) != v]
+    mine = config_json(cfg)
+    changed = [f"{k} {v!r} -> {mine[k]!r}" for k, v in meta["config"].items()
+               if k not in ("run_id", "resume") and k in mine and mine[k] != v]
     position = tuple(meta["data_position"])
     data = f"data from shard {position[0] - 1} token {position[1]:,}" if position[0] else "data from the start"
     log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} (optimizer state {how}), "

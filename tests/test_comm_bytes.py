@@ -99,7 +99,7 @@ def test_recipe_adam_lines_at_8_ranks_are_upstreams_and_its_counts(recipe_model)
 def small_config() -> T.Config:
     """The recipe's layout at toy widths, buckets small enough to split groups (tests/test_sharded_optim.py's)."""
     fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
-                  train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, bigram_rows=1032,
+                  train_seq_len=64, stage_seq_len="64,64,64,64", val_seq_len=64, block_size=32, bigram_rows=1032,
                   mudd_dim=8, bucket_mb=0.05)
     return T.parse_config([f"--{k}={v}" for k, v in fields.items()])
 

@@ -51,11 +51,11 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
     (["--seed", "--log_every=2"], "--seed needs a value: --seed=VALUE"),
     (["--save_final", "maybe"], "unexpected argument 'maybe'"),
     # A long window of 0 blocks (tiny_args' one stage); a short one of 0 stays allowed (the tiny preset's).
-    (["--window_stages=0/0"], "--window_stages=0/0: a long window must be at least 1 block"),
+    (["--stage_windows=0/0,0/0"], "--stage_windows=0/0,0/0: row 1 holds 0/0: a long window must be at least 1 block"),
     (["--final_val_windows=0/0"], "--final_val_windows=0/0: a long window must be at least 1 block"),
     # --micro_split: a piece of every stage's sequence is whole blocks (the masks' tiles)
     (["--micro_split=0"], "--micro_split must be > 0, got 0"),
-    (["--micro_split=3"], "--micro_split=3: every --seq_len_stages length must cut into 3 pieces of a multiple of "
+    (["--micro_split=3"], "--micro_split=3: every --stage_seq_len length must cut into 3 pieces of a multiple of "
                           "--block_size="),
 ])
 def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
@@ -96,7 +96,14 @@ def test_help_states_each_numeric_fields_range_and_what_a_zero_window_means(monk
     for name, rule in T.FIELD_RULES.items():
         assert help_of[name].endswith(f"must be {rule}"), (name, help_of[name])
     # A window of 0 blocks (the tiny preset's first short window) is a token attending to itself alone.
-    assert "(0: itself only)" in help_of["window_stages"] and T.PRESETS["tiny"]["window_stages"].startswith("0/")
+    assert "(0: itself)" in help_of["stage_windows"] and T.PRESETS["tiny"]["stages"][0].windows[0] == 0
+    # The stage table as a table, a row per stage and the extension last, then a flag per column, its default the
+    # column: what --stage_<column>=A,B,... replaces.
+    rows = [line.split() for line in out.splitlines()]
+    top = rows.index(["seq_len", "doc_len", "windows", "lr_mul", "mtp_start", "mtp_end", "prefix_start", "prefix_end"])
+    assert rows[top + 1] == ["stage", "1", "16384", "896", "1/3", "1", "1/0.5/0.25", "1/0.5/0", "0.25", "0.25"]
+    assert rows[top + 4] == ["extension", "49152", "2048", "6/13", "1.73", "1", "1", "0", "0"]
+    assert "  --stage_windows=1/3,3/7,5/11,6/13 " in out and "  --stage_mtp_end=1/0.5/0,1/0,1,1 " in out
     tokens = torch.tensor([T.BOS_ID, 5, 6, 7, T.BOS_ID, 8, 9, 10] * 32)
     assert torch.equal(T.dense_mask(tokens, 128, torch.tensor(0)), torch.eye(256, dtype=torch.bool))
 

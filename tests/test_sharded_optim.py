@@ -52,7 +52,7 @@ _one_thread = pytest.fixture(autouse=True)(_single_thread)
 
 def small_config(variant: str = "recipe", **overrides: object) -> T.Config:
     fields = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512,
-                  train_seq_len=64, seq_len_stages="64,64,64", val_seq_len=64, block_size=32, normuon_beta2=0.9,
+                  train_seq_len=64, stage_seq_len="64,64,64,64", val_seq_len=64, block_size=32, normuon_beta2=0.9,
                   num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2", attn_input_layer=3,
                   bigram_rows=1028, mudd_dim=8, paired_layers="0,3", xsa_layers="1")
     if variant == "fp32":
