@@ -5,7 +5,7 @@ file, the FP8 ops, Triton kernels and device paths beside it in gpt_kernels.py (
 
 from __future__ import annotations
 
-import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
+import base64, binascii, collections, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
 import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, re, resource, shutil, signal
 import subprocess, sys, textwrap, threading, time, uuid
 from collections.abc import Callable, Iterator
@@ -616,10 +616,11 @@ class GPT(nn.Module):
             self.embed_tied_now = tied
 
     @torch.no_grad()
-    def quantize_mlp_(self, exact_down: bool) -> None:
-        """The FP8 MLP weights, after each optimizer step (#84, #89); exact_down: the down-projection's at its amax."""
+    def quantize_mlp_(self, bootstrap_down: bool) -> None:
+        """The FP8 MLP weights, after each optimizer step (#84, #89); bootstrap_down: the down-projection's at its
+        current amax (no headroom), as #89's first steps."""
         gpt_kernels.quantize_mlp_weights_(self.mlp_bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
-                                          self.fp8_down_scales, self.fp8_down_next_scales, exact_down,
+                                          self.fp8_down_scales, self.fp8_down_next_scales, bootstrap_down,
                                           self.cfg.fp8_down_w_headroom)
 
     def mudd(self, x: Tensor, block: int) -> list[Tensor]:
@@ -706,14 +707,19 @@ class GPT(nn.Module):
     def layer_gates(self, gates: Tensor, block: int) -> dict[int, dict[str, Tensor]]:
         """A block's gates (1, T, slots) by layer and kind: "xsa", "attn" (1, T, H); "x0", "bigram" (1, T, 1); the last
         layer's "dc_w1", "dc_w2" (1, T, H) in block 1."""
-        H, out, dc = self.cfg.num_heads, {}, {len(self.plans) - 1: (1, self.slots.dc)}
-        for kinds, table, width in ((("xsa",), self.slots.xsa, H), (("attn",), self.slots.attn_gate, H),
-                                    (("x0", "bigram"), self.slots.inject, 1), (("dc_w1", "dc_w2"), dc, H)):
-            for i, (b, slot) in table.items():
-                for j, kind in enumerate(kinds):
-                    if b == block:
-                        out.setdefault(i, {})[kind] = gates[..., slot + j * width: slot + (j + 1) * width]
-        return out
+        H, s, out = self.cfg.num_heads, self.slots, collections.defaultdict(dict)
+        for i, (b, slot) in s.xsa.items():
+            if b == block:
+                out[i]["xsa"] = gates[..., slot: slot + H]
+        for i, (b, slot) in s.attn_gate.items():
+            if b == block:
+                out[i]["attn"] = gates[..., slot: slot + H]
+        for i, (b, slot) in s.inject.items():
+            if b == block:
+                out[i]["x0"], out[i]["bigram"] = gates[..., slot: slot + 1], gates[..., slot + 1: slot + 2]
+        if block == 1:  # DC attention's, the last layer's
+            out[len(self.plans) - 1].update(dc_w1=gates[..., s.dc: s.dc + H], dc_w2=gates[..., s.dc + H: s.dc + 2 * H])
+        return dict(out)
 
     def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
         """The head's input (T, model_dim) for one packed (T,) sequence; windows as attention_kernels takes them."""
@@ -3167,7 +3173,7 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
     if cfg.fp8_mlp:
-        raw.quantize_mlp_(exact_down=True)
+        raw.quantize_mlp_(bootstrap_down=True)
     log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, fp8 mlp "
         f"{cfg.fp8_mlp}, compile {cfg.compile}, world size {rt.world_size}, "
         f"grad accumulation {cfg.global_batch_seqs // rt.world_size * cfg.micro_split}")
@@ -3219,8 +3225,9 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
 
 def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows: np.ndarray | None,
                knobs: tuple[Tensor, Tensor], loss_scale: float, metrics: Metrics | None = None,
-               requantize: Callable[[], None] | None = None) -> None:
-    """One optimizer step on a (micro-steps, micro_len + 1) batch; rows: its bigram rows; requantize: the FP8 MLP's."""
+               fp8_mlp: GPT | None = None, bootstrap_down: bool = True) -> None:
+    """One optimizer step on a (micro-steps, micro_len + 1) batch; rows: its bigram rows; fp8_mlp: the model whose FP8
+    MLP weights are requantized after it (bootstrap_down: the down-projection's at its amax, as #89's first steps)."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
     optimizer.begin_step(rows)
     for m in range(batch.size(0)):
@@ -3232,9 +3239,9 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows
             metrics.add_loss(loss.detach(), batch.size(1) - 1)
     optimizer.step()
     optimizer.zero_grad()
-    if requantize is not None:
+    if fp8_mlp is not None:
         optimizer.wait_for_params()
-        requantize()
+        fp8_mlp.quantize_mlp_(bootstrap_down)
 
 @torch.no_grad()
 def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
@@ -3395,16 +3402,12 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     raw_model, model, optimizer = build_model(cfg, rt, log, knobs)
     resumed = load_checkpoint(cfg, rt, checkpoint, raw_model, optimizer, log) if checkpoint else None
     start_step = resumed.step if resumed else 0
-    loss_scale = train_loss_scale(cfg)
-
-    def requantize(exact_down: Callable[[], bool]) -> Callable[[], None] | None:  # after each step, with --fp8_mlp
-        return (lambda: raw_model.quantize_mlp_(exact_down())) if cfg.fp8_mlp else None
-
+    loss_scale, fp8_mlp = train_loss_scale(cfg), raw_model if cfg.fp8_mlp else None
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
     warmup(cfg, rt, log, raw_model, optimizer,
            train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k]), optimizer.batch_rows()), plan,
            lambda batch, rows, step: train_step(model, optimizer, batch, rows, knobs.train(step), loss_scale,
-                                                requantize=requantize(lambda: True)))
+                                                fp8_mlp=fp8_mlp))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
@@ -3438,8 +3441,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             metrics.begin_step(step + 1)
             with profiler.step(step, settle=optimizer.wait_for_params):
                 batch = next(loader)
-                train_step(model, optimizer, batch, loader.digest, knobs.train(step), loss_scale, metrics,
-                           requantize(lambda: step < cfg.fp8_down_exact_steps))
+                train_step(model, optimizer, batch, loader.digest, knobs.train(step), loss_scale, metrics, fp8_mlp,
+                           bootstrap_down=step < cfg.fp8_down_exact_steps)
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
         metrics.flush()

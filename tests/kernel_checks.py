@@ -265,7 +265,7 @@ def test_the_model_with_the_kernel_follows_the_torch_path_in_training_and_valida
     with torch.no_grad():
         for model in models:  # W_proj is zero at init: the FP8 down-projection would see zeros
             model.mlp_bank[:, 1].normal_(std=0.02, generator=torch.Generator().manual_seed(4))
-            model.quantize_mlp_(exact_down=True)
+            model.quantize_mlp_(bootstrap_down=True)
     losses = [model(tokens[:-1], tokens[1:], windows, torch.tensor([1.0])) for model in models]
     for loss in losses:
         loss.backward()
