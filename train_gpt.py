@@ -1788,7 +1788,7 @@ class PrefetchLoader(Iterator[Tensor], contextlib.AbstractContextManager):
 # -----------------------------------------------------------------------------
 # Command line
 # --field=value parsing, --help from the Config's own comments, and validate_config, which refuses in one line any
-# value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
+# value the run cannot use.
 
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
@@ -2168,6 +2168,12 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--paired_layers={cfg.paired_layers}: the last layer runs DC attention over its own heads: "
                          f"leave it unpaired")
     return cfg.global_batch_seqs // world_size
+
+# -----------------------------------------------------------------------------
+# Devices
+# What the run's device decides, settled before anything is built: on a GPU, which kernels and FP8 paths run (auto
+# resolved by the GPU kind, what cannot run refused in one line); on a CPU, the bf16 GEMM path and whether the run
+# computes the record path, the bundled CPU records' arithmetic, or the CPU's own kernels.
 
 @dataclass
 class Runtime:
@@ -3668,6 +3674,24 @@ def run(argv: list[str]) -> TrainResult | None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+SAID_WAIT_S = 30.0  # the most another rank waits for rank 0's line (it comes at once: every rank met the same error)
+
+def rank0_said() -> None:
+    """A refusal is said by rank 0 alone (print0): it marks its line printed in the launcher's store (torchrun's,
+    which outlives the run's process group) and the other ranks exit once it has, at most SAID_WAIT_S later; a rank
+    that exits first has the launcher stop rank 0, maybe before it said why. Without a launcher's store, no wait."""
+    rank, world_size = _rank_and_world()
+    if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    key = f"train_gpt/rank0_said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    with contextlib.suppress(RuntimeError):  # the store gone or no mark in time (rank 0 died): nothing to wait for
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=SAID_WAIT_S))
+        if rank == 0:
+            store.set(key, "")
+        else:
+            store.wait([key])
+
 def main(cli: bool = False) -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
@@ -3680,8 +3704,8 @@ def main(cli: bool = False) -> None:
         say = print if isinstance(e, (OutOfMemory, RankLost)) else print0  # every rank its own; else rank 0 for all
         first = STOPS[type(e)] if isinstance(e, KeyboardInterrupt) else f"error: {e}"
         say("\n".join([first, *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
-        if isinstance(e, UsageError) and _rank_and_world()[0] != 0:
-            time.sleep(5)  # rank 0 says why and exits first: the launcher then stops this one
+        if isinstance(e, UsageError) and say is print0:
+            rank0_said()
         sys.exit(EXIT_CODES.get(type(e), 2))
 
 if __name__ == "__main__":
