@@ -505,10 +505,11 @@ def read_vocabulary(cfg: Config) -> list[bytes]:
         raise UsageError(f"--vocab_file={cfg.vocab_file}: cannot read GPT-2's BPE tokens ({e}); the prefix-token loss "
                          f"needs them: `git checkout data/tokenizer`, or point it at tiktoken's r50k_base file"
                          ) from None
-    if sorted(tokens) != list(range(len(tokens))) or len(tokens) > cfg.vocab_size:
-        raise UsageError(f"--vocab_file={cfg.vocab_file}: not a BPE rank file of ids 0..N-1 with N <= --vocab_size="
-                         f"{cfg.vocab_size} (tiktoken's r50k_base file has 50,256)")
-    return [tokens[i] for i in range(len(tokens))]
+    if sorted(tokens) != list(range(BOS_ID)) or BOS_ID > cfg.vocab_size:  # <|endoftext|> follows the BPE's tokens
+        raise UsageError(f"--vocab_file={cfg.vocab_file}: {len(tokens):,} BPE ranks, where the prefix-token loss needs "
+                         f"GPT-2's {BOS_ID:,} (ids 0..{BOS_ID - 1}, within --vocab_size={cfg.vocab_size}): "
+                         f"`git checkout data/tokenizer`, or point it at tiktoken's r50k_base file")
+    return [tokens[i] for i in range(BOS_ID)]
 
 def prefix_table(tokens: list[bytes], vocab_size: int) -> Tensor:
     """Each token's prefix token (#88): its longest proper byte prefix that is a token; -1: none, or past the BPE's."""
@@ -2055,14 +2056,16 @@ def run_length(cfg: Config) -> int:
 
 # Every numeric field's range (and a finite value): a NaN, a negative lr or a beta of 1.5 is one line at start-up,
 # not a run. Float upper bounds lie far above any recipe's (lrs <= 0.6, weight decay multipliers 150) and keep each
-# update's scalars finite in fp32; --num_steps and --train_epochs bound the start-up work before the corpus is read.
+# update's scalars finite in fp32; --num_steps, --train_epochs and --warmup_steps bound the start-up work (the step
+# table, the shard list, the warmup's plan) before the corpus is read.
 FIELD_RULES: dict[str, str] = {name: rule for rule, names in {
     "> 0": "train_seq_len global_batch_seqs val_seq_len val_tokens vocab_size num_layers model_dim num_heads head_dim "
            "mlp_ratio block_size log_every bench_steps adam_every gate_channels untie_stage bigram_sign_rows mudd_dim "
            "attn_input_layer micro_split",
     "in [1, 100000]": "num_steps", "in [1, 10000]": "train_epochs",
-    ">= 0": "prefetch_depth muon_momentum_warmup_steps val_every warmup_steps save_every extension_steps "
+    ">= 0": "prefetch_depth muon_momentum_warmup_steps val_every save_every extension_steps "
             "muon_momentum_cooldown_steps fp8_down_exact_steps",
+    "in [0, 10000]": "warmup_steps",
     "in [-1, 4294967295]": "seed",  # 32 bits: torch's generator overflows past 64
     "in (0, 10]": "muon_lr embed_lr head_lr scalar_lr gate_lr mudd_gate_lr smear_gate_lr lambda_lr mudd_lr",
     "in (0, 100]": "mlp_down_lr_mul attn_scale fp8_x_scale fp8_w_scale fp8_grad_scale grad_scale fp8_down_w_headroom "
@@ -3156,6 +3159,12 @@ class TrainClock:
     def now(self) -> float:
         return self.ms + 1000 * (time.perf_counter() - self.t0)
 
+# The fields that size the model's tensors, by the start of a tensor's name (the banks: the rest).
+SIZED_BY = {"rotary": "train_seq_len val_seq_len", "bigram_embed": "bigram_rows model_dim",
+            "bigram_sign": "bigram_sign_rows model_dim", "mudd": "mudd_dim model_dim",
+            **dict.fromkeys(("value_embeds", "embed", "lm_head", "prefix_table"), "vocab_size model_dim"),
+            "": "model_dim num_layers mlp_ratio"}
+
 def check_model_fits(cfg: Config, device: torch.device) -> None:
     """Refuse a model whose parameters, gradients and tables alone exceed the device's memory (sized on meta)."""
     with torch.device("meta"):
@@ -3166,10 +3175,10 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if sum(sizes.values()) > have:
         big = max(sizes, key=sizes.get)
+        flags = [f"--{n}={getattr(cfg, n)}" for n in next(v for k, v in SIZED_BY.items() if big.startswith(k)).split()]
         raise UsageError(f"the model needs at least {sum(sizes.values()) / 1e9:,.1f} GB for its parameters, their "
                          f"gradients and tables ({big}: {sizes[big] / 1e9:,.1f} GB), more than the {device.type}'s "
-                         f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --vocab_size, "
-                         f"--model_dim, --num_layers)")
+                         f"{have / 1e9:,.1f} GB: check the sizes that make {big} ({', '.join(flags)})")
 
 def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model, what the loop calls (compiled whole, fullgraph: a graph break fails loudly) and the optimizer."""
