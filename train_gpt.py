@@ -618,8 +618,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def quantize_mlp_(self, bootstrap_down: bool) -> None:
-        """The FP8 MLP weights, after each optimizer step (#84, #89); bootstrap_down: the down-projection's at its
-        current amax (no headroom), as #89's first steps."""
+        """The FP8 MLP weights after each optimizer step (#84, #89); bootstrap_down: the down-weight's at its amax."""
         gpt_kernels.quantize_mlp_weights_(self.mlp_bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
                                           self.fp8_down_scales, self.fp8_down_next_scales, bootstrap_down,
                                           self.cfg.fp8_down_w_headroom)
@@ -1883,12 +1882,6 @@ def config_json(cfg: Config) -> dict[str, Any]:
     """The config as a log and a checkpoint hold it: JSON (the stage table a list of rows, each a dict of lists)."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
-def config_of(saved: dict[str, Any]) -> Config:
-    """The Config that config_json gave `saved` (fields it does not know are left out)."""
-    rows = [Stage(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items()}) for row in saved["stages"]]
-    names = {f.name for f in dataclasses.fields(Config)} - {"stages"}
-    return Config(**{k: v for k, v in saved.items() if k in names}, stages=tuple(rows))
-
 def config_help() -> str:
     """--help from Config's source: its group comments and each field's comment; the stage table as a table."""
     lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
@@ -2011,7 +2004,10 @@ def check_stages(cfg: Config) -> None:
             value = getattr(stage, column)
             why = entry_problem(column, value) or (
                 f"as many weights as --stage_mtp_start's ({len(stage.mtp_start)})"
-                if column == "mtp_end" and len(value) != len(stage.mtp_start) else None)
+                if column == "mtp_end" and len(value) != len(stage.mtp_start) else
+                f"at most --train_seq_len={cfg.train_seq_len} (the longest), in --micro_split={cfg.micro_split} "
+                f"pieces of a multiple of --block_size={cfg.block_size}" if column == "seq_len" and (
+                    value > cfg.train_seq_len or value % (cfg.micro_split * cfg.block_size)) else None)
             if why:
                 raise UsageError(f"--stage_{column}={column_text(cfg.stages, column)}: row {k} holds "
                                  f"{entry_text(value)}: {why}")
@@ -2102,8 +2098,6 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if cfg.profile:
         profile_steps(cfg.profile, cfg.num_steps)
     tables, stages = sorted(set(cfg.value_embeds) - {"-"}), len(cfg.stages) - 1
-    seq_lens = column_text(cfg.stages, "seq_len")
-    long_seq = next((n for n in (s.seq_len for s in cfg.stages) if n > cfg.train_seq_len or n % cfg.block_size), None)
     refusals = [  # (a problem, its line), in order
         (cfg.run_id in (".", "..") or len(cfg.run_id) > RUN_ID_MAX or any(  # "" (the default): a fresh one
             c in "/\\" or c.isspace() or not c.isprintable() for c in cfg.run_id),
@@ -2140,11 +2134,6 @@ def validate_config(cfg: Config, world_size: int) -> int:
                        ("save_every", "adam_every"))),
         *((getattr(cfg, n) not in choices, f"--{n} must be {', '.join(choices)}, got {getattr(cfg, n)!r}")
           for n, choices in (("attention", ("auto", "fa3", "flex")), ("cpu_bf16_gemm", ("auto", "native", "fp32")))),
-        (long_seq is not None, f"--stage_seq_len={seq_lens}: {long_seq} must be a multiple of --block_size="
-         f"{cfg.block_size} from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
-        (any(s.seq_len % (cfg.micro_split * cfg.block_size) for s in cfg.stages), f"--micro_split={cfg.micro_split}: "
-         f"every --stage_seq_len length must cut into {cfg.micro_split} pieces of a multiple of --block_size="
-         f"{cfg.block_size}, got {seq_lens}"),
         (cfg.extension_steps >= cfg.num_steps, f"--extension_steps={cfg.extension_steps} must be below --num_steps="
          f"{cfg.num_steps} (the extension is the end of the run)"),
         (stages > cfg.num_steps - cfg.extension_steps, f"{stages} stages need at least as many scheduled steps, got "
@@ -2174,9 +2163,8 @@ def validate_config(cfg: Config, world_size: int) -> int:
 
 # -----------------------------------------------------------------------------
 # Devices
-# What the run's device decides, settled before anything is built: on a GPU, which kernels and FP8 paths run (auto
-# resolved by the GPU kind, what cannot run refused in one line); on a CPU, the bf16 GEMM path and whether the run
-# computes the record path, the bundled CPU records' arithmetic, or the CPU's own kernels.
+# What the device decides, settled before anything is built: on a GPU, the kernels and FP8 paths its kind runs (auto
+# resolved, what cannot run refused); on a CPU, the GEMM path and the record path (the bundled records' arithmetic).
 
 @dataclass
 class Runtime:
@@ -3159,11 +3147,10 @@ class TrainClock:
     def now(self) -> float:
         return self.ms + 1000 * (time.perf_counter() - self.t0)
 
-# The fields that size the model's tensors, by the start of a tensor's name (the banks: the rest).
-SIZED_BY = {"rotary": "train_seq_len val_seq_len", "bigram_embed": "bigram_rows model_dim",
-            "bigram_sign": "bigram_sign_rows model_dim", "mudd": "mudd_dim model_dim",
-            **dict.fromkeys(("value_embeds", "embed", "lm_head", "prefix_table"), "vocab_size model_dim"),
-            "": "model_dim num_layers mlp_ratio"}
+# The fields that size the model's tensors, by a part of a tensor's name (the rest: the vocabulary's tables).
+SIZED_BY = {"rotary": "train_seq_len val_seq_len", "bigram_sign": "bigram_sign_rows model_dim", "bigram": "bigram_rows "
+            "model_dim", "mudd": "mudd_dim model_dim", "bank": "model_dim num_layers mlp_ratio", "fp8_w": "model_dim "
+            "num_layers mlp_ratio", "": "vocab_size model_dim"}
 
 def check_model_fits(cfg: Config, device: torch.device) -> None:
     """Refuse a model whose parameters, gradients and tables alone exceed the device's memory (sized on meta)."""
@@ -3175,7 +3162,7 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if sum(sizes.values()) > have:
         big = max(sizes, key=sizes.get)
-        flags = [f"--{n}={getattr(cfg, n)}" for n in next(v for k, v in SIZED_BY.items() if big.startswith(k)).split()]
+        flags = [f"--{n}={getattr(cfg, n)}" for n in next(v for k, v in SIZED_BY.items() if k in big).split()]
         raise UsageError(f"the model needs at least {sum(sizes.values()) / 1e9:,.1f} GB for its parameters, their "
                          f"gradients and tables ({big}: {sizes[big] / 1e9:,.1f} GB), more than the {device.type}'s "
                          f"{have / 1e9:,.1f} GB: check the sizes that make {big} ({', '.join(flags)})")
@@ -3686,9 +3673,8 @@ def run(argv: list[str]) -> TrainResult | None:
 SAID_WAIT_S = 30.0  # the most another rank waits for rank 0's line (it comes at once: every rank met the same error)
 
 def rank0_said() -> None:
-    """A refusal is said by rank 0 alone (print0): it marks its line printed in the launcher's store (torchrun's,
-    which outlives the run's process group) and the other ranks exit once it has, at most SAID_WAIT_S later; a rank
-    that exits first has the launcher stop rank 0, maybe before it said why. Without a launcher's store, no wait."""
+    """Rank 0 alone says why a run is refused: it marks its line printed in torchrun's store (which outlives the process
+    group), and the others exit after it (at most SAID_WAIT_S later), before which torchrun would stop rank 0."""
     rank, world_size = _rank_and_world()
     if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return

@@ -314,8 +314,9 @@ def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
                                 r"comma-separated \(e.g. 1/3,3/7,5/11,6/13\), got '3/7,x'"),
     (["--extension_steps=10", "--num_steps=10"], "--extension_steps=10 must be below --num_steps=10"),
     (["--adam_every=2", "--save_every=3"], "--save_every=3 must be a multiple of --adam_every=2"),
-    (["--stage_seq_len=16384,100,49152,49152"],
-     "--stage_seq_len=16384,100,49152,49152: 100 must be a multiple of --block_size=128"),
+    (["--stage_seq_len=16384,100,49152,49152"], r"--stage_seq_len=16384,100,49152,49152: row 2 holds 100: at most "
+     r"--train_seq_len=49152 \(the longest\), in --micro_split=1 pieces of a multiple of --block_size=128"),
+    (["--stage_seq_len=16384,32768,65536,49152"], "row 3 holds 65536: at most --train_seq_len=49152"),
     # A column of another length than the others (given or the table's): each named with what it lists.
     (["--stage_seq_len=16384,32768,49152", "--stage_lr_mul=1,1.5,2,2"], r"the stage table's columns must each list "
      r"an entry per row \(the stages, then the extension\): --stage_seq_len=16384,32768,49152 lists 3, "

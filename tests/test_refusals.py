@@ -73,8 +73,8 @@ from conftest import REPO, SMALL, main_in_process, tiny_args
     (["--stage_windows=1/2"], ", --stage_windows=1/2 lists 1, "),
     # --micro_split: a piece of every stage's sequence is whole blocks (the masks' tiles)
     (["--micro_split=0"], "--micro_split must be > 0, got 0"),
-    (["--micro_split=3"], "--micro_split=3: every --stage_seq_len length must cut into 3 pieces of a multiple of "
-                          "--block_size="),
+    (["--micro_split=3"], "--stage_seq_len=128,128: row 1 holds 128: at most --train_seq_len=128 (the longest), in "
+                          "--micro_split=3 pieces of a multiple of --block_size=128"),
 ])
 def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
     work = tmp_path / "work"  # the run's folder: --log_dir is work/logs; ../escape would land in work/
