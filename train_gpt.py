@@ -1848,8 +1848,7 @@ def parse_config(argv: list[str]) -> Config:
     return cfg
 
 def field_comments(cls: type) -> list[tuple[str, list[list[str]]]]:
-    """A dataclass's fields from its source, in its '# group' lines' groups, each with its comment (continued on lines
-    indented past '#')."""
+    """A dataclass's fields in its '# group' groups, each with its comment (continued on lines indented past '#')."""
     groups: list[tuple[str, list[list[str]]]] = [("", [])]
     names = {f.name for f in dataclasses.fields(cls)}
     for line in inspect.getsource(cls).splitlines():
@@ -1970,8 +1969,7 @@ def with_columns(stages: tuple[Stage, ...], columns: dict[str, str]) -> tuple[St
                           **{c: values[k] for c, values in given.items()}}) for k in range(min(rows, default=0)))
 
 def entry_problem(column: str, value: object) -> str | None:
-    """Why a value cannot be a row's entry in a column of the stage table (windows: also --final_val_windows'), or
-    None."""
+    """Why a value cannot be an entry of a column of the stage table (windows: also --final_val_windows'), or None."""
     what, counts, rule = STAGE_COLUMNS[column]
     entry = value if isinstance(value, tuple) else (value,)
     if len(entry) not in counts or not all(rule_holds(rule, x) for x in entry):
