@@ -3671,13 +3671,14 @@ def run(argv: list[str]) -> TrainResult | None:
 SAID_WAIT_S = 30.0  # the most another rank waits for rank 0's line (it comes at once: every rank met the same error)
 
 def rank0_said() -> None:
-    """Rank 0 alone says why a run is refused: it marks its line printed in torchrun's store (which outlives the process
-    group), and the others exit after it (at most SAID_WAIT_S later), before which torchrun would stop rank 0."""
+    """Rank 0 alone says why a run is refused, and the others exit only once it has (one exiting first would have
+    torchrun stop rank 0 before it could): rank 0 marks its line printed in torchrun's store, which outlives the
+    process group, and the others wait for the mark, at most SAID_WAIT_S."""
     rank, world_size = _rank_and_world()
     if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
     key = f"train_gpt/rank0_said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    with contextlib.suppress(RuntimeError):  # the store gone or no mark in time (rank 0 died): nothing to wait for
+    with contextlib.suppress(RuntimeError, KeyError, ValueError):  # no store, or no mark in time: no more to wait
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=SAID_WAIT_S))
         if rank == 0:
