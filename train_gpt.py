@@ -3351,7 +3351,7 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
                    **peak_memory_mib(rt.device), "world_size": rt.world_size,
                    "gpu_names": [name for name, _ in every if name], "torch_version": torch.__version__,
                    "cuda_version": torch.version.cuda, "git_commit": git_commit(HERE), "seed": cfg.seed,
-                   "config": dataclasses.asdict(cfg), "val_losses": [list(p) for p in val_points]}
+                   "config": config_json(cfg), "val_losses": [list(p) for p in val_points]}
         write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
     if failures:
