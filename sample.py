@@ -26,11 +26,18 @@ import train_gpt as T  # noqa: E402
 from tokenize_text import load_encoding  # noqa: E402
 
 
+def saved_config(config: dict) -> T.Config:
+    """The Config a checkpoint holds as JSON (T.config_json: the stage table a list of rows, each a dict of lists);
+    fields this trainer does not know are left out."""
+    rows = [T.Stage(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items()}) for row in config["stages"]]
+    fields = {f.name for f in dataclasses.fields(T.Config)}
+    return T.Config(**{k: v for k, v in config.items() if k in fields} | {"stages": tuple(rows)})
+
+
 def load_model(folder: Path, device: torch.device) -> T.GPT:
     """The model of a complete checkpoint, in eval mode on device."""
     meta = T.read_checkpoint_meta(folder, taker="sample.py's CHECKPOINT argument")
-    fields = {f.name for f in dataclasses.fields(T.Config)}
-    cfg = T.Config(**{k: v for k, v in meta["config"].items() if k in fields})
+    cfg = saved_config(meta["config"])
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     model.load_state_dict(T.read_part(folder / T.CKPT_MODEL, meta["files"][T.CKPT_MODEL]["sha256"], load=True))
     s = T.schedule(meta["step"], cfg)  # what the schedule had set when it saved: the untie and YaRN's tables

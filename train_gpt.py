@@ -5,7 +5,7 @@ file, the FP8 ops, Triton kernels and device paths beside it in gpt_kernels.py (
 
 from __future__ import annotations
 
-import base64, binascii, bisect, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
+import base64, binascii, collections, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
 import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, re, resource, shutil, signal
 import subprocess, sys, textwrap, threading, time, uuid
 from collections.abc import Callable, Iterator
@@ -49,13 +49,33 @@ class RankLost(Exception):
 # Upstream modded-nanogpt f411b3d (2026-08-01, 8xH100): record #89 with #85 v3's MUDD gates and DC attention, #86's
 # XSA, #87's ReLU^2 backward, #88's prefix-token loss, each knob a --field=value; earlier: records/snapshots/*_record*/.
 
+@dataclass(frozen=True)
+class Stage:
+    """A row of the stage table: one of the equal stages the scheduled steps split into, or (the last row) the
+    extension. Each weight goes from its start to its end value across the row's steps."""
+    seq_len: int  # tokens per training sequence (#46)
+    doc_len: int  # documents are cut to this many tokens (#29, #72)
+    windows: tuple[int, int]  # the short and long layers' attention windows, blocks back in a document (0: itself)
+    lr_mul: float  # of every lr (#46); the cooldown falls from it
+    mtp_start: tuple[float, ...]  # the loss weights of the next 1, 2, ... tokens at the row's start (#53)
+    mtp_end: tuple[float, ...]  # ... at its end
+    prefix_start: float  # the loss weight of the next token's prefix token at the row's start (#88)
+    prefix_end: float  # ... at its end
+
+RECIPE_STAGES = (  # #89's: batches of 8 x 16k, 32k, 48k tokens, then the extension's longer windows
+    Stage(16384, 896, (1, 3), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+    Stage(32768, 2048, (3, 7), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+    Stage(49152, 2048, (5, 11), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+    Stage(49152, 2048, (6, 13), 1.73, (1.0,), (1.0,), 0.0, 0.0),  # the extension: lr at final_lr_frac by then
+)
+
 @dataclass
 class Config:
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # training shards (glob; relative: also under this folder)
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # validation shards (glob)
     train_epochs: int = 1  # passes over the training files, in order
-    train_seq_len: int = 48 * 1024  # the longest training sequence (--seq_len_stages' longest); buffers fit it
+    train_seq_len: int = 48 * 1024  # the longest training sequence (--stage_seq_len's longest); buffers fit it
     global_batch_seqs: int = 8  # sequences per optimizer step, summed over ranks and micro-steps
     micro_split: int = 1  # N micro-steps per sequence: less memory (tools/memory_estimate.py); attention stops at a cut
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence (contiguous, not document-aligned)
@@ -117,14 +137,8 @@ class Config:
     final_lr_frac: float = 0.15  # lr multiplier at the end of the cooldown (#72)
     muon_momentum_warmup_steps: int = 300  # steps over which Muon's momentum rises from start to end
     muon_momentum_cooldown_steps: int = 50  # Muon momentum falls back to its start over the last N steps (#39)
-    window_stages: str = "1/3,3/7,5/11,6/13"  # S/L per stage, then the extension's: blocks back in a document
-    #                                           (0: itself only)
-    seq_len_stages: str = "16384,32768,49152"  # "T,...": tokens per sequence per equal stage (#46)
-    lr_stages: str = "1,1.52,1.73"  # "M,...": lr multiplier per stage (#46); the cooldown falls from it
-    doc_len_stages: str = "896,2048,2048"  # "D,...": documents cut to D tokens per stage (#29, #72)
-    mtp_stages: str = "1/0.5/0.25,1/0.5,1"  # "W/W,..": per stage the next tokens' loss weights, a last of several -> 0
-    prefix_stages: str = "0.25/0.25,0.25/0,0/0"  # "A/B,...": per stage the prefix token's loss weight, A -> B (#88)
-    final_val_windows: str = "6/20"  # "S/L": the last validation's windows in blocks (#35, #62)
+    stages: tuple[Stage, ...] = RECIPE_STAGES  # the stage table (Stage), a row per stage, the extension last
+    final_val_windows: str = "6/20"  # SHORT/LONG: the last validation's windows in blocks (#35, #62)
     untie_stage: int = 2  # the embedding, a lookup into the head until then, unties after this stage's first Adam step
     vocab_file: str = "data/tokenizer/0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"  # GPT-2's BPE: the prefix table
     # systems
@@ -173,7 +187,10 @@ PRESETS: dict[str, dict[str, object]] = {
         value_embeds="0--12", skip="1:2", attn_input_layer=3, xsa_layers="1,3", attn_gate_layers="1,4",
         bigram_rows=50304, mudd_dim=16, block_size=128,
         num_steps=40, extension_steps=2, muon_momentum_warmup_steps=10, muon_momentum_cooldown_steps=5,
-        window_stages="0/1,1/2,1/3,2/4", seq_len_stages="256,384,512", doc_len_stages="224,512,512",
+        stages=(Stage(256, 224, (0, 1), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+                Stage(384, 512, (1, 2), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+                Stage(512, 512, (1, 3), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+                Stage(512, 512, (2, 4), 1.73, (1.0,), (1.0,), 0.0, 0.0)),
         final_val_windows="2/6", val_every=20, warmup_steps=2,
     ),
 }
@@ -488,10 +505,11 @@ def read_vocabulary(cfg: Config) -> list[bytes]:
         raise UsageError(f"--vocab_file={cfg.vocab_file}: cannot read GPT-2's BPE tokens ({e}); the prefix-token loss "
                          f"needs them: `git checkout data/tokenizer`, or point it at tiktoken's r50k_base file"
                          ) from None
-    if sorted(tokens) != list(range(len(tokens))) or len(tokens) > cfg.vocab_size:
-        raise UsageError(f"--vocab_file={cfg.vocab_file}: not a BPE rank file of ids 0..N-1 with N <= --vocab_size="
-                         f"{cfg.vocab_size} (tiktoken's r50k_base file has 50,256)")
-    return [tokens[i] for i in range(len(tokens))]
+    if sorted(tokens) != list(range(BOS_ID)) or BOS_ID > cfg.vocab_size:  # <|endoftext|> follows the BPE's tokens
+        raise UsageError(f"--vocab_file={cfg.vocab_file}: {len(tokens):,} BPE ranks, where the prefix-token loss needs "
+                         f"GPT-2's {BOS_ID:,} (ids 0..{BOS_ID - 1}, within --vocab_size={cfg.vocab_size}): "
+                         f"`git checkout data/tokenizer`, or point it at tiktoken's r50k_base file")
+    return [tokens[i] for i in range(BOS_ID)]
 
 def prefix_table(tokens: list[bytes], vocab_size: int) -> Tensor:
     """Each token's prefix token (#88): its longest proper byte prefix that is a token; -1: none, or past the BPE's."""
@@ -599,10 +617,10 @@ class GPT(nn.Module):
             self.embed_tied_now = tied
 
     @torch.no_grad()
-    def quantize_mlp_(self, exact_down: bool) -> None:
-        """The FP8 MLP weights, after each optimizer step (#84, #89); exact_down: the down-projection's at its amax."""
+    def quantize_mlp_(self, bootstrap_down: bool) -> None:
+        """The FP8 MLP weights after each optimizer step (#84, #89); bootstrap_down: the down-weight's at its amax."""
         gpt_kernels.quantize_mlp_weights_(self.mlp_bank, self.fp8_w_fc, self.fp8_up_scales, self.fp8_w_proj_t,
-                                          self.fp8_down_scales, self.fp8_down_next_scales, exact_down,
+                                          self.fp8_down_scales, self.fp8_down_next_scales, bootstrap_down,
                                           self.cfg.fp8_down_w_headroom)
 
     def mudd(self, x: Tensor, block: int) -> list[Tensor]:
@@ -689,14 +707,19 @@ class GPT(nn.Module):
     def layer_gates(self, gates: Tensor, block: int) -> dict[int, dict[str, Tensor]]:
         """A block's gates (1, T, slots) by layer and kind: "xsa", "attn" (1, T, H); "x0", "bigram" (1, T, 1); the last
         layer's "dc_w1", "dc_w2" (1, T, H) in block 1."""
-        H, out, dc = self.cfg.num_heads, {}, {len(self.plans) - 1: (1, self.slots.dc)}
-        for kinds, table, width in ((("xsa",), self.slots.xsa, H), (("attn",), self.slots.attn_gate, H),
-                                    (("x0", "bigram"), self.slots.inject, 1), (("dc_w1", "dc_w2"), dc, H)):
-            for i, (b, slot) in table.items():
-                for j, kind in enumerate(kinds):
-                    if b == block:
-                        out.setdefault(i, {})[kind] = gates[..., slot + j * width: slot + (j + 1) * width]
-        return out
+        H, s, out = self.cfg.num_heads, self.slots, collections.defaultdict(dict)
+        for i, (b, slot) in s.xsa.items():
+            if b == block:
+                out[i]["xsa"] = gates[..., slot: slot + H]
+        for i, (b, slot) in s.attn_gate.items():
+            if b == block:
+                out[i]["attn"] = gates[..., slot: slot + H]
+        for i, (b, slot) in s.inject.items():
+            if b == block:
+                out[i]["x0"], out[i]["bigram"] = gates[..., slot: slot + 1], gates[..., slot + 1: slot + 2]
+        if block == 1:  # DC attention's, the last layer's
+            out[len(self.plans) - 1].update(dc_w1=gates[..., s.dc: s.dc + H], dc_w2=gates[..., s.dc + H: s.dc + 2 * H])
+        return dict(out)
 
     def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
         """The head's input (T, model_dim) for one packed (T,) sequence; windows as attention_kernels takes them."""
@@ -812,27 +835,22 @@ class StepSchedule:
     tied: bool  # the embedding still reads the head (untied after the last tied step's update)
 
 def stage_starts(cfg: Config) -> list[int]:
-    """The first step of each equal stage, of the extension, then num_steps: stage k of n at round(N (1/n + ... + 1/n)),
-    k float terms, ties to even, N = num_steps - extension_steps, as #89 rounds."""
-    n, scheduled = num_stages(cfg), cfg.num_steps - cfg.extension_steps
+    """The first step of each row of the stage table, then num_steps: stage k of n at round(N (1/n + ... + 1/n)), k
+    float terms, ties to even, N = num_steps - extension_steps, as #89 rounds; the extension at N."""
+    n, scheduled = len(cfg.stages) - 1, cfg.num_steps - cfg.extension_steps
     return [0, *(round(f * scheduled) for f in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
 
 def schedule(step: int, cfg: Config) -> StepSchedule:
     """The values for training step `step` (0-based: the step about to be trained; validation reads its step's)."""
-    scheduled = cfg.num_steps - cfg.extension_steps
-    stages, starts = num_stages(cfg), stage_starts(cfg)
-    stage = min(bisect.bisect_right(starts, step) - 1, stages)  # of the equal stages; the extension's is `stages`
-    progress = 1.0 if stage >= stages else (step - starts[stage]) / (starts[stage + 1] - starts[stage])
-
-    def staged(name: str) -> Any:  # a staged field's value now; the extension keeps the last (or has its own pair)
-        values = parse_stages(name, getattr(cfg, name))
-        return values[min(stage, len(values) - 1)]
-
+    scheduled, starts = cfg.num_steps - cfg.extension_steps, stage_starts(cfg)
+    # The row whose steps hold this one, and the share of them done (1 at the final validation), as #89 looks it up.
+    k, t = next(((k, (step - a) / (b - a)) for k, (a, b) in enumerate(itertools.pairwise(starts)) if step < b),
+                (len(cfg.stages) - 1, 1.0))
+    stage = cfg.stages[k]
     # The cooldown counts in steps from int(N (1 - cooldown_frac)), as #89's does (cooldown_frac 0: none).
     cooldown_start = int(scheduled * (1 - cfg.cooldown_frac))
-    t = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
-    peak = staged("lr_stages")
-    lr_mult = peak * (1 - t) + cfg.final_lr_frac * t if step >= cooldown_start else peak
+    c = min(1.0, (step - cooldown_start) / max(scheduled - cooldown_start, 1))
+    lr_mult = stage.lr_mul * (1 - c) + cfg.final_lr_frac * c if step >= cooldown_start else stage.lr_mul
     momentum_range = cfg.muon_momentum_end - cfg.muon_momentum_start
     momentum_fall = cfg.num_steps - cfg.muon_momentum_cooldown_steps
     if step < cfg.muon_momentum_warmup_steps:
@@ -842,23 +860,18 @@ def schedule(step: int, cfg: Config) -> StepSchedule:
     else:
         momentum = cfg.muon_momentum_end
     # The last validation (step num_steps, no training step) has its own windows; YaRN follows the training ones.
-    final = parse_stages("final_val_windows", cfg.final_val_windows)[0]
-    short, long = final if step == cfg.num_steps else staged("window_stages")
-    trained = parse_stages("window_stages", cfg.window_stages)[: stage + 1]
-    yarn_windows = tuple(dict.fromkeys(long for _, long in trained))
-    # A stage's last multi-token weight of several falls to 0 across it; padded with zeros to the most.
-    mtp = list(staged("mtp_stages"))
-    if len(mtp) > 1:
-        mtp[-1] = mtp[-1] + (0.0 - mtp[-1]) * progress  # as #89 interpolates, a + (b - a) t, bit for bit
-    mtp = tuple(mtp) + (0.0,) * (max(map(len, parse_stages("mtp_stages", cfg.mtp_stages))) - len(mtp))
-    start, end = staged("prefix_stages")
-    prefix = start + (end - start) * (0.0 if stage >= stages else progress)  # the extension keeps its start
+    short, long = final_val_windows(cfg) if step == cfg.num_steps else stage.windows
+    yarn_windows = tuple(dict.fromkeys(s.windows[1] for s in cfg.stages[: k + 1]))
+    # Each weight from its start to its end value as #89 interpolates, a + (b - a) t, bit for bit; the multi-token
+    # weights padded with zeros to the most a row has (as many every step).
+    mtp = tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
+    mtp += (0.0,) * (max(len(s.mtp_start) for s in cfg.stages) - len(mtp))
+    prefix = stage.prefix_start + (stage.prefix_end - stage.prefix_start) * t
     # The last tied step is the first Adam step at or after the untie stage's start.
     split = starts[cfg.untie_stage]
     tied = step <= split + (-(split + 1) % cfg.adam_every)
-    seq_len = staged("seq_len_stages")
-    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, seq_len,
-                        seq_len // cfg.micro_split, staged("doc_len_stages"), yarn_windows, mtp, prefix, tied)
+    return StepSchedule(lr_mult, momentum, long, short, (step + 1) % cfg.adam_every == 0, stage.seq_len,
+                        stage.seq_len // cfg.micro_split, stage.doc_len, yarn_windows, mtp, prefix, tied)
 
 def schedule_table(cfg: Config) -> list[StepSchedule]:
     """schedule() of every step, 0 .. num_steps (the last: the final validation's), computed once per run."""
@@ -1775,12 +1788,14 @@ class PrefetchLoader(Iterator[Tensor], contextlib.AbstractContextManager):
 # -----------------------------------------------------------------------------
 # Command line
 # --field=value parsing, --help from the Config's own comments, and validate_config, which refuses in one line any
-# value the run cannot use; then what depends on the device: resolve_for_device and the CPU's bf16 GEMM path.
+# value the run cannot use.
 
 BENCH_SETTLE_STEPS = 2  # --bench: untimed steps between the warmup and the timed ones
 AUTO = "auto"  # the text of a `bool | None` field: None, left to the device
 BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", AUTO)  # what may follow a bare bool flag
-FIELD_KINDS: dict[str, str] = {f.name: f.type for f in dataclasses.fields(Config)}  # int, float, str, bool, bool | None
+# Each flag's type: a Config field's (int, float, str, bool, bool | None), or a column of the stage table's.
+FIELD_KINDS: dict[str, str] = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "stages"}
+STAGE_FLAGS: dict[str, str] = {f"stage_{f.name}": f.type for f in dataclasses.fields(Stage)}
 
 def _parse_value(name: str, kind: str, text: str) -> object:
     if kind not in ("bool", "bool | None"):
@@ -1793,10 +1808,10 @@ def _parse_value(name: str, kind: str, text: str) -> object:
         raise UsageError(f"--{name} expects true or false{'' if kind == 'bool' else ' or auto'}, got {text!r}")
     return None if low == AUTO else low in ("1", "true", "yes", "on", "")
 
-def read_options(argv: list[str], kinds: dict[str, str] = FIELD_KINDS) -> dict[str, str]:
+def read_options(argv: list[str], kinds: dict[str, str] | None = None) -> dict[str, str]:
     """{field: text}, read as argparse reads them: --field=value, --field value, a bool field alone (true); kinds: the
-    fields and their types (train_optim.py passes its own)."""
-    options, args = {}, list(argv)
+    fields and their types (default: Config's and the stage columns'; train_optim.py passes its own)."""
+    kinds, options, args = kinds or FIELD_KINDS | STAGE_FLAGS, {}, list(argv)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
@@ -1820,46 +1835,80 @@ def read_options(argv: list[str], kinds: dict[str, str] = FIELD_KINDS) -> dict[s
     return options
 
 def parse_config(argv: list[str]) -> Config:
-    """Defaults, then the presets' fields, then explicit --field=value overrides."""
-    overrides = {name: _parse_value(name, FIELD_KINDS[name], text) for name, text in read_options(argv).items()}
+    """Defaults, then the presets' fields, then explicit --field=value overrides (a stage column: the table's)."""
+    options = read_options(argv)
+    columns = {name.removeprefix("stage_"): options.pop(name) for name in STAGE_FLAGS if name in options}
+    overrides = {name: _parse_value(name, FIELD_KINDS[name], text) for name, text in options.items()}
     fields: dict[str, object] = {}
     for preset in filter(None, str(overrides.get("preset", "")).split(",")):  # in order: later ones win
         if preset not in PRESETS:
             raise UsageError(f"unknown preset {preset!r}; choose from: {', '.join(PRESETS)} (several: --preset=A,B)")
         fields.update(PRESETS[preset])
-    return Config(**{**fields, **overrides})
+    cfg = Config(**{**fields, **overrides})
+    cfg.stages = with_columns(cfg.stages, columns)
+    return cfg
 
-def config_help() -> str:
-    """--help from Config's source: its group comments, each field's comment (continued on lines indented past '#')."""
-    groups: list[tuple[str, list[list[str]]]] = []
-    for line in inspect.getsource(Config).splitlines()[2:]:
+def field_comments(cls: type) -> list[tuple[str, list[list[str]]]]:
+    """A dataclass's fields in its '# group' groups, each with its comment (continued on lines indented past '#')."""
+    groups: list[tuple[str, list[list[str]]]] = [("", [])]
+    names = {f.name for f in dataclasses.fields(cls)}
+    for line in inspect.getsource(cls).splitlines():
         code, _, comment = line.strip().partition("  # ")
         if code.startswith("#  "):
             groups[-1][1][-1][1] += f" {code[1:].strip()}"
         elif code.startswith("# "):
             groups.append((code[2:], []))
-        elif ":" in code:
+        elif code.split(":")[0] in names:
             groups[-1][1].append([code.split(":")[0], comment])
+    return [group for group in groups if group[1]]
+
+def help_entry(flag: str, comment: str, rule: str) -> str:
+    """A flag, its comment from column 44 wrapped at 120, and its rule whole, on the last line or one of its own."""
+    body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
+                         break_on_hyphens=False)
+    if rule:
+        body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};", f"{'':<44}{rule}"]
+    return (f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:]
+
+def stage_table_lines(stages: tuple[Stage, ...], indent: str) -> list[str]:
+    """The stage table as a table: a row per stage, the extension last, a column per --stage_<column> flag."""
+    names = [f.name for f in dataclasses.fields(Stage)]
+    cells = [["", *names], *([f"stage {k + 1}" if k < len(stages) - 1 else "extension",
+                              *(entry_text(getattr(s, n)) for n in names)] for k, s in enumerate(stages))]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(names) + 1)]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+
+def config_json(cfg: Config) -> dict[str, Any]:
+    """The config as a log and a checkpoint hold it: JSON (the stage table a list of rows, each a dict of lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+def config_help() -> str:
+    """--help from Config's source: its group comments and each field's comment; the stage table as a table."""
     lines = ["usage: train_gpt.py [--field=value | --field value ...]     (on N GPUs: torchrun --standalone "
              "--nproc_per_node=N train_gpt.py ..., or ./run.sh ...)",
              "Every field of the Config dataclass, with its default and the range a number must be in (each given at "
              "most once; a bool field alone is true):"]
     defaults = {f.name: AUTO if f.default is None else f.default for f in dataclasses.fields(Config)}
-    for group, fields in groups:
+    for group, fields in field_comments(Config):
         lines.append(f"\n{group}:")
         for name, comment in fields:
-            flag = f"  --{name}={defaults[name]}"
-            body = textwrap.wrap(comment, width=120, initial_indent=" " * 44, subsequent_indent=" " * 44,
-                                 break_on_hyphens=False)
-            if name in FIELD_RULES or name in STAGE_FORMATS:  # the range whole, on the last line or one of its own
-                rule = f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else f"each: {STAGE_FORMATS[name][3]}"
-                body[-1:] = [f"{body[-1]}; {rule}"] if len(body[-1]) + len(rule) < 118 else [f"{body[-1]};",
-                                                                                            f"{'':<44}{rule}"]
-            lines.append((f"{flag:<44}" if len(flag) < 44 else f"{flag}\n{'':<44}") + "\n".join(body)[44:])
+            if name != "stages":
+                lines.append(help_entry(f"  --{name}={defaults[name]}", comment,
+                                        f"must be {FIELD_RULES[name]}" if name in FIELD_RULES else ""))
+                continue
+            lines += ["  the stage table: a row per stage (equal shares of the scheduled steps), the extension last; "
+                      "each weight", "  goes from its start to its end value across its row's steps. A flag per "
+                      "column lists an entry per row:", *stage_table_lines(RECIPE_STAGES, "    ")]
+            lines += [help_entry(f"  --stage_{column}={column_text(RECIPE_STAGES, column)}", text,
+                                 f"each: {STAGE_COLUMNS[column][0]}, {STAGE_COLUMNS[column][2]}")
+                      for column, text in field_comments(Stage)[0][1]]
     lines.append("\npresets (--preset=NAME sets these fields, explicit flags win):")
     for name, fields in PRESETS.items():
-        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()), width=116,
-                                   initial_indent=f"  {name}: ", subsequent_indent="    "))
+        lines.append(textwrap.fill(", ".join(f"--{k}={AUTO if v is None else v}" for k, v in fields.items()
+                                             if k != "stages"),
+                                   width=116, initial_indent=f"  {name}: ", subsequent_indent="    "))
+        if "stages" in fields:
+            lines += ["    and the stage table:", *stage_table_lines(fields["stages"], "      ")]
     return "\n".join(lines)
 
 def profile_steps(spec: str, num_steps: int) -> range:
@@ -1876,55 +1925,91 @@ def profile_steps(spec: str, num_steps: int) -> range:
         raise UsageError(f"--profile={spec}: END is beyond --num_steps={num_steps}")
     return range(a, b)
 
-# The staged fields: "A,B,..." an entry per stage (--window_stages: then the extension's), an entry "X/Y/..." numbers.
-# name -> (numbers per entry, type, what each may be, what an entry is, example). lr: the records' 1 to 1.73 (<= 100).
-STAGE_FORMATS: dict[str, tuple[range, type, Callable[[float], bool], str, str]] = {
-    "window_stages": (range(2, 3), int, lambda w: w >= 0, "SHORT/LONG blocks, LONG >= 1", "1/3,3/7,5/11,6/13"),
-    "seq_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "16384,32768,49152"),
-    "lr_stages": (range(1, 2), float, lambda m: 0 < m <= 100, "a multiplier in (0, 100]", "1,1.52,1.73"),
-    "doc_len_stages": (range(1, 2), int, lambda n: n > 0, "tokens > 0", "2048,2048,2048"),
-    "mtp_stages": (range(1, 65), float, lambda w: 0 <= w <= 100, "1-64 weights W/W/... in [0, 100]",
-                   "1/0.5/0.25,1/0.5,1"),
-    "prefix_stages": (range(2, 3), float, lambda w: 0 <= w <= 100, "a weight at the stage's start and end in "
-                      "[0, 100], START/END", "0.25/0.25,0.25/0,0/0"),
-    "final_val_windows": (range(2, 3), int, lambda w: w >= 0, "one SHORT/LONG pair of blocks", "6/20"),
+# The stage table on the command line: a flag per column, --stage_<column>=A,B,..., an entry per row (the stages, then
+# the extension), an entry a number or numbers joined by '/'. A column given replaces the preset's (or the recipe's);
+# a table of another number of rows needs every column. Column -> (what an entry is, how many numbers, each one's
+# range as FIELD_RULES states it). lr: the records' 1 to 1.73; a window: at most 2**20 blocks, beyond any sequence.
+STAGE_COLUMNS: dict[str, tuple[str, range, str]] = {
+    "seq_len": ("tokens", range(1, 2), "> 0"), "doc_len": ("tokens", range(1, 2), "> 0"),
+    "windows": ("SHORT/LONG blocks", range(2, 3), "in [0, 1048576]"), "lr_mul": ("a multiplier", range(1, 2),
+                                                                                "in (0, 100]"),
+    **dict.fromkeys(("mtp_start", "mtp_end"), ("1-64 weights W/W/...", range(1, 65), "in [0, 100]")),
+    **dict.fromkeys(("prefix_start", "prefix_end"), ("a weight", range(1, 2), "in [0, 100]")),
 }
-STAGED = tuple(STAGE_FORMATS)[:-1]  # the fields that list one entry per stage
 
-@functools.lru_cache(maxsize=64)  # schedule() reads every staged field at every step: each spec is parsed once
-def parse_stages(name: str, spec: str) -> tuple:
-    """A staged field's entries: a number each, or a tuple (the windows' (short, long), mtp's weights)."""
-    counts, kind, allowed, what, example = STAGE_FORMATS[name]
+def entry_text(value: object) -> str:
+    """A column's entry as the command line writes it: 16384, 1/3, 0.25, 1/0.5/0."""
+    return "/".join(repr(x).removesuffix(".0") for x in (value if isinstance(value, tuple) else (value,)))
+
+def column_text(stages: tuple[Stage, ...], column: str) -> str:
+    return ",".join(entry_text(getattr(s, column)) for s in stages)
+
+def parse_entries(text: str, column: str) -> list | None:
+    """A column's text as its values, one per row: a number, or a tuple (the windows, the weights); None when an entry
+    is not numbers, or not as many as the column takes."""
+    kind, counts = STAGE_FLAGS[f"stage_{column}"], STAGE_COLUMNS[column][1]
     try:
-        entries = [tuple(kind(x) for x in entry.split("/")) for entry in spec.split(",")]
+        entries = [tuple((int if "int" in kind else float)(x) for x in entry.split("/")) for entry in text.split(",")]
     except ValueError:
-        entries = []
-    staged = name in STAGED  # the others take one entry
-    if not entries or not (staged or len(entries) == 1) or any(
-            len(e) not in counts or not all(math.isfinite(x) and allowed(x) for x in e) for e in entries):
-        per_stage = " per stage, comma-separated" if staged else ""
-        raise UsageError(f"--{name} expects {what}{per_stage} (e.g. {example}), got {spec!r}")
-    if "window" in name and any(short > long for short, long in entries):
-        wrong = ", ".join(f"{a}/{b}" for a, b in entries if a > b)
-        raise UsageError(f"--{name}={spec}: the short window exceeds the long one in {wrong} (SHORT/LONG, in blocks)")
-    # A long window of 0 cannot be meant (and YaRN divides by it); a short one of 0 is the tiny preset's first.
-    if "window" in name and any(long == 0 for _, long in entries):
-        raise UsageError(f"--{name}={spec}: a long window must be at least 1 block (0 would leave each token of the "
-                         f"long layers only itself); a short window of 0 is allowed (itself only)")
-    if name == "mtp_stages" and any(e[0] == 0 for e in entries):
-        raise UsageError(f"--mtp_stages={spec}: each stage's first weight (the next token's) must be above 0: "
-                         f"without it the stage trains on nothing")
-    return tuple(e[0] for e in entries) if counts == range(1, 2) else tuple(entries)
+        return None
+    return None if any(len(e) not in counts for e in entries) else [e if "tuple" in kind else e[0] for e in entries]
 
-def num_stages(cfg: Config) -> int:
-    """The equal stages the scheduled steps split into, as the staged fields list them; UsageError if they disagree."""
-    counts = {f"--{name}": len(getattr(cfg, name).split(",")) for name in STAGED}
-    counts["--window_stages"] -= 1 if cfg.extension_steps else 0
-    if len(set(counts.values())) > 1:
-        raise UsageError(f"the staged fields must list the same number of stages, got "
-                         f"{', '.join(f'{k}: {v}' for k, v in counts.items())} (--window_stages also lists the "
-                         f"extension's windows when --extension_steps > 0)")
-    return max(counts.values())
+def with_columns(stages: tuple[Stage, ...], columns: dict[str, str]) -> tuple[Stage, ...]:
+    """The stage table with each given column (its flag's text) in place of the one it had."""
+    given = {c: parse_entries(text, c) for c, text in columns.items()}
+    if bad := next((c for c, values in given.items() if values is None), None):
+        raise UsageError(f"--stage_{bad} expects {STAGE_COLUMNS[bad][0]} per row of the stage table, comma-separated "
+                         f"(e.g. {column_text(RECIPE_STAGES, bad)}), got {columns[bad]!r}")
+    rows = {len(values) for values in given.values()} | ({len(stages)} if len(given) < len(STAGE_COLUMNS) else set())
+    if len(rows) > 1:
+        said = ", ".join(f"--stage_{c}={columns[c]} lists {len(v)}" for c, v in given.items())
+        raise UsageError(f"the stage table's columns must each list an entry per row (the stages, then the extension): "
+                         f"{said}" + (f", the table has {len(stages)} rows; give every column to change the number of "
+                                      f"stages" if len(given) < len(STAGE_COLUMNS) else ""))
+    return tuple(Stage(**{**(dataclasses.asdict(stages[k]) if k < len(stages) else {}),
+                          **{c: values[k] for c, values in given.items()}}) for k in range(min(rows, default=0)))
+
+def entry_problem(column: str, value: object) -> str | None:
+    """Why a value cannot be an entry of a column of the stage table (windows: also --final_val_windows'), or None."""
+    what, counts, rule = STAGE_COLUMNS[column]
+    entry = value if isinstance(value, tuple) else (value,)
+    if len(entry) not in counts or not all(rule_holds(rule, x) for x in entry):
+        return f"an entry is {what}{', each' if len(counts) > 1 or counts.start > 1 else ''} {rule}"
+    if column == "windows" and entry[0] > entry[1]:
+        return "the short window exceeds the long one (SHORT/LONG, in blocks)"
+    if column == "windows" and entry[1] < 1:  # YaRN divides by it; a short window of 0 is the tiny preset's first
+        return "a long window must be at least 1 block (0 would leave each token of the long layers only itself)"
+    if column.startswith("mtp") and entry[0] == 0:
+        return "its first weight (the next token's) must be above 0: without it the stage trains on nothing"
+    return None
+
+def final_val_windows(cfg: Config) -> tuple[int, int]:
+    """--final_val_windows as (short, long) blocks; UsageError unless one pair the stage table's windows could be."""
+    pairs = parse_entries(cfg.final_val_windows, "windows")
+    if pairs is None or len(pairs) != 1:
+        raise UsageError(f"--final_val_windows expects one SHORT/LONG pair of blocks (e.g. 6/20), got "
+                         f"{cfg.final_val_windows!r}")
+    if why := entry_problem("windows", pairs[0]):
+        raise UsageError(f"--final_val_windows={cfg.final_val_windows}: {why}")
+    return pairs[0]
+
+def check_stages(cfg: Config) -> None:
+    """Refuse a stage table the schedule cannot run, naming the column's flag with what it holds, and the row."""
+    if len(cfg.stages) < 2:
+        raise UsageError(f"the stage table needs a stage and the extension (its last row), got {len(cfg.stages)} "
+                         f"row: {' '.join(f'--stage_{c}={column_text(cfg.stages, c)}' for c in STAGE_COLUMNS)}")
+    for column in STAGE_COLUMNS:
+        for k, stage in enumerate(cfg.stages, 1):
+            value = getattr(stage, column)
+            why = entry_problem(column, value) or (
+                f"as many weights as --stage_mtp_start's ({len(stage.mtp_start)})"
+                if column == "mtp_end" and len(value) != len(stage.mtp_start) else
+                f"at most --train_seq_len={cfg.train_seq_len} (the longest), in --micro_split={cfg.micro_split} "
+                f"pieces of a multiple of --block_size={cfg.block_size}" if column == "seq_len" and (
+                    value > cfg.train_seq_len or value % (cfg.micro_split * cfg.block_size)) else None)
+            if why:
+                raise UsageError(f"--stage_{column}={column_text(cfg.stages, column)}: row {k} holds "
+                                 f"{entry_text(value)}: {why}")
 
 def paired_layers(cfg: Config) -> set[int]:
     return layer_list(cfg, "paired_layers")
@@ -1966,14 +2051,16 @@ def run_length(cfg: Config) -> int:
 
 # Every numeric field's range (and a finite value): a NaN, a negative lr or a beta of 1.5 is one line at start-up,
 # not a run. Float upper bounds lie far above any recipe's (lrs <= 0.6, weight decay multipliers 150) and keep each
-# update's scalars finite in fp32; --num_steps and --train_epochs bound the start-up work before the corpus is read.
+# update's scalars finite in fp32; --num_steps, --train_epochs and --warmup_steps bound the start-up work (the step
+# table, the shard list, the warmup's plan) before the corpus is read.
 FIELD_RULES: dict[str, str] = {name: rule for rule, names in {
     "> 0": "train_seq_len global_batch_seqs val_seq_len val_tokens vocab_size num_layers model_dim num_heads head_dim "
            "mlp_ratio block_size log_every bench_steps adam_every gate_channels untie_stage bigram_sign_rows mudd_dim "
            "attn_input_layer micro_split",
     "in [1, 100000]": "num_steps", "in [1, 10000]": "train_epochs",
-    ">= 0": "prefetch_depth muon_momentum_warmup_steps val_every warmup_steps save_every extension_steps "
+    ">= 0": "prefetch_depth muon_momentum_warmup_steps val_every save_every extension_steps "
             "muon_momentum_cooldown_steps fp8_down_exact_steps",
+    "in [0, 10000]": "warmup_steps",
     "in [-1, 4294967295]": "seed",  # 32 bits: torch's generator overflows past 64
     "in (0, 10]": "muon_lr embed_lr head_lr scalar_lr gate_lr mudd_gate_lr smear_gate_lr lambda_lr mudd_lr",
     "in (0, 100]": "mlp_down_lr_mul attn_scale fp8_x_scale fp8_w_scale fp8_grad_scale grad_scale fp8_down_w_headroom "
@@ -2005,13 +2092,11 @@ def validate_config(cfg: Config, world_size: int) -> int:
     if len(cfg.attn_pattern) != cfg.num_layers or set(cfg.attn_pattern) - set("LS-"):
         raise UsageError(f"--attn_pattern={cfg.attn_pattern!r} needs one of L, S, - per layer "
                          f"({cfg.num_layers} layers)")
-    for name in STAGE_FORMATS:
-        parse_stages(name, getattr(cfg, name))
+    check_stages(cfg)
+    final_val_windows(cfg)
     if cfg.profile:
         profile_steps(cfg.profile, cfg.num_steps)
-    tables, stages = sorted(set(cfg.value_embeds) - {"-"}), num_stages(cfg)
-    seq_lens = parse_stages("seq_len_stages", cfg.seq_len_stages)
-    long_seq = next((n for n in seq_lens if n > cfg.train_seq_len or n % cfg.block_size), None)
+    tables, stages = sorted(set(cfg.value_embeds) - {"-"}), len(cfg.stages) - 1
     refusals = [  # (a problem, its line), in order
         (cfg.run_id in (".", "..") or len(cfg.run_id) > RUN_ID_MAX or any(  # "" (the default): a fresh one
             c in "/\\" or c.isspace() or not c.isprintable() for c in cfg.run_id),
@@ -2048,11 +2133,6 @@ def validate_config(cfg: Config, world_size: int) -> int:
                        ("save_every", "adam_every"))),
         *((getattr(cfg, n) not in choices, f"--{n} must be {', '.join(choices)}, got {getattr(cfg, n)!r}")
           for n, choices in (("attention", ("auto", "fa3", "flex")), ("cpu_bf16_gemm", ("auto", "native", "fp32")))),
-        (long_seq is not None, f"--seq_len_stages: {long_seq} must be a multiple of --block_size={cfg.block_size} "
-         f"from {cfg.block_size} to --train_seq_len={cfg.train_seq_len} (the longest)"),
-        (any(n % (cfg.micro_split * cfg.block_size) for n in seq_lens), f"--micro_split={cfg.micro_split}: every "
-         f"--seq_len_stages length must cut into {cfg.micro_split} pieces of a multiple of --block_size="
-         f"{cfg.block_size}, got {cfg.seq_len_stages}"),
         (cfg.extension_steps >= cfg.num_steps, f"--extension_steps={cfg.extension_steps} must be below --num_steps="
          f"{cfg.num_steps} (the extension is the end of the run)"),
         (stages > cfg.num_steps - cfg.extension_steps, f"{stages} stages need at least as many scheduled steps, got "
@@ -2079,6 +2159,11 @@ def validate_config(cfg: Config, world_size: int) -> int:
         raise UsageError(f"--paired_layers={cfg.paired_layers}: the last layer runs DC attention over its own heads: "
                          f"leave it unpaired")
     return cfg.global_batch_seqs // world_size
+
+# -----------------------------------------------------------------------------
+# Devices
+# What the device decides, settled before anything is built: on a GPU, the kernels and FP8 paths its kind runs (auto
+# resolved, what cannot run refused); on a CPU, the GEMM path and the record path (the bundled records' arithmetic).
 
 @dataclass
 class Runtime:
@@ -2652,7 +2737,7 @@ class StepProfiler:
 # exactly (bit for bit at the same world size, re-sharded at another), from a complete and matching checkpoint only.
 
 CKPT_META, CKPT_MODEL = "meta.json", "model.pt"
-CKPT_FORMAT = 10  # bumped whenever what is saved changes (10: every source file's sha256, "sources")
+CKPT_FORMAT = 11  # bumped whenever what is saved changes (10: every source file's sha256, "sources"; 11: "stages")
 # The fields that fix the parameters' shapes, what they mean, the optimizer's units and the token stream.
 CKPT_MATCH_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "value_embeds",
                      "attn_pattern", "gate_channels", "block_size", "skip", "attn_input_layer", "paired_layers",
@@ -2721,7 +2806,7 @@ CONTINUATION_FREE = ("resume", "save_every", "save_final", "save_minutes", "pref
 def continuation_error(what: str, config: dict, sources: dict[str, str], cfg: Config) -> str | None:
     """Why what (a log or a checkpoint of run --run_id, its config and source digests) cannot be continued exactly by
     this launch (another recipe, other code), or None: --resume=auto continues a run only as it began."""
-    mine = dataclasses.asdict(cfg)
+    mine = config_json(cfg)
     changed = [f"--{k}={config.get(k)!r} (this launch: {v!r})" for k, v in mine.items()
                if k not in CONTINUATION_FREE and config.get(k) != v]
     now = source_digests(source_files())
@@ -2856,8 +2941,9 @@ def load_checkpoint(cfg: Config, rt: Runtime, folder: Path, model: GPT, optimize
         raise UsageError(error)
     rng = parts[rt.rank if rt.rank < saved_world else 0]["rng"]  # a new rank takes rank 0's RNG states
     how = "as saved" if saved_world == rt.world_size else f"re-sharded from world size {saved_world} to {rt.world_size}"
-    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in meta["config"].items()
-               if k not in ("run_id", "resume") and hasattr(cfg, k) and getattr(cfg, k) != v]
+    mine = config_json(cfg)
+    changed = [f"{k} {v!r} -> {mine[k]!r}" for k, v in meta["config"].items()
+               if k not in ("run_id", "resume") and k in mine and mine[k] != v]
     position = tuple(meta["data_position"])
     data = f"data from shard {position[0] - 1} token {position[1]:,}" if position[0] else "data from the start"
     log(f"resume: {folder} at step {step} of run {meta['config'].get('run_id')} (optimizer state {how}), "
@@ -3060,6 +3146,11 @@ class TrainClock:
     def now(self) -> float:
         return self.ms + 1000 * (time.perf_counter() - self.t0)
 
+# The fields that size the model's tensors, by a part of a tensor's name (the rest: the vocabulary's tables).
+SIZED_BY = {"rotary": "train_seq_len val_seq_len", "bigram_sign": "bigram_sign_rows model_dim", "bigram": "bigram_rows "
+            "model_dim", "mudd": "mudd_dim model_dim", "bank": "model_dim num_layers mlp_ratio", "fp8_w": "model_dim "
+            "num_layers mlp_ratio", "": "vocab_size model_dim"}
+
 def check_model_fits(cfg: Config, device: torch.device) -> None:
     """Refuse a model whose parameters, gradients and tables alone exceed the device's memory (sized on meta)."""
     with torch.device("meta"):
@@ -3070,10 +3161,10 @@ def check_model_fits(cfg: Config, device: torch.device) -> None:
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if sum(sizes.values()) > have:
         big = max(sizes, key=sizes.get)
+        flags = [f"--{n}={getattr(cfg, n)}" for n in next(v for k, v in SIZED_BY.items() if k in big).split()]
         raise UsageError(f"the model needs at least {sum(sizes.values()) / 1e9:,.1f} GB for its parameters, their "
                          f"gradients and tables ({big}: {sizes[big] / 1e9:,.1f} GB), more than the {device.type}'s "
-                         f"{have / 1e9:,.1f} GB: check the sizes (--bigram_rows, --vocab_size, "
-                         f"--model_dim, --num_layers)")
+                         f"{have / 1e9:,.1f} GB: check the sizes that make {big} ({', '.join(flags)})")
 
 def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tuple[GPT, nn.Module, ShardedMuonAdam]:
     """The model, what the loop calls (compiled whole, fullgraph: a graph break fails loudly) and the optimizer."""
@@ -3083,7 +3174,7 @@ def build_model(cfg: Config, rt: Runtime, log: RunLog, knobs: StepKnobs) -> tupl
     model = torch.compile(raw, dynamic=False, fullgraph=True) if cfg.compile else raw
     optimizer = ShardedMuonAdam(raw, cfg, rt.rank, rt.world_size, compile_ns=cfg.compile)
     if cfg.fp8_mlp:
-        raw.quantize_mlp_(exact_down=True)
+        raw.quantize_mlp_(bootstrap_down=True)
     log(f"model: {sum(p.numel() for p in raw.parameters()):,} parameters, fp8 head {cfg.fp8_head}, fp8 mlp "
         f"{cfg.fp8_mlp}, compile {cfg.compile}, world size {rt.world_size}, "
         f"grad accumulation {cfg.global_batch_seqs // rt.world_size * cfg.micro_split}")
@@ -3135,8 +3226,9 @@ def train_loader(cfg: Config, rt: Runtime, files: list[Path], steps: int, shape:
 
 def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows: np.ndarray | None,
                knobs: tuple[Tensor, Tensor], loss_scale: float, metrics: Metrics | None = None,
-               requantize: Callable[[], None] | None = None) -> None:
-    """One optimizer step on a (micro-steps, micro_len + 1) batch; rows: its bigram rows; requantize: the FP8 MLP's."""
+               fp8_mlp: GPT | None = None, bootstrap_down: bool = True) -> None:
+    """One optimizer step on a (micro-steps, micro_len + 1) batch; rows: its bigram rows; fp8_mlp: the model whose FP8
+    MLP weights are requantized after it (bootstrap_down: the down-projection's at its amax, as #89's first steps)."""
     optimizer.wait_for_params()  # the previous step's all-gathers ran behind the batch hand-off
     optimizer.begin_step(rows)
     for m in range(batch.size(0)):
@@ -3148,9 +3240,9 @@ def train_step(model: nn.Module, optimizer: ShardedMuonAdam, batch: Tensor, rows
             metrics.add_loss(loss.detach(), batch.size(1) - 1)
     optimizer.step()
     optimizer.zero_grad()
-    if requantize is not None:
+    if fp8_mlp is not None:
         optimizer.wait_for_params()
-        requantize()
+        fp8_mlp.quantize_mlp_(bootstrap_down)
 
 @torch.no_grad()
 def validate(model: nn.Module, val: ValTokens, cfg: Config, rt: Runtime, log: RunLog, windows: Tensor | VarlenPlan,
@@ -3260,7 +3352,7 @@ def finish(cfg: Config, rt: Runtime, log: RunLog, model: GPT, profiler: StepProf
                    **peak_memory_mib(rt.device), "world_size": rt.world_size,
                    "gpu_names": [name for name, _ in every if name], "torch_version": torch.__version__,
                    "cuda_version": torch.version.cuda, "git_commit": git_commit(HERE), "seed": cfg.seed,
-                   "config": dataclasses.asdict(cfg), "val_losses": [list(p) for p in val_points]}
+                   "config": config_json(cfg), "val_losses": [list(p) for p in val_points]}
         write_json_atomic(Path(cfg.log_dir) / f"{cfg.run_id}.json", summary)
         log(f"summary: {cfg.log_dir}/{cfg.run_id}.json")
     if failures:
@@ -3311,16 +3403,12 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
     raw_model, model, optimizer = build_model(cfg, rt, log, knobs)
     resumed = load_checkpoint(cfg, rt, checkpoint, raw_model, optimizer, log) if checkpoint else None
     start_step = resumed.step if resumed else 0
-    loss_scale = train_loss_scale(cfg)
-
-    def requantize(exact_down: Callable[[], bool]) -> Callable[[], None] | None:  # after each step, with --fp8_mlp
-        return (lambda: raw_model.quantize_mlp_(exact_down())) if cfg.fp8_mlp else None
-
+    loss_scale, fp8_mlp = train_loss_scale(cfg), raw_model if cfg.fp8_mlp else None
     plan, shape = warmup_plan(cfg, schedules), step_shape(schedules)
     warmup(cfg, rt, log, raw_model, optimizer,
            train_loader(cfg, rt, train_files, len(plan), lambda k: shape(plan[k]), optimizer.batch_rows()), plan,
            lambda batch, rows, step: train_step(model, optimizer, batch, rows, knobs.train(step), loss_scale,
-                                                requantize=requantize(lambda: True)))
+                                                fp8_mlp=fp8_mlp))
     metrics = Metrics(cfg, rt, log, raw_model)
     peak = "unknown" if metrics.peak is None else f"{metrics.peak / 1e12:g} TFLOP/s"
     log(f"metrics: every {cfg.log_every} step(s); {flops_per_token(raw_model, schedules[-1]):.4g} FLOPs/token at "
@@ -3354,8 +3442,8 @@ def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: V
             metrics.begin_step(step + 1)
             with profiler.step(step, settle=optimizer.wait_for_params):
                 batch = next(loader)
-                train_step(model, optimizer, batch, loader.digest, knobs.train(step), loss_scale, metrics,
-                           requantize(lambda: step < cfg.fp8_down_exact_steps))
+                train_step(model, optimizer, batch, loader.digest, knobs.train(step), loss_scale, metrics, fp8_mlp,
+                           bootstrap_down=step < cfg.fp8_down_exact_steps)
             metrics.end_step(step + 1, clock.now(), schedules[step])
             checkpointer.poll()
         metrics.flush()
@@ -3482,7 +3570,9 @@ def carry_on(cfg: Config) -> tuple[bool, bool]:
     return path.with_suffix(".json").exists(), before is not None
 
 def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None, skipped: str) -> RunLog:
-    """Rank 0's log: a new one, or (continuing, --resume=auto) the run's own, after a line saying where it starts."""
+    """Rank 0's log, in a folder it checked (check_run_paths): a new one, or (continuing, --resume=auto) the run's
+    own, after a line saying where it starts."""
+    check_run_paths(cfg)
     path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
     log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
     if not continuing:  # a log a stop cut short in its header holds no step yet: it begins anew
@@ -3553,7 +3643,6 @@ def run(argv: list[str]) -> TrainResult | None:
         check_model_fits(cfg, rt.device)
         vocabulary = read_vocabulary(cfg)
         train_files, val, documents = load_data(cfg, rt.device)
-        check_run_paths(cfg)
         torch.manual_seed(cfg.seed)
         log = on_rank0(rt, lambda: open_log(cfg, rt, continuing, checkpoint, skipped), share=False) or log
         check_shared_folder(cfg, rt, token)
@@ -3581,6 +3670,24 @@ def run(argv: list[str]) -> TrainResult | None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+SAID_WAIT_S = 30.0  # the most another rank waits for rank 0's line (it comes at once: every rank met the same error)
+
+def rank0_said() -> None:
+    """Rank 0 alone says why a run is refused, and the others exit only once it has (one exiting first would have
+    torchrun stop rank 0 before it could): rank 0 marks its line printed in torchrun's store, which outlives the
+    process group, and the others wait for the mark, at most SAID_WAIT_S."""
+    rank, world_size = _rank_and_world()
+    if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    key = f"train_gpt/rank0_said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    with contextlib.suppress(RuntimeError, KeyError, ValueError):  # no store, or no mark in time: no more to wait
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=SAID_WAIT_S))
+        if rank == 0:
+            store.set(key, "")
+        else:
+            store.wait([key])
+
 def main(cli: bool = False) -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
@@ -3593,8 +3700,8 @@ def main(cli: bool = False) -> None:
         say = print if isinstance(e, (OutOfMemory, RankLost)) else print0  # every rank its own; else rank 0 for all
         first = STOPS[type(e)] if isinstance(e, KeyboardInterrupt) else f"error: {e}"
         say("\n".join([first, *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
-        if isinstance(e, UsageError) and _rank_and_world()[0] != 0:
-            time.sleep(5)  # rank 0 says why and exits first: the launcher then stops this one
+        if isinstance(e, UsageError) and say is print0:
+            rank0_said()
         sys.exit(EXIT_CODES.get(type(e), 2))
 
 if __name__ == "__main__":

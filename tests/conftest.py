@@ -40,10 +40,19 @@ def pytest_configure(config):
                             "is the quick loop (where 4 tests compile a small function)")
 
 
+STAGE_COLUMNS = ("seq_len", "doc_len", "windows", "lr_mul", "mtp_start", "mtp_end", "prefix_start", "prefix_end")
+
+
+def stage_flags(*rows: tuple) -> dict[str, str]:
+    """A stage table's flags (--stage_<column>=A,B,...) from its rows, the stages then the extension, each row's
+    entries in STAGE_COLUMNS' order as the command line writes them."""
+    return {f"stage_{column}": ",".join(str(row[i]) for row in rows) for i, column in enumerate(STAGE_COLUMNS)}
+
+
 # The recipe at the tiny preset's shape in one stage, no extension and Adam every step: a run of any length from
 # one step that can checkpoint at any step. The stages, the untie and the extension are tests/test_recipe.py's.
-ONE_STAGE = dict(train_seq_len=128, seq_len_stages="128", window_stages="1/2", lr_stages="1", doc_len_stages="2048",
-                 mtp_stages="1/0.5", prefix_stages="0.25/0", final_val_windows="1/2", extension_steps=0,
+ONE_ROW = (128, 2048, "1/2", 1, "1/0.5", "1/0", 0.25, 0)
+ONE_STAGE = dict(train_seq_len=128, **stage_flags(ONE_ROW, ONE_ROW), final_val_windows="1/2", extension_steps=0,
                  untie_stage=1, adam_every=1)
 
 
@@ -64,7 +73,7 @@ def config(**fields: object) -> "T.Config":
 # The recipe's layout at toy widths and lengths (one pair of 32-wide heads, 64-token sequences in three stages): the
 # optimizer's and the collectives' tests add their layers and buckets.
 TOY = dict(preset="tiny", model_dim=64, num_heads=2, head_dim=32, mlp_ratio=2, vocab_size=512, train_seq_len=64,
-           seq_len_stages="64,64,64", val_seq_len=64, block_size=32, mudd_dim=8)
+           stage_seq_len="64,64,64,64", val_seq_len=64, block_size=32, mudd_dim=8)
 
 
 def cli(args: list[str], cwd: Path, env: dict | None = None, launcher: list[str] | None = None):

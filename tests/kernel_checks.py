@@ -289,7 +289,7 @@ def test_the_model_with_the_kernel_follows_the_torch_path_in_training_and_valida
     with torch.no_grad():
         for model in models:  # W_proj is zero at init: the FP8 down-projection would see zeros
             model.mlp_bank[:, 1].normal_(std=0.02, generator=torch.Generator().manual_seed(4))
-            model.quantize_mlp_(exact_down=True)
+            model.quantize_mlp_(bootstrap_down=True)
     losses = [model(tokens[:-1], tokens[1:], windows, torch.tensor([1.0])) for model in models]
     for loss in losses:
         loss.backward()
@@ -701,8 +701,9 @@ def test_a_run_with_the_fused_head_follows_the_torch_path(tmp_path, monkeypatch)
     from conftest import SMALL, tiny_args
     launch = K.softcap_ce_launcher()
     monkeypatch.setattr(K, "softcap_ce_launcher", lambda: functools.partial(launch, block_v=65536))
-    runs = [T.run(tiny_args(tmp_path, run_id=f"head_{fused}", fused_head=fused, mtp_stages="1/0.5", logit_cap=23,
-                            logit_shift=5, num_steps=2, val_every=2, **{**SMALL, "val_tokens": 128, "val_seq_len": 128})
+    runs = [T.run(tiny_args(tmp_path, run_id=f"head_{fused}", fused_head=fused, stage_mtp_start="1/0.5,1/0.5",
+                            logit_cap=23, logit_shift=5, num_steps=2, val_every=2,
+                            **{**SMALL, "val_tokens": 128, "val_seq_len": 128})
                   ).val_losses for fused in (False, True)]
     (_, start), (_, plain) = runs[0]
     # Validation runs the kernel too: its loss sums each row's blocks in another order (measured: 1.8e-5 apart at a

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SAMPLE_TRAIN, SMALL, cli, main_in_process, run_world, tiny_args
+from conftest import ONE_ROW, REPO, SAMPLE_TRAIN, SMALL, cli, main_in_process, run_world, stage_flags, tiny_args
 
 K = 3
 # Schedules that do not depend on --num_steps (no lr or momentum cooldown, one next-token weight, fixed windows), so
 # a K-step run resumed with --num_steps=2K continues exactly as the 2K-step run.
-STEADY = dict(cooldown_frac=0.0, muon_momentum_cooldown_steps=0, mtp_stages="1", prefix_stages="0.25/0.25", val_every=K)
+STEADY = dict(cooldown_frac=0.0, muon_momentum_cooldown_steps=0, val_every=K,
+              **stage_flags(*[(*ONE_ROW[:4], 1, 1, 0.25, 0.25)] * 2))
 
 
 def args(tmp_path: Path, run_id: str, **overrides: object) -> list[str]:
@@ -66,9 +67,9 @@ def test_resume_at_world_size_one_is_exact(tmp_path):
 def test_a_resume_with_other_stage_lengths_continues_the_stream_where_the_checkpoint_left_it(tmp_path):
     # The checkpoint saves the stream's exact position: new stage lengths apply to the data still to come, no
     # token is trained twice (re-deriving the position from the new lengths lands ~5k tokens back).
-    staged = dict(train_seq_len=512, seq_len_stages="256,384,512", window_stages="0/1,1/2,1/3", lr_stages="1,1,1",
-                  doc_len_stages="2048,2048,2048", mtp_stages="1,1,1", prefix_stages="0.25/0.25,0.25/0,0/0", num_steps=6,
-                  val_every=0, **SMALL)
+    staged = dict(train_seq_len=512, num_steps=6, val_every=0, **SMALL,
+                  **stage_flags((256, 2048, "0/1", 1, 1, 1, 0.25, 0.25), (384, 2048, "1/2", 1, 1, 1, 0.25, 0),
+                                (512, 2048, "1/3", 1, 1, 1, 0, 0), (512, 2048, "1/3", 1, 1, 1, 0, 0)))
     T.run(tiny_args(tmp_path, run_id="first", save_every=2, **staged))
     meta = T.read_checkpoint_meta(ckpt(tmp_path, "first", 2))
 
@@ -82,7 +83,7 @@ def test_a_resume_with_other_stage_lengths_continues_the_stream_where_the_checkp
 
     consumed = stream_after_two_steps(staged)
     assert meta["data_position"] == [consumed.next_file, consumed.pos] and consumed.pos > 0
-    changed = {**staged, "seq_len_stages": "128,256,512"}
+    changed = {**staged, "stage_seq_len": "128,256,512,512"}
     T.run(tiny_args(tmp_path, run_id="second", resume=ckpt(tmp_path, "first", 2), **changed))
     log = (tmp_path / "logs" / "second.txt").read_text()
     assert f"data from shard {consumed.next_file - 1} token {consumed.pos:,}" in log

@@ -13,7 +13,7 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import gpt_kernels as K
 import train_gpt as T
-from conftest import tiny_args
+from conftest import stage_flags, tiny_args
 
 pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute each on a cold cache
 
@@ -21,10 +21,11 @@ pytestmark = pytest.mark.slow  # inductor compiles on the CPU: about a minute ea
 # per length, each compiled in the warmup): the long window grows 1 -> 2 -> 3 blocks, the short window 0 -> 1 (window
 # 0 is the case the CPU flex kernel crashed on); the multi-token weights fall and YaRN rescales at each change. Two
 # micro-steps per step: the graphs are the same as with eight, at a quarter of the compute.
-REHEARSAL = dict(compile="true", fp8_head="true", fp8_mlp="true", train_seq_len=512, seq_len_stages="256,512,512",
-                 window_stages="0/1,1/2,1/3", lr_stages="1,1.5,1.7", doc_len_stages="2048,2048,2048",
-                 mtp_stages="1/0.5/0.25,1/0.5,1", prefix_stages="0.25/0.25,0.25/0,0/0", num_steps=6, global_batch_seqs=2, val_every=3, warmup_steps=1,
-                 val_tokens=2048)
+REHEARSAL = dict(compile="true", fp8_head="true", fp8_mlp="true", train_seq_len=512,
+                 **stage_flags((256, 2048, "0/1", 1, "1/0.5/0.25", "1/0.5/0", 0.25, 0.25),
+                               (512, 2048, "1/2", 1.5, "1/0.5", "1/0", 0.25, 0), (512, 2048, "1/3", 1.7, 1, 1, 0, 0),
+                               (512, 2048, "1/3", 1.7, 1, 1, 0, 0)),
+                 num_steps=6, global_batch_seqs=2, val_every=3, warmup_steps=1, val_tokens=2048)
 
 
 @pytest.fixture(autouse=True)

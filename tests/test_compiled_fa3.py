@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import tiny_args
+from conftest import stage_flags, tiny_args
 import test_compiled
 from test_compiled import REHEARSAL, measured_after_warmup, model_graphs
 
@@ -31,9 +31,9 @@ def test_compiled_fa3_path_compiles_each_training_plan_in_the_warmup_only(tmp_pa
     torch._dynamo.reset()
     # The FP8 ops off (the rehearsal compiles them) and a narrower model: the graphs to count, at less compile time.
     args = dict(REHEARSAL, attention="fa3", fp8_head="false", fp8_mlp="false", model_dim=64, head_dim=32,
-                seq_len_stages="256,512", window_stages="1/2,0/2",
-                lr_stages="1,1.5", doc_len_stages="192,2048", mtp_stages="1/0.5,1", prefix_stages="0.25/0.25,0.25/0", final_val_windows="1/2",
-                num_steps=4, val_every=0)
+                **stage_flags((256, 192, "1/2", 1, "1/0.5", "1/0", 0.25, 0.25), (512, 2048, "0/2", 1.5, 1, 1, 0.25, 0),
+                              (512, 2048, "0/2", 1.5, 1, 1, 0, 0)),
+                final_val_windows="1/2", num_steps=4, val_every=0)
     result = T.run(tiny_args(tmp_path, run_id="fa3", **args))
     log = (tmp_path / "logs" / "fa3.txt").read_text()
     planned = int(re.search(r"^compile: graphs per function: model (\d+),", log, re.M).group(1))

@@ -24,7 +24,7 @@ def model_and_compiled_twin(twin_flex: bool) -> tuple[T.GPT, T.GPT, torch.nn.Mod
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    model.quantize_mlp_(exact_down=True)  # the FP8 MLP's weights, as after a step
+    model.quantize_mlp_(bootstrap_down=True)  # the FP8 MLP's weights, as after a step
     twin = T.GPT(CFG, use_flex=twin_flex, fp8_head=True)
     twin.load_state_dict(model.state_dict())
     torch._dynamo.reset()

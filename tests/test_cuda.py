@@ -444,8 +444,9 @@ def test_fused_head_at_the_recipes_shape_follows_the_fp8_head_and_cuts_the_logit
 def test_a_compiled_run_with_both_triton_kernels_learns(tmp_path):
     # --relu2_kernel and --fused_head inside the compiled model (one graph with the custom ops), with the MTP loss:
     # the FP8 MLP through the ReLU^2 GEMM in training, the bf16 one in validation.
-    result = T.run(tiny_args(tmp_path, run_id="kernels", relu2_kernel=True, fused_head=True, mtp_stages="1/0.5",
-                             logit_cap=23, logit_shift=5, num_steps=8, val_every=4, warmup_steps=1, **RUN))
+    result = T.run(tiny_args(tmp_path, run_id="kernels", relu2_kernel=True, fused_head=True,
+                             stage_mtp_start="1/0.5,1/0.5", logit_cap=23, logit_shift=5, num_steps=8, val_every=4,
+                             warmup_steps=1, **RUN))
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.3
 
 

@@ -10,7 +10,7 @@ import torch
 import fa3_standin
 import train_gpt as T
 from tokenize_text import write_shard
-from conftest import SMALL, tiny_args
+from conftest import SMALL, stage_flags, tiny_args
 
 
 
@@ -86,10 +86,11 @@ def test_a_corpus_of_tiny_documents_gets_buffers_beyond_89s(tmp_path):
     docs = np.tile(np.array([T.BOS_ID, 11, 12], dtype=np.uint16), 12_000)
     write_shard(tmp_path / "tiny_train_000.bin", docs)
     write_shard(tmp_path / "tiny_val_000.bin", docs)
+    one_stage = stage_flags(*[(16384, 2048, "1/3", 1, 1, 1, 0.25, 0)] * 2)
     cfg = T.parse_config(["--attention=fa3", f"--train_files={tmp_path}/tiny_train_*.bin",
                           f"--val_files={tmp_path}/tiny_val_*.bin", "--global_batch_seqs=1", "--num_steps=2",
-                          "--extension_steps=0", "--seq_len_stages=16384", "--doc_len_stages=2048",
-                          "--window_stages=1/3", "--lr_stages=1", "--mtp_stages=1", "--prefix_stages=0.25/0", "--warmup_steps=1",
+                          "--extension_steps=0", "--warmup_steps=1",
+                          *(f"--{k}={v}" for k, v in one_stage.items()),
                           "--val_seq_len=16384", "--val_tokens=16384", "--untie_stage=1", "--train_seq_len=16384"])
     _, documents, _ = tiny_run_data(cfg)
     assert documents.train == {(16384, 2048): 5462} and documents.val == 5462  # a partial one at the end

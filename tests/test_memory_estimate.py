@@ -182,7 +182,7 @@ def test_the_estimate_of_record28s_snapshot_is_near_the_peak_record28_logged(tmp
 def small_split_config(micro_split: int):
     """The tiny preset's model at one training length (512: splits of 2 and 4 cut it into whole blocks), traced as
     the GPU resolves it, without the fused head: the (T, vocab) logits and their gradient scale with the micro-step."""
-    return M.recipe_config(["--preset=tiny", "--seq_len_stages=512,512,512", "--fused_head=false",
+    return M.recipe_config(["--preset=tiny", "--stage_seq_len=512,512,512,512", "--fused_head=false",
                             f"--micro_split={micro_split}"])
 
 

@@ -250,7 +250,7 @@ def test_run_writes_step_lines_jsonl_and_summary(tmp_path):
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     for e in entries:
         if "train_loss" in e:
-            # the summed loss: weights 1 and 0.5 (mtp_stages) and the prefix token's 0.25, each CE below 11.5
+            # the summed loss: weights 1 and 0.5 (mtp_start) and the prefix token's 0.25, each CE below 11.5
             assert 0 < e["train_loss"] < 11.5 * 1.75 and e["tokens"] == 256 and e["tokens_per_s"] > 0
             s = T.schedule(e["step"] - 1, cfg)  # the logged step trained with the schedule of step - 1 (0-based)
             assert e["window_tokens"] == s.long_window * cfg.block_size and e["lr_mult"] == s.lr_mult

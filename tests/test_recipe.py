@@ -3,6 +3,7 @@ formula here (not from the implementation), and the scaled-down recipe through e
 for bit inside each. Record #89's own numbers (its parameter table, its schedule at every step, NorMuon's axis per
 block) are pinned in tests/test_record89_exact.py."""
 
+import itertools
 import math
 
 import numpy as np
@@ -10,15 +11,16 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import ONE_STAGE, SMALL, orthogonalizing, tiny_args
+from conftest import ONE_STAGE, SMALL, orthogonalizing, stage_flags, tiny_args
 from test_data import packed_reference, synthetic_shards
 
 # The recipe's stages at a test's scale: 8 steps, 3 stages of 2 and an extension of 2 (over tests/conftest.py's
 # ONE_STAGE: tests/test_cuda.py's staged run).
-SMALL_STAGES = dict(extension_steps=2, muon_momentum_cooldown_steps=3, window_stages="0/1,1/2,1/2,1/3",
-                    final_lr_frac=0.15, train_seq_len=384, seq_len_stages="128,256,384", doc_len_stages="100,200,300",
-                    lr_stages="1,1.52,1.73", mtp_stages="1/0.5/0.25,1/0.5,1", final_val_windows="1/3", untie_stage=2,
-                    adam_every=2)
+SMALL_STAGES = dict(extension_steps=2, muon_momentum_cooldown_steps=3, final_lr_frac=0.15, train_seq_len=384,
+                    **stage_flags((128, 100, "0/1", 1, "1/0.5/0.25", "1/0.5/0", 0.25, 0.25),
+                                  (256, 200, "1/2", 1.52, "1/0.5", "1/0", 0.25, 0), (384, 300, "1/2", 1.73, 1, 1, 0, 0),
+                                  (384, 300, "1/3", 1.73, 1, 1, 0, 0)),
+                    final_val_windows="1/3", untie_stage=2, adam_every=2)
 # The recipe's model at a test's scale: five layers shaped like the spec's eleven (tests/test_recipe_model.py).
 SMALL_MODEL = dict(num_layers=5, attn_pattern="SL-SL", value_embeds="0--12", skip="1:2", attn_input_layer=3,
                    bigram_rows=4099, paired_layers="0,3", xsa_layers="1")
@@ -147,6 +149,47 @@ def test_stage_starts_round_a_third_of_the_scheduled_steps_ties_to_even():
     assert [k for k in range(cfg.num_steps) if T.schedule(k, cfg).tied][-1] == 25
 
 
+# The stage tables as upstream states its own (TRAINING_STAGES): a row per stage, the last the extension, each weight
+# from its start to its end value across the row, a + (b - a) t. The recipe's (#89's) and the tiny preset's.
+ROWS = ("seq_len", "doc_len", "windows", "lr_mul", "mtp_start", "mtp_end", "prefix_start", "prefix_end")
+RECIPE_TABLE = [(16384, 896, (1, 3), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+                (32768, 2048, (3, 7), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+                (49152, 2048, (5, 11), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+                (49152, 2048, (6, 13), 1.73, (1.0,), (1.0,), 0.0, 0.0)]
+TINY_TABLE = [(256, 224, (0, 1), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+              (384, 512, (1, 2), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+              (512, 512, (1, 3), 1.73, (1.0,), (1.0,), 0.0, 0.0),
+              (512, 512, (2, 4), 1.73, (1.0,), (1.0,), 0.0, 0.0)]
+
+
+def upstream_step(step: int, cfg: T.Config, table: list[tuple]) -> dict:
+    """What a step trains with, looked up as upstream's TrainingSchedule does: the row whose steps hold it and the
+    share t of them done (1 at the final validation), the lr cooled down from the row's, YaRN over the long windows
+    of the rows so far; the last validation's windows its own."""
+    rows, scheduled = [dict(zip(ROWS, r)) for r in table], cfg.num_steps - cfg.extension_steps
+    n = len(rows) - 1
+    ends = [0, *(round(c * scheduled) for c in itertools.accumulate([1 / n] * (n - 1))), scheduled, cfg.num_steps]
+    k, t = next(((k, (step - a) / (b - a)) for k, (a, b) in enumerate(zip(ends, ends[1:])) if step < b), (n, 1.0))
+    row, most = rows[k], max(len(r["mtp_start"]) for r in rows)
+    cooldown = int(scheduled * (1 - cfg.cooldown_frac))
+    c = min(1.0, (step - cooldown) / max(scheduled - cooldown, 1))
+    mtp = [a + (b - a) * t for a, b in zip(row["mtp_start"], row["mtp_end"])]
+    windows = tuple(int(w) for w in cfg.final_val_windows.split("/")) if step == cfg.num_steps else row["windows"]
+    return dict(seq_len=row["seq_len"], max_doc_len=row["doc_len"], short_window=windows[0], long_window=windows[1],
+                lr_mult=row["lr_mul"] * (1 - c) + cfg.final_lr_frac * c if step >= cooldown else row["lr_mul"],
+                mtp_weights=tuple(mtp) + (0.0,) * (most - len(mtp)),
+                prefix_weight=row["prefix_start"] + (row["prefix_end"] - row["prefix_start"]) * t,
+                yarn_windows=tuple(dict.fromkeys(r["windows"][1] for r in rows[:k + 1])))
+
+
+@pytest.mark.parametrize("preset, table", [("", RECIPE_TABLE), ("tiny", TINY_TABLE)])
+def test_every_step_gets_the_stage_tables_values_bit_for_bit(preset, table):
+    cfg = T.parse_config([f"--preset={preset}"] if preset else [])
+    for step, s in enumerate(T.schedule_table(cfg)):
+        want = upstream_step(step, cfg, table)
+        assert {k: getattr(s, k) for k in want} == want, step
+
+
 def test_batch_stages_set_the_sequence_lengths_and_the_warmup_replays_each():
     cfg = T.parse_config(["--num_steps=100", "--extension_steps=10"])  # 90 scheduled: thirds of 30
     s = [T.schedule(step, cfg) for step in range(101)]
@@ -244,7 +287,7 @@ def test_yarn_follows_the_training_windows_and_the_last_validation_looks_further
 
 def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
     # Spec §2.22 (#54): z' = 23 sigmoid((z + 5) / 7.5) in place of #28's 30 sigmoid(z / 7.5), train and eval.
-    small = ["--model_dim=64", "--head_dim=32", "--train_seq_len=256", "--seq_len_stages=256,256,256"]
+    small = ["--model_dim=64", "--head_dim=32", "--train_seq_len=256", "--stage_seq_len=256,256,256,256"]
     v2 = T.parse_config(["--preset=tiny", *small])
     r28 = T.parse_config(["--preset=tiny", *small, "--logit_cap=30", "--logit_shift=0"])  # #28's rescale
     assert (v2.logit_cap, v2.logit_shift, v2.logit_temp) == (23.0, 5.0, 7.5)
@@ -267,26 +310,37 @@ def test_logit_rescale_is_the_spec_asymmetric_sigmoid():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--window_stages=3/7,x"], "--window_stages expects SHORT/LONG blocks"),
+    (["--stage_windows=3/7,x"], r"--stage_windows expects SHORT/LONG blocks per row of the stage table, "
+                                r"comma-separated \(e.g. 1/3,3/7,5/11,6/13\), got '3/7,x'"),
     (["--extension_steps=10", "--num_steps=10"], "--extension_steps=10 must be below --num_steps=10"),
     (["--adam_every=2", "--save_every=3"], "--save_every=3 must be a multiple of --adam_every=2"),
-    (["--seq_len_stages=16384,100,49152"], "--seq_len_stages: 100 must be a multiple of --block_size=128"),
-    (["--seq_len_stages=16384,32768", "--lr_stages=1,1.5,2"], "the staged fields must list the same number"),
-    (["--doc_len_stages=2048,x"],
-     r"--doc_len_stages expects tokens > 0 per stage, comma-separated \(e.g. 2048,2048,2048\), got '2048,x'"),
+    (["--stage_seq_len=16384,100,49152,49152"], r"--stage_seq_len=16384,100,49152,49152: row 2 holds 100: at most "
+     r"--train_seq_len=49152 \(the longest\), in --micro_split=1 pieces of a multiple of --block_size=128"),
+    (["--stage_seq_len=16384,32768,65536,49152"], "row 3 holds 65536: at most --train_seq_len=49152"),
+    # A column of another length than the others (given or the table's): each named with what it lists.
+    (["--stage_seq_len=16384,32768,49152", "--stage_lr_mul=1,1.5,2,2"], r"the stage table's columns must each list "
+     r"an entry per row \(the stages, then the extension\): --stage_seq_len=16384,32768,49152 lists 3, "
+     r"--stage_lr_mul=1,1.5,2,2 lists 4, the table has 4 rows; give every column to change the number of stages"),
+    (["--stage_doc_len=2048,x"], r"--stage_doc_len expects tokens per row of the stage table, comma-separated "
+                                 r"\(e.g. 896,2048,2048,2048\), got '2048,x'"),
     (["--final_val_windows=6/20,7/21"], "--final_val_windows expects one SHORT/LONG pair"),
     (["--final_val_windows=4"], r"--final_val_windows expects one SHORT/LONG pair of blocks \(e.g. 6/20\), got '4'"),
-    (["--mtp_stages=0,0,0", "--seq_len_stages=128,256,512"], "each stage's first weight .the next token's. must be"),
-    (["--mtp_stages=1/0.5,0/1"], "each stage's first weight"),
-    (["--lr_stages=1,1e300,1"], r"--lr_stages expects a multiplier in \(0, 100\] per stage, .*, got '1,1e300,1'"),
-    (["--lr_stages=1,0,1"], r"--lr_stages expects a multiplier in \(0, 100\]"),
+    (["--stage_mtp_start=0,0,0,0", "--stage_mtp_end=0,0,0,0"],
+     r"--stage_mtp_start=0,0,0,0: row 1 holds 0: its first weight \(the next token's\) must be above 0"),
+    (["--stage_mtp_end=1/0.5/0,1/0,0,1"], r"--stage_mtp_end=1/0.5/0,1/0,0,1: row 3 holds 0: its first weight"),
+    (["--stage_mtp_end=1/0.5,1/0,1,1"], r"row 1 holds 1/0.5: as many weights as --stage_mtp_start's \(3\)"),
+    (["--stage_lr_mul=1,1e300,1,1"], r"--stage_lr_mul=1,1e\+300,1,1: row 2 holds 1e\+300: an entry is a multiplier in "
+                                     r"\(0, 100\]"),
+    (["--stage_lr_mul=1,0,1,1"], r"--stage_lr_mul=1,0,1,1: row 2 holds 0: an entry is a multiplier in \(0, 100\]"),
+    (["--stage_prefix_end=0.25,nan,0,0"], r"row 2 holds nan: an entry is a weight in \[0, 100\]"),
     (["--num_steps=17"], "3 stages need at least as many scheduled steps"),
-    (["--num_steps=5", "--extension_steps=3", "--window_stages=0/1,1/2,1/3,1/3"], "3 stages need at least"),
-    (["--window_stages=3/1,1/2"], r"the short window exceeds the long one in 3/1"),
+    (["--num_steps=5", "--extension_steps=3"], "3 stages need at least"),
+    (["--stage_windows=3/1,1/2,1/3,1/3"], r"--stage_windows=3/1,1/2,1/3,1/3: row 1 holds 3/1: the short window "
+                                          r"exceeds the long one"),
     (["--final_val_windows=9/4"], r"--final_val_windows=9/4: the short window exceeds the long one"),
     (["--untie_stage=0"], r"--untie_stage must be > 0, got 0"),
     (["--untie_stage=5"], r"--untie_stage=5: the stages are 1 to 3 \(the last: the extension\)"),
-    (["--doc_len_stages=2048,0,2048"], r"--doc_len_stages expects tokens > 0 per stage.*, got '2048,0,2048'"),
+    (["--stage_doc_len=2048,0,2048,2048"], r"--stage_doc_len=2048,0,2048,2048: row 2 holds 0: an entry is tokens > 0"),
     (["--normuon_beta2=0"], r"--normuon_beta2 must be in \(0, 1\), got 0"),
     (["--cooldown_frac=1.5"], r"--cooldown_frac must be in \[0, 1\], got 1.5"),
 ])
@@ -297,7 +351,7 @@ def test_bad_stage_and_optimizer_settings_are_refused_in_one_line(args, message)
 
 def test_adam_every_other_step_applies_the_summed_gradients_of_two_steps():
     cfg = T.parse_config([f"--{k}={v}" for k, v in {**SMALL, "preset": "tiny", "train_seq_len": 128,
-                                                    "seq_len_stages": "128,128,128"}.items()])
+                                                    "stage_seq_len": "128,128,128,128"}.items()])
     torch.manual_seed(0)
     model = T.GPT(cfg, use_flex=False, fp8_head=False)
     with torch.no_grad():  # break the zero inits: every parameter gets a gradient at step 0
@@ -333,7 +387,8 @@ def scaled_recipe_args(tmp_path, **overrides) -> list[str]:
     extension with its longer windows: every boundary in 14 steps, of 2 sequences of a narrower model (conftest's
     SMALL) to be quick."""
     tiny = T.parse_config(["--preset=tiny"])
-    staged = {name: getattr(tiny, name) for name in ONE_STAGE}
+    staged = {name: getattr(tiny, name) for name in ONE_STAGE if name in T.FIELD_KINDS}
+    staged |= {f"stage_{column}": T.column_text(tiny.stages, column) for column in T.STAGE_COLUMNS}
     return tiny_args(tmp_path, **{**staged, **SMALL, "num_steps": 14, "val_every": 4, **overrides})
 
 

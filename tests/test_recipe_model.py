@@ -16,7 +16,7 @@ from test_model import block_mask_as_dense, mask_tokens, saturated
 # through the skip, the later layers attending over layer 3's output, value embeddings on the first and last two
 # layers, paired short layers).
 SHAPE = ["--preset=tiny", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--train_seq_len=256",
-         "--seq_len_stages=256,256,256", "--block_size=32", "--num_layers=5", "--attn_pattern=SL-SL",
+         "--stage_seq_len=256,256,256,256", "--block_size=32", "--num_layers=5", "--attn_pattern=SL-SL",
          "--value_embeds=0--12", "--skip=1:2", "--attn_input_layer=3", "--bigram_rows=4099",
          "--paired_layers=0,3", "--xsa_layers=1"]
 WINDOWS = (3, 1)  # long, short in blocks
@@ -136,8 +136,10 @@ def test_flops_per_token_counts_the_recipes_shape():
     (["--gate_channels=7"], "the VE gates read half of --gate_channels=7"),
     (["--bigram_rows=1"], "--bigram_rows=1: the table needs at least 2 rows"),
     (["--paired_layers=3"], "--paired_layers='3' must list short-window"),
-    (["--mtp_stages=1/x"], r"--mtp_stages expects 1-64 weights W/W/\.\.\. in \[0, 100\] per stage"),
-    (["--mtp_stages=1/0.5,1", "--lr_stages=1,1.5,2"], "the staged fields must list the same number of stages"),
+    (["--stage_mtp_start=1/x"], r"--stage_mtp_start expects 1-64 weights W/W/\.\.\. per row of the stage table"),
+    (["--stage_mtp_start=1/101,1,1,1"], r"row 1 holds 1/101: an entry is 1-64 weights W/W/\.\.\., each in \[0, 100\]"),
+    (["--stage_mtp_start=1/0.5,1", "--stage_lr_mul=1,1.5,2"], "the stage table's columns must each list an entry per "
+                                                              "row"),
     (["--fp8_w_scale=0"], r"--fp8_w_scale must be in \(0, 100\]"),
 ])
 def test_bad_model_settings_are_refused_in_one_line(args, message):

@@ -24,6 +24,10 @@ from conftest import REPO, SMALL, fail_in_step_2, main_in_process, tiny_args
     (["--vocab_file=README.md"], "--vocab_file=README.md: cannot read GPT-2's BPE tokens"),
     (["--vocab_file=data/sample/README.md"], "--vocab_file=data/sample/README.md: cannot read GPT-2's BPE tokens"),
     (["--vocab_size=1e11"], "--vocab_size expects int, got '1e11'"),
+    # the biggest tensor named with the flags that size it (here the paired heads' RoPE table: not --vocab_size)
+    (["--train_seq_len=1000000000000"], "(rotary_paired.cos: 256,000.0 GB), more than the cpu's "),
+    (["--train_seq_len=1000000000000"], "check the sizes that make rotary_paired.cos (--train_seq_len=1000000000000, "
+                                        "--val_seq_len=1024)"),
     (["--muon_lr=1e30"], "--muon_lr must be in (0, 10], got 1e+30"),
     (["--embed_wd_mul=1e300"], "--embed_wd_mul must be in [0, 1000], got 1e+300"),
     (["--logit_shift=nan"], "--logit_shift must be in [-1000, 1000], got nan"),
@@ -41,6 +45,7 @@ from conftest import REPO, SMALL, fail_in_step_2, main_in_process, tiny_args
     (["--log_dir="], "--log_dir is empty: give the folder for the run's logs (e.g. --log_dir=logs; --log_dir=. for "),
     (["--seed=99999999999999999999999"], "--seed must be in [-1, 4294967295], got 99999999999999999999999"),
     (["--num_steps=10000000"], "--num_steps must be in [1, 100000], got 10000000"),  # refused before any table
+    (["--warmup_steps=1000000000"], "--warmup_steps must be in [0, 10000], got 1000000000"),  # before its plan
     (["--train_epochs=1000000000000"], "--train_epochs must be in [1, 10000]"),  # before a list of 10^12 shards
     (["--num_steps=100000"], "the run needs 100000 steps of 8 sequences"),  # counted step by step to the corpus's end
     (["--train_files="], "--train_files is empty: give a glob of token shards, e.g. --train_files='data/sample/"),
@@ -51,12 +56,25 @@ from conftest import REPO, SMALL, fail_in_step_2, main_in_process, tiny_args
     (["--seed", "--log_every=2"], "--seed needs a value: --seed=VALUE"),
     (["--save_final", "maybe"], "unexpected argument 'maybe'"),
     # A long window of 0 blocks (tiny_args' one stage); a short one of 0 stays allowed (the tiny preset's).
-    (["--window_stages=0/0"], "--window_stages=0/0: a long window must be at least 1 block"),
+    (["--stage_windows=0/0,0/0"], "--stage_windows=0/0,0/0: row 1 holds 0/0: a long window must be at least 1 block"),
     (["--final_val_windows=0/0"], "--final_val_windows=0/0: a long window must be at least 1 block"),
+    # A window beyond 2**20 blocks (far past any sequence) would overflow the int32 tables of the step's windows.
+    *((["--stage_windows=1/2," + w], f"--stage_windows=1/2,{w}: row 2 holds {w}: an entry is SHORT/LONG blocks, each "
+                                     f"in [0, 1048576]") for w in ("1/3000000000", "9300000000000000000/"
+                                                                   "9300000000000000000", "1/100000000000000000000")),
+    (["--final_val_windows=1/1048577"], "--final_val_windows=1/1048577: an entry is SHORT/LONG blocks, each in "
+                                        "[0, 1048576]"),
+    # A table of one row (no stage, the extension alone), and a column of another length: each named as given.
+    ([f"--stage_{c}={v}" for c, v in zip(T.STAGE_COLUMNS, (128, 2048, "1/2", 1, 1, 1, 0, 0))],
+     "the stage table needs a stage and the extension (its last row), got 1 row: --stage_seq_len=128 "
+     "--stage_doc_len=2048 --stage_windows=1/2 --stage_lr_mul=1 "),
+    (["--stage_windows=1/2"], "the stage table's columns must each list an entry per row (the stages, then the "
+                              "extension): --stage_seq_len=128,128 lists 2, "),
+    (["--stage_windows=1/2"], ", --stage_windows=1/2 lists 1, "),
     # --micro_split: a piece of every stage's sequence is whole blocks (the masks' tiles)
     (["--micro_split=0"], "--micro_split must be > 0, got 0"),
-    (["--micro_split=3"], "--micro_split=3: every --seq_len_stages length must cut into 3 pieces of a multiple of "
-                          "--block_size="),
+    (["--micro_split=3"], "--stage_seq_len=128,128: row 1 holds 128: at most --train_seq_len=128 (the longest), in "
+                          "--micro_split=3 pieces of a multiple of --block_size=128"),
 ])
 def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
     work = tmp_path / "work"  # the run's folder: --log_dir is work/logs; ../escape would land in work/
@@ -73,6 +91,21 @@ def test_a_refusal_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
     assert out == "" and list(tmp_path.rglob("*")) == [work], list(tmp_path.rglob("*"))
+
+
+def test_the_prefix_token_loss_takes_gpt2s_whole_vocabulary_or_refuses(tmp_path, monkeypatch, capsys):
+    # A partial vocabulary leaves the prefix table partial (all -1 from an empty one): the loss would do nothing.
+    ranks = (REPO / T.Config.vocab_file).read_text().splitlines(keepends=True)
+    for name, lines in (("empty", []), ("first_1000", ranks[:1000]), ("all_but_the_last", ranks[:-1])):
+        (tmp_path / name).write_text("".join(lines))
+    for path, count in (("/dev/null", 0), (tmp_path / "empty", 0), (tmp_path / "first_1000", 1000),
+                        (tmp_path / "all_but_the_last", 50255)):
+        code, out, err = main_in_process(tiny_args(tmp_path, vocab_file=path), monkeypatch, capsys)
+        assert code == 2 and err.strip() == (
+            f"error: --vocab_file={path}: {count:,} BPE ranks, where the prefix-token loss needs GPT-2's 50,256 (ids "
+            f"0..50255, within --vocab_size=50304): `git checkout data/tokenizer`, or point it at tiktoken's r50k_base "
+            f"file"), err
+    assert len(T.read_vocabulary(T.Config())) == 50256 and not (tmp_path / "logs").exists()
 
 
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(T.Config) if f.type in ("float", float)])
@@ -96,7 +129,14 @@ def test_help_states_each_numeric_fields_range_and_what_a_zero_window_means(monk
     for name, rule in T.FIELD_RULES.items():
         assert help_of[name].endswith(f"must be {rule}"), (name, help_of[name])
     # A window of 0 blocks (the tiny preset's first short window) is a token attending to itself alone.
-    assert "(0: itself only)" in help_of["window_stages"] and T.PRESETS["tiny"]["window_stages"].startswith("0/")
+    assert "(0: itself)" in help_of["stage_windows"] and T.PRESETS["tiny"]["stages"][0].windows[0] == 0
+    # The stage table as a table, a row per stage and the extension last, then a flag per column, its default the
+    # column: what --stage_<column>=A,B,... replaces.
+    rows = [line.split() for line in out.splitlines()]
+    top = rows.index(["seq_len", "doc_len", "windows", "lr_mul", "mtp_start", "mtp_end", "prefix_start", "prefix_end"])
+    assert rows[top + 1] == ["stage", "1", "16384", "896", "1/3", "1", "1/0.5/0.25", "1/0.5/0", "0.25", "0.25"]
+    assert rows[top + 4] == ["extension", "49152", "2048", "6/13", "1.73", "1", "1", "0", "0"]
+    assert "  --stage_windows=1/3,3/7,5/11,6/13 " in out and "  --stage_mtp_end=1/0.5/0,1/0,1,1 " in out
     tokens = torch.tensor([T.BOS_ID, 5, 6, 7, T.BOS_ID, 8, 9, 10] * 32)
     assert torch.equal(T.dense_mask(tokens, 128, torch.tensor(0)), torch.eye(256, dtype=torch.bool))
 

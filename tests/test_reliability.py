@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -175,6 +176,26 @@ def test_a_failed_runs_logs_are_set_aside_and_a_rerun_with_its_id_starts_and_kee
     after = digest(logs, "again")
     assert sorted(after) == ["again.failed.jsonl", "again.failed.txt", "again.json", "again.jsonl", "again.txt"]
     assert {n: after[n] for n in kept} == kept  # the failure's logs untouched by the rerun
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_other_ranks_wait_for_rank_0s_line_however_late_it_comes(tmp_path):
+    # Bad input reaches every rank; rank 0 alone says why. Here rank 0 comes to it 8 s after rank 1 (a loaded or slow
+    # node): rank 1 waits for rank 0's line, where a fixed pause (5 s) had it exit first and torchrun stop rank 0
+    # before it printed anything.
+    script = tmp_path / "late_rank0.py"
+    script.write_text(f"""import os, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import train_gpt as T
+parse = T.parse_config
+T.parse_config = lambda argv: (time.sleep(8 if os.environ["RANK"] == "0" else 0), parse(argv))[1]
+T.main(cli=True)
+""")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    run = subprocess.run([*launcher, "--bogus=1"], capture_output=True, text=True, timeout=300)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]  # torchrun's own report aside
+    assert errors == ["error: unknown option --bogus (see --help)"], run.stderr
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: 2 ", run.stderr), run.stderr  # not stopped
 
 
 @pytest.mark.slow

@@ -8,12 +8,12 @@ import torch.nn.functional as F
 
 import sample
 import train_gpt as T
-from conftest import REPO, SMALL, tiny_args
+from conftest import REPO, SMALL, stage_flags, tiny_args
 
 
 # Two stages of two steps: the embedding unties after step 2 and YaRN rescales at step 2, before the final checkpoint.
-STAGES = dict(seq_len_stages="128,128", window_stages="1/2,1/3", lr_stages="1,1", doc_len_stages="2048,2048",
-              mtp_stages="1/0.5,1", prefix_stages="0.25/0.25,0.25/0")
+STAGES = stage_flags((128, 2048, "1/2", 1, "1/0.5", "1/0", 0.25, 0.25), (128, 2048, "1/3", 1, 1, 1, 0.25, 0),
+                     (128, 2048, "1/3", 1, 1, 1, 0, 0))
 
 
 @pytest.fixture(scope="module")

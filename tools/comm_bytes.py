@@ -279,8 +279,7 @@ def stage_rows(pattern: str | None, pairs: int) -> tuple[dict[int, dict[int, lis
     and where they came from. pattern None: the proxy
     corpus where it is, else random tokens; a pattern given: its shards (UsageError where it has none)."""
     cfg = T.Config()
-    shapes = zip(T.parse_stages("seq_len_stages", cfg.seq_len_stages),
-                 T.parse_stages("doc_len_stages", cfg.doc_len_stages))
+    shapes = [(s.seq_len, s.doc_len) for s in cfg.stages[:-1]]  # the extension trains at the last stage's
     shape = f"{pairs} step pairs x 8 sequences per stage"
     try:
         files = T.find_shards(DEFAULT_FILES if pattern is None else pattern)

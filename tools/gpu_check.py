@@ -193,13 +193,12 @@ def run_tests(tests: list[str], out: Path, limit_s: float, stage: str = "tests")
 
 
 def last_stage_args(*flags: str) -> list[str]:
-    """Flags that make the whole schedule of the recipe (with flags) its last stage (and the extension's windows
-    after it), so a short bench runs at its final, largest shape."""
+    """Flags that make the whole schedule of the recipe (with flags) its last stage (and the extension after it), so a
+    short bench runs at its final, largest shape."""
     import train_gpt as T
 
     cfg = T.parse_config(list(flags))
-    args = [f"--{name}={getattr(cfg, name).split(',')[-1]}" for name in T.STAGED if name != "window_stages"]
-    args.append(f"--window_stages={','.join(cfg.window_stages.split(',')[-1 - (cfg.extension_steps > 0):])}")
+    args = [f"--stage_{column}={T.column_text(cfg.stages[-2:], column)}" for column in T.STAGE_COLUMNS]
     # One stage now: the embedding stays tied (the graph and its cost are the untied one's).
     return [*args, "--untie_stage=1"]
 

@@ -319,7 +319,7 @@ def activation_bytes(cfg: T.Config, validation: bool = True) -> dict[str, int | 
         state = {name: torch.empty(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad)
                  for name, t in [*model.named_parameters(), *model.named_buffers()]}  # first inputs of each graph
         windows = torch.tensor([last.long_window, last.short_window], dtype=torch.int32)
-        mtp = torch.tensor(last.mtp_weights) if cfg.mtp_stages else None
+        mtp = torch.tensor(last.mtp_weights) if getattr(cfg, "mtp_stages", True) else None  # #28's: "", none
         tokens = torch.zeros(micro_len + 1, dtype=torch.int32)  # a micro-step's batch: its own buffer
         val_tokens = torch.zeros(cfg.val_seq_len + 1, dtype=torch.int32)
     call = lambda state, *inputs: torch.func.functional_call(model, state, inputs)  # noqa: E731
@@ -381,14 +381,14 @@ def peak_row(preset: str, world_size: int, micro_steps: int, static: dict[str, i
             "total": total, "ok": total <= LIMIT_BYTES}
 
 
-_TRACES: dict[tuple, dict[str, int | str]] = {}
+_TRACES: dict[str, dict[str, int | str]] = {}
 
 
 def traced(cfg: T.Config) -> dict[str, int | str]:
     """activation_bytes(cfg), once per config (a card on the recipe preset's path resolves to the same config and
     reuses its trace); with --micro_split its training traced alone and its validation the unsplit config's
     (validation is never split)."""
-    key = tuple(sorted(dataclasses.asdict(cfg).items()))
+    key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
     if key not in _TRACES:
         if getattr(cfg, "micro_split", 1) == 1:
             _TRACES[key] = activation_bytes(cfg)
