@@ -5,9 +5,9 @@ file, the FP8 ops, Triton kernels and device paths beside it in gpt_kernels.py (
 
 from __future__ import annotations
 
-import base64, binascii, collections, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob, hashlib
-import importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, re, resource, shutil, signal
-import subprocess, sys, textwrap, threading, time, uuid
+import ast, base64, binascii, collections, contextlib, dataclasses, datetime, difflib, errno, fcntl, functools, glob
+import hashlib, importlib.util, inspect, io, itertools, json, math, os, platform, queue, random, re, resource, shutil
+import signal, subprocess, sys, textwrap, threading, time, uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -2304,7 +2304,8 @@ def print0(*args: object, **kwargs: object) -> None:
 
 def environment_report(device: torch.device, cpu_bf16_gemm: str, compiled: bool = False) -> str:
     lines = [f"Running Python {sys.version.split()[0]} on {platform.platform()}",
-             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}"]
+             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+             f"Running numpy {np.__version__}"]
     try:
         import triton
         lines.append(f"Running Triton version {triton.__version__}")
@@ -2322,14 +2323,16 @@ def environment_report(device: torch.device, cpu_bf16_gemm: str, compiled: bool 
 
 SOURCE_MARK = "# source: {name} ({size} bytes)"  # a log's source block: this line, then exactly the file's bytes
 
-def source_files(*extra: Path) -> list[Path]:
-    """The project's files this process runs (the .py files beside this one it imported, and extra), the script it was
-    started as first: what a run's log holds whole and what a checkpoint's code check covers."""
-    loaded = {Path(f).resolve() for m in list(sys.modules.values())
-              if isinstance(f := getattr(m, "__file__", None), str) and os.path.isabs(f)}
-    files = sorted({p for p in loaded if p.parent == HERE and p.suffix == ".py"} | set(extra))
-    main = Path(getattr(sys.modules["__main__"], "__file__", None) or __file__).resolve()
-    return sorted(files, key=lambda p: (p != main, p != Path(__file__).resolve()))
+def source_files(script: Path = Path(__file__)) -> list[Path]:
+    """The project's files a run of script executes: script, then the modules beside it that it imports, theirs too
+    (read from their import statements: the same files in any process); what a log holds and a checkpoint checks."""
+    files = [script.resolve()]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if \
+                isinstance(node, ast.ImportFrom) else []
+            files += [f for m in modules if (f := HERE / f"{m.split('.')[0]}.py").exists() and f not in files]
+    return files
 
 def source_digests(files: list[Path]) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
@@ -2761,8 +2764,8 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
                          if folder.is_file() else f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
     if not path.exists():  # a save that was cut short leaves its parts (or their .tmp files) but no meta.json
         cut = ", ".join(sorted(p.name for p in folder.glob("*.tmp")))  # half-written when the save stopped
-        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last){f'; {cut} half-written' * bool(cut)}"
-                         f"; use an earlier checkpoint"
+        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last)"
+                         f"{f'; {cut} half-written' * bool(cut)}; use an earlier checkpoint"
                          if any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()) else
                          f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
                          f"--save_every or --save_final writes them under <log_dir>/<run_id>/")
@@ -2983,7 +2986,8 @@ class Checkpointer:
         self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
         if cfg.save_every or cfg.save_final:  # now, not at the first save: the loop would stall on the allocation
             self._host_state(functools.partial(self._to_host, copy=False))
-        self.sources, self.train_files = source_digests(source_files()), train_files_identity(cfg) if rt.rank == 0 else None
+        self.sources = source_digests(source_files())
+        self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
                                          initargs=(rt.device,))
         self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
@@ -3577,7 +3581,7 @@ def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None
     log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
     if not continuing:  # a log a stop cut short in its header holds no step yet: it begins anew
         log.truncate()
-        log.write_sources(source_files(*[TRACE_REPORT] * cfg.bench))
+        log.write_sources(source_files() + [TRACE_REPORT] * cfg.bench)
     log(SEPARATOR, console=False)
     # The console's first line: what names the run's files (the config, one long line, is the log's alone).
     log(f"run {cfg.run_id} seed {cfg.seed}, log {path}")

@@ -564,7 +564,7 @@ def val_line(step: int, train_steps: int, loss: float, train_time_ms: float, ste
 def open_log(cfg: Config, rt: Runtime, gemm_path: str, parameters: int) -> RunLog:
     path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
     log = RunLog(path, path.with_suffix(".jsonl"))
-    log.write_sources(source_files())
+    log.write_sources(source_files(Path(__file__)))
     log(SEPARATOR, console=False)
     log(f"run {cfg.run_id} seed {cfg.seed}, log {path}")
     log(environment_report(rt.device, gemm_path))
@@ -615,7 +615,7 @@ def save_checkpoint(cfg: Config, rt: Runtime, model: GPT, recipe: Recipe, trial:
         write_json_atomic(folder / CKPT_META, {
             "format": CKPT_FORMAT, "trainer": TRAINER, "step": step, "trial": trial, "world_size": rt.world_size,
             "train_time_ms": train_time_ms, "run_id": cfg.run_id, "config": dataclasses.asdict(cfg),
-            "sources": source_digests(source_files()), "files": files,
+            "sources": source_digests(source_files(Path(__file__))), "files": files,
             "saved_at": datetime.datetime.now().isoformat(timespec="seconds")})
     if rt.world_size > 1:
         dist.barrier()  # complete for every rank before any goes on

@@ -389,8 +389,11 @@ def test_tokenize_text_ctrl_c_is_one_line_and_removes_the_shards_it_wrote(tmp_pa
 def test_no_space_for_the_log_is_one_line_and_a_rerun_with_its_run_id_is_not_refused(tmp_path, monkeypatch, capsys):
     from test_checkpoint import FullDisk
 
-    monkeypatch.setattr(T, "open", lambda path, mode="r", *a, **k: FullDisk(path, mode) if str(path).endswith(".txt")
-                        else open(path, mode, *a, **k), raising=False)
+    def opener(file, mode="r", *a, **k):  # the log is opened on its locked descriptor
+        path = os.readlink(f"/proc/self/fd/{file}") if isinstance(file, int) else str(file)
+        return FullDisk(file, mode) if path.endswith(".txt") else open(file, mode, *a, **k)
+
+    monkeypatch.setattr(T, "open", opener, raising=False)
     code, _, err = main_in_process(tiny_args(tmp_path, run_id="full", num_steps=1, **SMALL), monkeypatch, capsys)
     logs = tmp_path / "logs"
     assert code == 2 and err.strip().splitlines() == [

@@ -198,10 +198,13 @@ def test_help_describes_every_field_in_its_group_and_the_presets(monkeypatch, ca
     assert code == 0
     groups = [line[:-1] for line in out.splitlines() if line and " " not in line and line.endswith(":")]
     assert groups == ["data", "model", "optimizer", "schedule", "systems", "run"]
-    for f in dataclasses.fields(T.Config):
-        line = next(x for x in out.splitlines() if x.startswith(f"  --{f.name}="))
+    flags = [f"--{f.name}" for f in dataclasses.fields(T.Config) if f.name != "stages"] + [f"--{c}" for c in
+                                                                                           T.STAGE_FLAGS]
+    assert "the stage table: a row per stage" in out  # the table itself, its columns as the flags that fill them
+    for flag in flags:
+        line = next(x for x in out.splitlines() if x.startswith(f"  {flag}="))
         described = line.split(maxsplit=1)[1:] or [out.splitlines()[out.splitlines().index(line) + 1].strip()]
-        assert described[0], f.name  # its comment, on the line or the next one
+        assert described[0], flag  # its comment, on the line or the next one
     assert "  --num_steps=1285" in out and "  --compile=auto" in out
     assert "  tiny: --seed=1337, --train_files=data/sample/sample_train_*.bin" in out
 

@@ -194,7 +194,8 @@ def source_blocks(data: bytes) -> dict[str, bytes]:
     while match := SOURCE_RE.match(data, pos):
         start, end = match.end(), match.end() + int(match[2])
         if end > len(data):
-            raise LogError(f"source block of {match[1].decode()} is cut short: the log ends before its {match[2]} bytes")
+            raise LogError(f"source block of {match[1].decode()} is cut short: the log ends within its {match[2]} "
+                           f"bytes")
         files[match[1].decode()] = data[start:end]
         pos = end + (data[end - 1:end] != b"\n")
     return files
