@@ -52,9 +52,8 @@ COMMANDS = {
     "wait": SLURM,
     "python tools/comm_bytes.py --train_files='data/sample/sample_train_*.bin'":
         "over a minute on 2 cores (the optimizer stepped at 1, 2, 4 and 8 ranks); tests/test_comm_bytes.py checks it",
-    "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python train_optim.py --preset=tiny":
-        "minutes on a CPU (tests/test_track3_record.py runs it and compares it with its record)",
-    "torchrun --standalone --nproc_per_node=8 train_optim.py --trials=4": GPU,
+    "./run.sh train_optim.py": "minutes on a CPU (tests/test_track3_record.py runs it and compares it with its record)",
+    "./run.sh train_optim.py --trials=4": GPU,
 }
 
 
