@@ -289,7 +289,7 @@ def test_diff_of_two_runs_of_several_trials_compares_them_trial_by_trial(trial_l
     assert compare.main(["diff", str(both), str(first)]) == 0
     report = capsys.readouterr().out
     summary = json.loads((trial_logs / "both.json").read_text())["trials"]
-    assert re.search(rf"^final val loss \(trial 2\)\s+{summary[1]['final_val_loss']:.4f}\s+-\s*$", report, re.M)
+    assert re.search(rf"^final val loss \(trial 2\)\s+{summary[1]['final_val_loss']:.4f}\s+-\s+-$", report, re.M)
     assert re.search(r"^trial\s+step\s+A\s+B\s+B-A$", report, re.M)  # the val losses met trial by trial
 
 

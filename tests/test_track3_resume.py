@@ -3,16 +3,20 @@ complete checkpoint, in the right trial at the right step, to the uninterrupted 
 continue exactly is refused in one line; one launch per run id."""
 
 import json
-import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 
 import train_gpt as T
 import train_optim as O
+from conftest import REPO
 from test_resume_auto import launch, lines, stop_after_steps, stop_inside_a_checkpoint_write
 from test_track3 import main_in_process, small_args
+
+sys.path.insert(0, str(REPO / "tools"))
+import compare  # noqa: E402
 
 
 def losses(path: Path) -> dict[tuple[int, int, str], list[float]]:
@@ -96,6 +100,8 @@ def test_a_run_of_two_trials_carries_on_in_its_second_trial_past_a_corrupt_check
     assert after.keys() == before.keys() and all(len(set(v)) == 1 for v in after.values())
     assert {k for k, v in after.items() if len(v) == 2} == {(1, s, "train_loss") for s in (3, 4, 5, 6)} | {
         (1, 4, "val_loss"), (1, 6, "val_loss")}  # trial 2's steps after 2 logged again, equal; nothing else
+    read = compare.parse_trials((logs / "r.txt").read_text(), logs / "r.txt")  # the track's rule reads two trials
+    assert [t.losses for t in read] == [{step: loss for step, loss, _ in t.val_losses} for t in whole]
 
 
 def test_without_a_checkpoint_it_starts_the_run_and_a_finished_run_is_left_as_it_is(tmp_path, monkeypatch, capsys):
