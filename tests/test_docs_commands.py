@@ -107,7 +107,7 @@ def test_every_repository_path_a_doc_names_exists(doc):
 
 # The docs that name the code inline, and the code they name: the project's own Python files.
 NAME_DOCS = ("README.md", "docs/DETAILS.md", "tools/README.md")
-CODE_FILES = ("train_gpt.py", "gpt_kernels.py", "sample.py", "tools/*.py", "data/*.py")
+CODE_FILES = ("train_gpt.py", "gpt_kernels.py", "train_optim.py", "sample.py", "tools/*.py", "data/*.py")
 FILE_ENDINGS = {"py", "sh", "json", "jsonl", "md", "txt", "bin", "pt", "gz", "png", "so"}  # `model.pt` is a file
 # Another code base (a record's, upstream's) named: a table column headed by it lists its names, and so does its
 # possessive in prose ("upstream's `sparse_comms_start`", "#89's `XXT`"), not this project's.
@@ -147,7 +147,7 @@ def docstrings(tree: ast.AST) -> set[int]:
 
 @dataclasses.dataclass
 class CodeNames:
-    """What the project's code holds, read from its source (nothing imported but the Config)."""
+    """What the project's code holds, read from its source (nothing imported but the trainers' Configs)."""
     members: dict[str, set[str]]  # module stem or class name -> its top-level names or members
     names: set[str]  # every identifier the code uses or defines, and the words of its strings (log and JSON keys)
     flags: set[str]  # the Config fields and the --flags the other commands parse
@@ -157,7 +157,8 @@ class CodeNames:
     @classmethod
     def read(cls) -> "CodeNames":
         import train_gpt as T
-        fields = {f.name for f in dataclasses.fields(T.Config)}
+        import train_optim as O
+        fields = {f.name for module in (T, O) for f in dataclasses.fields(module.Config)}
         code = cls({}, set(), fields | {"help"}, fields, set())  # argparse's --help
         for path in sorted(p for pattern in CODE_FILES for p in REPO.glob(pattern)):
             code.add_module(path.stem, ast.parse(path.read_text()))
