@@ -56,3 +56,24 @@ def test_the_tiny_command_reproduces_its_record(tmp_path):
     assert diff.returncode == 0, diff.stderr
     if kind == record_kind:
         assert diff.stdout.splitlines()[0] == "verdict: reproduced: all 25 logged losses equal (20 train, 5 val)"
+
+
+def test_run_sh_names_the_trainers_it_runs_in_one_line(tmp_path):
+    run = subprocess.run([str(REPO / "run.sh"), "train_other.py", f"--log_dir={tmp_path}"], capture_output=True,
+                         text=True, timeout=60)
+    assert (run.returncode, run.stdout) == (2, "") and not any(tmp_path.iterdir())
+    assert run.stderr.splitlines() == ["error: train_other.py: run.sh runs train_gpt.py (the default) or "
+                                       "train_optim.py (./run.sh train_optim.py ...)"]
+
+
+@pytest.mark.slow  # two ranks under torchrun
+def test_run_sh_runs_train_optim_on_two_ranks(tmp_path):
+    from test_track3 import small_args
+
+    run = subprocess.run([str(REPO / "run.sh"), "train_optim.py", *small_args(tmp_path, train_steps=2)],
+                         env={**os.environ, "NPROC": "2", "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = (tmp_path / "logs" / "a.txt").read_text()
+    assert "world size 2" in log and "step:2/2 val_loss:" in run.stdout
+    assert ("\nCPU path: record (" in log) == torch.cpu._is_avx2_supported()  # run.sh's default where it can
