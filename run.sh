@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Launch train_gpt.py on every visible GPU; arguments pass through (e.g. ./run.sh --num_steps=500).
-# Without a GPU it runs the tiny preset on the bundled sample, on the CPU, to show the pipeline working, on the
-# bundled records' arithmetic (the record path: the same bits on any x86-64 CPU with AVX2, Intel's or AMD's);
+# Launch train_gpt.py on every visible GPU; arguments pass through (e.g. ./run.sh --num_steps=500). A first argument
+# naming a trainer runs that one instead: ./run.sh train_optim.py [...] (the optimization track).
+# Without a GPU it runs the trainer's tiny preset on the bundled sample, on the CPU, to show the pipeline working, on
+# the bundled records' arithmetic (the record path: the same bits on any x86-64 CPU with AVX2, Intel's or AMD's);
 # CPU_PATH=native runs the CPU's own kernels instead (faster with AVX-512 or bf16 GEMMs; the losses differ by rounding).
 # NPROC=N sets the number of processes (NPROC=2 ./run.sh on a CPU: two gloo ranks): a whole number from 1, at most
 # one per GPU (the trainer's own rule, checked here before any process starts) or, on a CPU, one per CPU it may use
@@ -11,6 +12,12 @@
 # exit code is the rank's (2: bad input, 130: Ctrl-C, 143: SIGTERM).
 set -euo pipefail
 cd "$(dirname "$0")"
+trainer=train_gpt.py
+case "${1:-}" in
+    train_gpt.py|train_optim.py) trainer=$1; shift ;;
+    *.py) echo "error: $1: run.sh runs train_gpt.py (the default) or train_optim.py (./run.sh train_optim.py ...)" >&2
+          exit 2 ;;
+esac
 if [ -n "${NPROC:-}" ] && ! [[ $NPROC =~ ^[1-9][0-9]*$ ]]; then  # before torch loads: a typo costs no wait
     echo "error: NPROC=$NPROC: give the number of processes, a whole number from 1 (e.g. NPROC=2), or leave it" \
          "unset for one per GPU (one on a CPU)" >&2
@@ -77,9 +84,9 @@ if [ "$gpus" -eq 0 ]; then
     args=("${added[@]}" "$@")
 fi
 if [ "$nproc" -eq 1 ]; then
-    exec "$python" train_gpt.py "${args[@]}"
+    exec "$python" "$trainer" "${args[@]}"
 fi
-exec "$python" - "$nproc" "${args[@]}" <<'PY'
+exec "$python" - "$nproc" "$trainer" "${args[@]}" <<'PY'
 import logging
 import sys
 
@@ -88,9 +95,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 logging.disable(logging.ERROR)  # torchrun's banners and per-rank reports; a launcher failure still raises
-nproc, args = sys.argv[1], sys.argv[2:]
+nproc, trainer, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 try:
-    run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "train_gpt.py", *args]))
+    run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", trainer, *args]))
 except ChildFailedError as e:  # a rank exited non-zero, after printing its one line
     code = e.get_first_failure()[1].exitcode
     sys.exit(code if code > 0 else 128 - code)  # a negative code: the rank died of that signal

@@ -2404,11 +2404,16 @@ class RunLog:
         """Write a line (and with flush, everything so far to disk) before printing it: a line seen is kept."""
         if self.file is not None:
             self._io(self.paths[0], lambda: self.file.write(line + "\n"))
-            if flush:  # pushed to disk: a hard stop (kill -9, the OOM killer) loses none of it
-                for f, path in zip((self.file, self.jsonl), self.paths):
-                    self._io(path, f.flush)
+            if flush:
+                self.flush()
             if console:
                 print0(line)
+
+    def flush(self) -> None:
+        """Everything written so far pushed to the OS: a hard stop (kill -9, the OOM killer) loses none of it."""
+        if self.file is not None:
+            for f, path in zip((self.file, self.jsonl), self.paths):
+                self._io(path, f.flush)
 
     def record(self, entry: dict[str, object]) -> None:
         if self.jsonl is not None:
@@ -2812,7 +2817,7 @@ def continuation_error(what: str, config: dict, sources: dict[str, str], cfg: Co
     mine = config_json(cfg)
     changed = [f"--{k}={config.get(k)!r} (this launch: {v!r})" for k, v in mine.items()
                if k not in CONTINUATION_FREE and config.get(k) != v]
-    now = source_digests(source_files())
+    now = source_digests(source_files(Path(sys.modules[type(cfg).__module__].__file__)))  # the trainer cfg is of
     changed += [f"other {name}" for name in sorted(set(now) | set(sources)) if now.get(name) != sources.get(name)]
     return None if not changed else (f"--resume=auto: {what} holds run {cfg.run_id} with {', '.join(changed[:4])}"
                                      f"{' and more' if len(changed) > 4 else ''}: it can only go on as it began; "
@@ -2830,12 +2835,15 @@ def logged_run(path: Path) -> tuple[dict, dict[str, str]] | None:
 def checkpoint_step(folder: Path) -> int:
     return int(folder.name[5:]) if re.fullmatch(r"ckpt_\d+", folder.name) else -1
 
-def newest_checkpoint(cfg: Config) -> tuple[Path | None, str]:
+def newest_checkpoint(cfg: Config, folders: list[Path] | None = None) -> tuple[Path | None, str]:
     """--resume=auto: the run's newest checkpoint whose files are all there and match their checksums, and a line
     on the newer ones skipped (incomplete: a save a stop cut short; or corrupt), which are removed: a later save of
-    their step writes the folder anew, where no stale part may stay."""
+    their step writes the folder anew, where no stale part may stay. folders: the run's checkpoints, oldest first
+    (by default its ckpt_<step> folders by step)."""
+    if folders is None:
+        folders = sorted((Path(cfg.log_dir) / cfg.run_id).glob("ckpt_*"), key=checkpoint_step)
     skipped: list[str] = []
-    for folder in sorted((Path(cfg.log_dir) / cfg.run_id).glob("ckpt_*"), key=checkpoint_step, reverse=True):
+    for folder in reversed(folders):
         try:
             meta = read_checkpoint_meta(folder, "--resume=auto")
             for name, entry in meta["files"].items():
@@ -3595,12 +3603,13 @@ def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None
     log(SEPARATOR)
     return log
 
-def check_shared_folder(cfg: Config, rt: Runtime, token: str) -> None:
-    """A checkpoint is every rank's files in one folder, which rank 0 completes and every rank reads to resume: with
-    several ranks saving or resuming, refuse at start-up ranks that do not see rank 0's files (no shared disk)."""
-    if rt.world_size == 1 or not (cfg.save_every or cfg.save_final or cfg.resume):
+def check_shared_folder(run_dir: Path, rt: Runtime, token: str) -> None:
+    """A checkpoint is every rank's files in one folder (run_dir), which rank 0 completes and every rank reads to
+    resume: for a run that saves or resumes, refuse at start-up ranks that do not see rank 0's files there (no shared
+    disk)."""
+    if rt.world_size == 1:
         return
-    probe = Path(cfg.log_dir) / cfg.run_id / f".probe_{token}"
+    probe = run_dir / f".probe_{token}"
     if rt.rank == 0:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.touch()
@@ -3612,7 +3621,7 @@ def check_shared_folder(cfg: Config, rt: Runtime, token: str) -> None:
     if blind := [r for r, s in enumerate(seen) if not s]:
         raise UsageError(f"rank(s) {', '.join(map(str, blind))} do not see rank 0's files in {probe.parent}: a "
                          f"checkpoint needs one folder every rank writes and reads (a shared file system); give "
-                         f"--log_dir on one, or run without --save_every, --save_final and --resume")
+                         f"--log_dir on one, or run without saving or resuming checkpoints")
 
 def seed_of(run_id: str) -> int:
     """--resume=auto's seed when none is given: from the run id, so that every launch of the run draws the same."""
@@ -3649,7 +3658,8 @@ def run(argv: list[str]) -> TrainResult | None:
         train_files, val, documents = load_data(cfg, rt.device)
         torch.manual_seed(cfg.seed)
         log = on_rank0(rt, lambda: open_log(cfg, rt, continuing, checkpoint, skipped), share=False) or log
-        check_shared_folder(cfg, rt, token)
+        if cfg.save_every or cfg.save_final or cfg.resume:
+            check_shared_folder(Path(cfg.log_dir) / cfg.run_id, rt, token)
         with cpu_math(cfg.cpu_bf16_gemm, cfg.compile):
             result = train(cfg, rt, log, train_files, val, documents, vocabulary, checkpoint)
         if rt.world_size > 1:  # no rank tears the process group down while another uses it: that would abort its peer

@@ -1,13 +1,14 @@
 """The optimization track (upstream's track 3): fewest steps to 3.28 val loss at a fixed model, data and batch, any
 optimizer. Upstream's baseline (records/track_3_optimization/train_gpt_simple.py, result #36: Muon + AdamW, 3,250
 steps) with this project's systems: prefetched batches, device-side metrics, logs holding every source file,
-checkpoints. Launch with `torchrun --standalone --nproc_per_node=N train_optim.py [--optimizer=NAME] [--trials=N]`
-(N in 1, 2, 4, 8) or `python train_optim.py --preset=tiny` on a CPU. A new optimizer: a class in "Optimization", a
-recipe function in "Init & optimizer hyperparameters" and its line in OPTIMIZERS."""
+checkpoints, --resume=auto. Launch with `./run.sh train_optim.py [--optimizer=NAME] [--trials=N]` (every visible GPU;
+without one, the tiny preset on the CPU's record path) or `torchrun --standalone --nproc_per_node=N train_optim.py ...`
+(N in 1, 2, 4, 8). A new optimizer: a class in "Optimization", a recipe function in "Init & optimizer
+hyperparameters" and its line in OPTIMIZERS."""
 
 from __future__ import annotations
 
-import dataclasses, datetime, difflib, functools, inspect, json, math, os, random, sys, textwrap, uuid
+import dataclasses, datetime, difflib, functools, inspect, json, math, os, random, re, shutil, sys, textwrap, uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,11 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import AdamW
 
-from train_gpt import (CKPT_FORMAT, CKPT_META, CKPT_MODEL, EXIT_CODES, SEPARATOR, STOP, STOPS, OutOfMemory,
+from train_gpt import (AUTO, CKPT_FORMAT, CKPT_META, CKPT_MODEL, EXIT_CODES, SEPARATOR, STOP, STOPS, OutOfMemory,
                        PrefetchLoader, RankLost, RunLog, Runtime, TrainClock, UsageError, _parse_value, all_gather_into,
-                       bf16_gemm_path, cpu_math, environment_report, find_shards, load_shard, more_data_hint, on_rank0,
-                       one_line_error, print0, rank_file, read_checkpoint_meta, read_options, read_part, rule_holds,
-                       save_atomic, shard_token_count, source_digests, source_files, write_json_atomic)
+                       bf16_gemm_path, carry_on, check_shared_folder, continuation_error, cpu_math, environment_report,
+                       find_shards, load_shard, more_data_hint, newest_checkpoint, on_rank0, one_line_error, print0,
+                       rank_file, read_checkpoint_meta, read_options, read_part, rule_holds, save_atomic, seed_of,
+                       shard_token_count, source_digests, source_files, write_json_atomic)
 
 # -----------------------------------------------------------------------------
 # Architecture
@@ -420,7 +422,8 @@ class Config:
     log_dir: str = "logs"  # where <run_id>.txt, .jsonl, .json and the checkpoints go
     run_id: str = ""  # names the run's files; empty: a fresh one
     save_every: int = 0  # a checkpoint every N steps of each trial (0: none): <log_dir>/<run_id>/ckpt_<step>/
-    resume: str = ""  # a checkpoint folder to continue from (a new run id; the same world size)
+    save_minutes: float = 5.0  # with --resume=auto, also a checkpoint after each N minutes of a trial's training
+    resume: str = ""  # auto: carry on run --run_id from its newest checkpoint; or a checkpoint to go on from (new id)
     preset: str = ""  # tiny: the baseline at 4 x 128 on the bundled sample, 20 steps, on the CPU
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -434,7 +437,8 @@ FIELD_KINDS = {f.name: f.type for f in dataclasses.fields(Config)}
 FIELD_RULES = {name: rule for rule, names in {
     ">= 1": "trials vocab_size num_layers model_dim head_dim seq_len batch_seqs mbs val_tokens val_every val_every_end "
             "log_every",
-    ">= 0": "train_steps save_every prefetch_depth", ">= -1": "seed"}.items() for name in names.split()}
+    ">= 0": "train_steps save_every prefetch_depth", ">= -1": "seed", "in [0, 100000]": "save_minutes"}.items()
+    for name in names.split()}
 RUN_ID_MAX = 200  # with ".jsonl" added, within the 255-byte file names of common file systems
 
 def parse_config(argv: list[str]) -> Config:
@@ -469,6 +473,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
          f"--run_id={cfg.run_id!r} names the run's files inside --log_dir: no '/' or '\\', no whitespace or control "
          f"characters, not '.' or '..', at most {RUN_ID_MAX} characters"),
         (not cfg.log_dir.strip(), "--log_dir is empty: give the folder for the run's logs (e.g. --log_dir=logs)"),
+        (cfg.resume == AUTO and not cfg.run_id, "--resume=auto carries on the run named by --run_id: give one (the "
+         "same in every launch of the run)"),
         *((not getattr(cfg, n).strip(), f"--{n} is empty: give a glob of token shards, e.g. --{n}="
            f"'{PRESETS['tiny'][n]}'") for n in ("train_files", "val_files")),
     ]
@@ -504,22 +510,27 @@ def config_help() -> str:
 class PendingLoss:
     step: int
     train_time_ms: float
+    steps: int  # the steps its loss sums over
     slot: int
     event: torch.cuda.Event | None
 
 class TrainLosses:
-    """Each micro-batch's summed loss added on the device; a logging step's sum is staged and printed once landed."""
+    """Each micro-batch's summed loss added on the device; a logging step's sum and the rank's train time are summed
+    over the ranks by one all-reduce, staged to a host slot and printed once landed. The ranks' mean train time at the
+    previous logging step (agreed_ms) is the same number on every rank: what --save_minutes counts."""
 
     SLOTS = 8  # pinned host slots; with all in flight, the oldest is waited for
 
     def __init__(self, log: RunLog, device: torch.device, trial: int, train_steps: int, tokens_per_step: int,
-                 log_every: int):
+                 log_every: int, train_time_ms: float = 0.0):
         self.log, self.trial, self.train_steps, self.log_every = log, trial, train_steps, log_every
         self.tokens_per_step, self.steps, self.next_slot = tokens_per_step, 0, 0
         self.on_cuda = device.type == "cuda"
         self.total = torch.zeros((), dtype=torch.float64, device=device)
-        self.host = torch.zeros(self.SLOTS, dtype=torch.float64, pin_memory=self.on_cuda)
+        self.host = torch.zeros(self.SLOTS, 2, dtype=torch.float64, pin_memory=self.on_cuda)  # loss sum, time sum
         self.pending: list[PendingLoss] = []
+        self.last: PendingLoss | None = None  # the latest staged line
+        self.agreed_ms = train_time_ms
 
     def add(self, loss: Tensor) -> None:
         self.total += loss
@@ -530,16 +541,24 @@ class TrainLosses:
         if step % self.log_every and step != self.train_steps:
             self.poll()
             return
-        if dist.is_initialized():
-            dist.all_reduce(self.total, op=dist.ReduceOp.SUM)
+        local = torch.empty(2, dtype=torch.float64, device=self.total.device)
+        local[0].copy_(self.total)
+        local[1].fill_(train_time_ms)  # a host number is fill_'s kernel argument: no copy to the device
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if world_size > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        if self.last is not None:  # every rank, at the same step: the previous line landed long ago
+            self._landed(self.last)
+            self.agreed_ms = float(self.host[self.last.slot, 1]) / world_size
         if len(self.pending) == self.SLOTS:
             self._print(self.pending.pop(0))
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.SLOTS
-        self.host[slot].copy_(self.total / (self.steps * self.tokens_per_step), non_blocking=self.on_cuda)
+        self.host[slot].copy_(local, non_blocking=self.on_cuda)
         event = torch.cuda.Event() if self.on_cuda else None
         if event is not None:
             event.record()
-        self.pending.append(PendingLoss(step, train_time_ms, slot, event))
+        self.last = PendingLoss(step, train_time_ms, self.steps, slot, event)
+        self.pending.append(self.last)
         self.total.zero_()
         self.steps = 0
         self.poll()
@@ -548,29 +567,52 @@ class TrainLosses:
         while self.pending and (wait or self.pending[0].event is None or self.pending[0].event.query()):
             self._print(self.pending.pop(0))
 
-    def _print(self, p: PendingLoss) -> None:
+    @staticmethod
+    def _landed(p: PendingLoss) -> None:
         if p.event is not None:
             p.event.synchronize()
-        loss = float(self.host[p.slot])
+
+    def _print(self, p: PendingLoss) -> None:
+        """The line's loss into the .jsonl, pushed to the OS, then to the console: a line seen is kept."""
+        self._landed(p)
+        loss = float(self.host[p.slot, 0]) / (p.steps * self.tokens_per_step)
         self.log.record({"trial": self.trial, "step": p.step, "train_loss": loss, "train_time_ms": p.train_time_ms})
+        self.log.flush()
         print0(f"step:{p.step}/{self.train_steps} train_loss:{loss:.4f} train_time:{p.train_time_ms / 1000:.3f}s "
                f"step_avg:{p.train_time_ms / p.step:.2f}ms")
+
+    def state(self) -> dict[str, object]:
+        """What a checkpoint keeps of it: the loss summed since the last line (this rank's), and over how many steps."""
+        return {"total": self.total.cpu(), "steps": self.steps}
+
+    def load_state(self, state: dict[str, object]) -> None:
+        self.total.copy_(state["total"])
+        self.steps = state["steps"]
 
 def val_line(step: int, train_steps: int, loss: float, train_time_ms: float, step_avg_ms: float) -> str:
     """Upstream's validation line (step_avg: since the previous validation; nan at step 0)."""
     return (f"step:{step}/{train_steps} val_loss:{loss:.5f} train_time:{train_time_ms / 1000:.3f}s "
             f"step_avg:{step_avg_ms:.2f}ms")
 
-def open_log(cfg: Config, rt: Runtime, gemm_path: str, parameters: int) -> RunLog:
+def open_log(cfg: Config, rt: Runtime, gemm_path: str, parameters: int, continuing: bool, checkpoint: Path | None,
+             skipped: str) -> RunLog:
+    """Rank 0's log: a new one, or (continuing, --resume=auto) the run's own, after a line saying where it starts."""
     path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
-    log = RunLog(path, path.with_suffix(".jsonl"))
-    log.write_sources(source_files(Path(__file__)))
+    log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
+    if not continuing:  # a log a stop cut short in its header holds no step yet: it begins anew
+        log.truncate()
+        log.write_sources(source_files(Path(__file__)))
     log(SEPARATOR, console=False)
     log(f"run {cfg.run_id} seed {cfg.seed}, log {path}")
-    log(environment_report(rt.device, gemm_path))
-    log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
+    log(environment_report(rt.device, gemm_path, cfg.compile))
+    if not continuing:
+        log(f"config: {json.dumps(dataclasses.asdict(cfg))}", console=False)
     log(f"model: {parameters:,} parameters, compile {cfg.compile}, world size {rt.world_size}, grad accumulation "
         f"{cfg.batch_seqs // rt.world_size // cfg.mbs}, optimizer {cfg.optimizer}")
+    if cfg.resume == AUTO:
+        start = f"from {checkpoint}" if checkpoint else "no checkpoint yet: from step 0"
+        log(f"resume: --resume=auto, launched {datetime.datetime.now():%Y-%m-%d %H:%M:%S}: {start}"
+            f"{f'; {skipped}' if skipped else ''}")
     log(SEPARATOR)
     return log
 
@@ -578,12 +620,21 @@ def open_log(cfg: Config, rt: Runtime, gemm_path: str, parameters: int) -> RunLo
 # Checkpoints
 # --save_every=N writes <log_dir>/<run_id>/ckpt_<step>/ (trial<T>_ckpt_<step> with several trials) as train_gpt.py
 # does: model.pt, each rank's optimizer state in rank<R>.pt, then meta.json listing every file with its size and sha256
-# (complete once it exists). --resume continues the trial exactly, bit for bit at the same world size.
+# (complete once it exists), and the run's val losses so far. --resume continues the trial exactly, bit for bit at the
+# same world size. --resume=auto also saves after each --save_minutes of a trial's training and keeps the newest two
+# of those; its next launch takes the newest complete checkpoint (train_gpt.newest_checkpoint).
 
 TRAINER = "train_optim.py"
 # The fields a checkpoint's run must share with the run resuming it: the model's shapes, the recipe and the data.
 RESUME_MATCH = ("optimizer", "vocab_size", "num_layers", "model_dim", "head_dim", "seq_len", "batch_seqs",
                 "val_tokens", "train_files", "val_files")
+CKPT_NAME = re.compile(r"(?:trial(\d+)_)?ckpt_(\d+)")
+ROLLING_KEPT = 2  # --save_minutes' checkpoints kept: the newest two (one may be cut short by a stop)
+
+@dataclass
+class Trial:
+    seed: int
+    val_losses: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, train time ms)
 
 @dataclass
 class ResumePoint:
@@ -591,17 +642,40 @@ class ResumePoint:
     trial: int
     step: int
     train_time_ms: float
+    trials: list[Trial]  # the run's trials up to this one, whose val losses so far come last
 
 def checkpoint_folder(cfg: Config, trial: int, step: int) -> Path:
     name = f"ckpt_{step}" if cfg.trials == 1 else f"trial{trial + 1}_ckpt_{step}"
     return Path(cfg.log_dir) / cfg.run_id / name
 
-def save_checkpoint(cfg: Config, rt: Runtime, model: GPT, recipe: Recipe, trial: int, step: int,
-                    train_time_ms: float) -> Path:
-    """Every rank's files, then meta.json (rank 0) once all are written: a folder without it is incomplete."""
+def checkpoint_order(folder: Path) -> tuple[int, int]:
+    """(trial, step) of a checkpoint folder's name: trials in order, then steps."""
+    m = CKPT_NAME.fullmatch(folder.name)
+    return int(m[1] or 1), int(m[2])
+
+def checkpoints(cfg: Config) -> list[Path]:
+    """The run's checkpoint folders, oldest first."""
+    found = (Path(cfg.log_dir) / cfg.run_id).glob("*ckpt_*")
+    return sorted((f for f in found if CKPT_NAME.fullmatch(f.name)), key=checkpoint_order)
+
+def drop_old_rolling(cfg: Config) -> None:
+    """--save_minutes' checkpoints serve only to carry a run on: all but the newest ROLLING_KEPT complete ones go."""
+    def rolling(folder: Path) -> bool:
+        try:
+            return json.loads((folder / CKPT_META).read_text()).get("rolling") is True
+        except (OSError, ValueError):
+            return False
+    for folder in list(filter(rolling, checkpoints(cfg)))[:-ROLLING_KEPT]:
+        shutil.rmtree(folder, ignore_errors=True)
+
+def save_checkpoint(cfg: Config, rt: Runtime, model: GPT, recipe: Recipe, losses: TrainLosses, trials: list[Trial],
+                    step: int, train_time_ms: float, rolling: bool) -> Path:
+    """Every rank's files, then meta.json (rank 0) once all are written: a folder without it is incomplete. trials:
+    the run's so far, this one last."""
+    trial = len(trials) - 1
     folder = checkpoint_folder(cfg, trial, step)
     folder.mkdir(parents=True, exist_ok=True)
-    sums = {rank_file(rt.rank): save_atomic({"trial": trial, "step": step, "optimizers": [
+    sums = {rank_file(rt.rank): save_atomic({"trial": trial, "step": step, "losses": losses.state(), "optimizers": [
         opt.state_dict() for opt in recipe.optimizers]}, folder / rank_file(rt.rank))}
     if rt.rank == 0:
         sums[CKPT_MODEL] = save_atomic({k: v.cpu() for k, v in model.state_dict().items()}, folder / CKPT_MODEL)
@@ -615,21 +689,26 @@ def save_checkpoint(cfg: Config, rt: Runtime, model: GPT, recipe: Recipe, trial:
         write_json_atomic(folder / CKPT_META, {
             "format": CKPT_FORMAT, "trainer": TRAINER, "step": step, "trial": trial, "world_size": rt.world_size,
             "train_time_ms": train_time_ms, "run_id": cfg.run_id, "config": dataclasses.asdict(cfg),
-            "sources": source_digests(source_files(Path(__file__))), "files": files,
+            "sources": source_digests(source_files(Path(__file__))), "files": files, "rolling": rolling,
+            "trials": [dataclasses.asdict(t) for t in trials],
             "saved_at": datetime.datetime.now().isoformat(timespec="seconds")})
+        if rolling:
+            drop_old_rolling(cfg)
     if rt.world_size > 1:
         dist.barrier()  # complete for every rank before any goes on
     return folder
 
-def check_resume(cfg: Config, world_size: int) -> ResumePoint:
-    """Before anything is written: the checkpoint is complete, intact, this trainer's and this run's."""
-    folder = Path(cfg.resume)
+def check_resume(cfg: Config, folder: Path, world_size: int) -> ResumePoint:
+    """Before anything is written: the checkpoint is complete, intact, this trainer's and this run's (--resume=auto:
+    of this config and code, all but CONTINUATION_FREE)."""
     meta = read_checkpoint_meta(folder)
     for name, entry in meta["files"].items():
         read_part(folder / name, entry.get("sha256"))
     saved = meta["config"]
     if meta.get("trainer") != TRAINER:
         raise UsageError(f"checkpoint {folder} is not {TRAINER}'s (train_gpt.py's resumes with train_gpt.py)")
+    if cfg.resume == AUTO and (why := continuation_error(f"checkpoint {folder}", saved, meta.get("sources", {}), cfg)):
+        raise UsageError(why)
     if meta["world_size"] != world_size:
         raise UsageError(f"checkpoint {folder} was saved by {meta['world_size']} rank(s): resume it with as many "
                          f"(this launch has {world_size}); Muon's momenta are spread over the ranks")
@@ -642,10 +721,15 @@ def check_resume(cfg: Config, world_size: int) -> ResumePoint:
     if meta["trial"] >= cfg.trials:
         raise UsageError(f"checkpoint {folder} is of trial {meta['trial'] + 1}: give --trials={meta['trial'] + 1} "
                          f"or more")
+    try:
+        trials = [Trial(t["seed"], [tuple(v) for v in t["val_losses"]]) for t in meta["trials"]]
+    except (KeyError, TypeError):
+        raise UsageError(f"checkpoint {folder}: {CKPT_META} lacks the run's val losses (an older {TRAINER}'s)"
+                         ) from None
     cfg.seed, cfg.train_steps = saved["seed"], saved["train_steps"]
-    return ResumePoint(folder, meta["trial"], meta["step"], float(meta["train_time_ms"]))
+    return ResumePoint(folder, meta["trial"], meta["step"], float(meta["train_time_ms"]), trials)
 
-def load_checkpoint(point: ResumePoint, rt: Runtime, model: GPT, recipe: Recipe) -> None:
+def load_checkpoint(point: ResumePoint, rt: Runtime, model: GPT, recipe: Recipe, losses: TrainLosses) -> None:
     meta = read_checkpoint_meta(point.folder)
     files = meta["files"]
     state = read_part(point.folder / CKPT_MODEL, files[CKPT_MODEL]["sha256"], load=True)
@@ -653,16 +737,12 @@ def load_checkpoint(point: ResumePoint, rt: Runtime, model: GPT, recipe: Recipe)
     part = read_part(point.folder / rank_file(rt.rank), files[rank_file(rt.rank)]["sha256"], load=True)
     for opt, saved in zip(recipe.optimizers, part["optimizers"], strict=True):
         opt.load_state_dict(saved)
+    losses.load_state(part["losses"])
 
 # -----------------------------------------------------------------------------
 # Main
 # Reads the launch (torchrun's RANK / WORLD_SIZE / LOCAL_RANK), checks everything a run needs before writing anything,
 # builds and compiles the model once, then runs the trials one after another, each from its own seed's init.
-
-@dataclass
-class Trial:
-    seed: int
-    val_losses: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, train time ms)
 
 def setup_runtime(cfg: Config) -> Runtime:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -692,7 +772,8 @@ def check_data(cfg: Config, train_steps: int) -> tuple[list[Path], list[Path]]:
     return train_files, val_files
 
 def check_run_paths(cfg: Config) -> None:
-    """The log folder is writable and no earlier run's logs or checkpoints would be replaced."""
+    """The log folder is writable and no earlier run's logs or checkpoints would be replaced (--resume=auto: they are
+    the run it continues)."""
     log_dir = Path(cfg.log_dir)
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -700,23 +781,36 @@ def check_run_paths(cfg: Config) -> None:
         raise UsageError(f"--log_dir={cfg.log_dir}: cannot create it ({e.strerror}); give a writable folder") from None
     if not os.access(log_dir, os.W_OK | os.X_OK):
         raise UsageError(f"--log_dir={cfg.log_dir} is not writable; give a writable folder")
+    if cfg.resume == AUTO:
+        return
     if logs := [p.name for p in (log_dir / f"{cfg.run_id}{ext}" for ext in (".txt", ".jsonl", ".json")) if p.exists()]:
-        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id, or "
-                         f"delete or move those files")
+        raise UsageError(f"run {cfg.run_id} already has {', '.join(logs)} in {log_dir}: use another --run_id, "
+                         f"--resume=auto to continue that run, or delete or move those files")
     if cfg.save_every and (log_dir / cfg.run_id).is_dir():
         raise UsageError(f"{log_dir / cfg.run_id} already exists and checkpoints are never overwritten; use another "
                          f"--run_id")
 
-def run_trial(cfg: Config, rt: Runtime, log: RunLog, model: GPT, trial: int, train_files: list[Path],
+def saves_at(cfg: Config, step: int, agreed_ms: float, saved_ms: float) -> str | None:
+    """Whether step saves a checkpoint: "asked" at --save_every's steps, "rolling" with --resume=auto once
+    --save_minutes of training passed since the last save (by the train time every rank agrees on), else None."""
+    if cfg.save_every and step % cfg.save_every == 0:
+        return "asked"
+    rolling = cfg.resume == AUTO and cfg.save_minutes and agreed_ms - saved_ms >= 60_000 * cfg.save_minutes
+    return "rolling" if rolling else None
+
+def run_trial(cfg: Config, rt: Runtime, log: RunLog, model: GPT, trials: list[Trial], train_files: list[Path],
               val: tuple[Tensor, Tensor], resumed: ResumePoint | None) -> Trial:
-    """One trial from its seed's init (or a checkpoint): upstream's loop, validation lines into the log."""
-    result = Trial(cfg.seed + trial)
+    """Trial len(trials) (after those done) from its seed's init, or a checkpoint: upstream's loop, validation lines
+    into the log."""
+    trial = len(trials)
+    result = resumed.trials[-1] if resumed else Trial(cfg.seed + trial)
     torch.manual_seed(result.seed)
     recipe = build_recipe(cfg.optimizer, model)
     train_steps = cfg.train_steps or recipe.train_steps
     start, ms = (resumed.step, resumed.train_time_ms) if resumed else (0, 0.0)
+    losses = TrainLosses(log, rt.device, trial, train_steps, cfg.batch_seqs * cfg.seq_len, cfg.log_every, ms)
     if resumed:
-        load_checkpoint(resumed, rt, model, recipe)
+        load_checkpoint(resumed, rt, model, recipe, losses)
         log(f"resume: {resumed.folder} at step {start} of trial {trial + 1}, train_time so far {ms / 1000:.3f}s")
     elif rt.world_size > 1:
         for p in model.parameters():  # every rank starts from rank 0's init
@@ -725,12 +819,12 @@ def run_trial(cfg: Config, rt: Runtime, log: RunLog, model: GPT, trial: int, tra
         console=cfg.trials > 1)
     batches = TokenBatches(train_files, cfg.batch_seqs * cfg.seq_len, rt.rank, rt.world_size, cfg.vocab_size,
                            train_steps, start)
-    losses = TrainLosses(log, rt.device, trial, train_steps, cfg.batch_seqs * cfg.seq_len, cfg.log_every)
-    last_val, last_val_ms = start, ms
+    last_val, _, last_val_ms = result.val_losses[-1] if result.val_losses else (start, None, ms)
+    saved_ms = ms  # the agreed train time at the last checkpoint (or the start)
     with PrefetchLoader(batches, cfg.prefetch_depth, rt.device) as loader:
         clock = TrainClock(rt.device, ms)
         for step in range(start, train_steps + 1):
-            if validates_at(step, train_steps, cfg.val_every, cfg.val_every_end):
+            if validates_at(step, train_steps, cfg.val_every, cfg.val_every_end) and not (resumed and step == start):
                 if rt.world_size > 1:
                     dist.barrier()
                 ms = clock.stop()
@@ -744,10 +838,13 @@ def run_trial(cfg: Config, rt: Runtime, log: RunLog, model: GPT, trial: int, tra
                 if rt.world_size > 1:
                     dist.barrier()
                 clock.start()
-            if cfg.save_every and step % cfg.save_every == 0 and start < step < train_steps:
+            if start < step < train_steps and (why := saves_at(cfg, step, losses.agreed_ms, saved_ms)):
                 ms = clock.stop()
-                folder = save_checkpoint(cfg, rt, model, recipe, trial, step, ms)
+                losses.poll(wait=True)  # the lines up to this step on disk before the checkpoint that skips them
+                log.flush()
+                folder = save_checkpoint(cfg, rt, model, recipe, losses, [*trials, result], step, ms, why == "rolling")
                 log(f"checkpoint: {folder} (step {step})", flush=True)
+                saved_ms = losses.agreed_ms
                 clock.start()
             if step == train_steps:
                 break
@@ -770,7 +867,8 @@ def write_summary(cfg: Config, rt: Runtime, trials: list[Trial]) -> None:
                "gpu_names": [torch.cuda.get_device_name(rt.device)] if rt.device.type == "cuda" else [],
                "config": dataclasses.asdict(cfg),
                "trials": [{"seed": t.seed, "final_val_loss": t.val_losses[-1][1], "train_time_ms": t.val_losses[-1][2],
-                           "val_losses": [list(v) for v in t.val_losses]} for t in trials]}
+                           "steps": t.val_losses[-1][0], "val_losses": [list(v) for v in t.val_losses]}
+                          for t in trials]}
     if len(trials) == 1:  # tools/compare.py's keys for one run
         summary |= {"final_val_loss": trials[0].val_losses[-1][1], "train_time_ms": trials[0].val_losses[-1][2],
                     "steps": trials[0].val_losses[-1][0], "val_losses": summary["trials"][0]["val_losses"]}
@@ -780,35 +878,56 @@ def out_of_memory(rt: Runtime | None) -> OutOfMemory:
     return OutOfMemory(f"rank {rt.rank if rt else 0} ran out of GPU memory: lower --mbs (micro-batches of fewer "
                        f"sequences, more of them: the same update up to summation order), or use more GPUs")
 
+def carry_on_from(cfg: Config, rt: Runtime, world_size: int) -> tuple[bool, bool, ResumePoint | None, str]:
+    """--resume=auto: whether the run has finished, whether it has a log to continue, its newest complete checkpoint
+    (None: from step 0) and a line on the newer ones skipped; what cannot continue exactly is refused."""
+    finished, continuing = on_rank0(rt, lambda: carry_on(cfg))
+    if finished:
+        return True, continuing, None, ""
+    folder, skipped = on_rank0(rt, lambda: newest_checkpoint(cfg, checkpoints(cfg)))
+    return False, continuing, check_resume(cfg, folder, world_size) if folder else None, skipped
+
 def run(argv: list[str]) -> list[Trial]:
     """Parse, check, set up and train every trial; a UsageError for what the user can fix, before anything is written.
-    Returns this rank's trials (rank 0's hold the logged losses)."""
+    Returns this rank's trials (rank 0's hold the logged losses); none for a --resume=auto run that had finished."""
     rt, log, stop = None, RunLog(None), None
     try:
         cfg = parse_config(argv)
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         validate_config(cfg, world_size)
-        resumed = check_resume(cfg, world_size) if cfg.resume else None
+        auto = cfg.resume == AUTO
+        resumed = check_resume(cfg, Path(cfg.resume), world_size) if cfg.resume and not auto else None
         rt = setup_runtime(cfg)
         cfg.compile = rt.device.type == "cuda" if cfg.compile is None else cfg.compile
-        cfg.seed, cfg.run_id = on_rank0(rt, lambda: (
-            cfg.seed if cfg.seed >= 0 else random.SystemRandom().randrange(2**31),
-            cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}"))
+        # The seed and the run id, unless given: rank 0 draws them, every rank uses rank 0's; a token names this launch.
+        cfg.seed, cfg.run_id, token = on_rank0(rt, lambda: (
+            cfg.seed if cfg.seed >= 0 else seed_of(cfg.run_id) if auto else random.SystemRandom().randrange(2**31),
+            cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
+        continuing, skipped = False, ""
+        if auto:
+            finished, continuing, resumed, skipped = carry_on_from(cfg, rt, world_size)
+            if finished:
+                print0(f"run {cfg.run_id} has finished (its summary {cfg.log_dir}/{cfg.run_id}.json exists): nothing "
+                       f"to carry on")
+                return []
         model = GPT(cfg.vocab_size, cfg.num_layers, cfg.model_dim, cfg.head_dim).to(rt.device)
         train_files, val_files = check_data(cfg, cfg.train_steps or build_recipe(cfg.optimizer, model).train_steps)
         val = load_val(cfg, rt, val_files)
         on_rank0(rt, lambda: check_run_paths(cfg))
         gemm_path = bf16_gemm_path(cfg.cpu_bf16_gemm, rt.device.type == "cuda")
         parameters = sum(p.numel() for p in model.parameters())
-        log = on_rank0(rt, lambda: open_log(cfg, rt, gemm_path, parameters), share=False) or log
+        log = on_rank0(rt, lambda: open_log(cfg, rt, gemm_path, parameters, continuing,
+                                            resumed.folder if auto and resumed else None, skipped), share=False) or log
+        if cfg.save_every or cfg.resume:
+            check_shared_folder(Path(cfg.log_dir) / cfg.run_id, rt, token)
         Compiled.enabled = cfg.compile
         if cfg.compile:
             model.compile(dynamic=False)
-        trials = []
+        trials = resumed.trials[:-1] if resumed else []
         with cpu_math(gemm_path, cfg.compile):
-            for trial in range(resumed.trial if resumed else 0, cfg.trials):
-                here = resumed if resumed and trial == resumed.trial else None
-                trials.append(run_trial(cfg, rt, log, model, trial, train_files, val, here))
+            while len(trials) < cfg.trials:
+                here = resumed if resumed and len(trials) == resumed.trial else None
+                trials.append(run_trial(cfg, rt, log, model, trials, train_files, val, here))
         if rt.rank == 0:
             write_summary(cfg, rt, trials)
             log(f"summary: {Path(cfg.log_dir) / cfg.run_id}.json")

@@ -250,3 +250,56 @@ def test_bad_input_is_one_error_line_with_exit_code_2_and_nothing_written(tmp_pa
         assert (rc, out) == (2, ""), reason
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and reason in err, (reason, err)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.txt", "a_file", "b.txt", "empty", "stopped.txt"]
+
+
+# -----------------------------------------------------------------------------
+# diff and show of train_optim.py's logs of several trials: trial k of one run against trial k of the other
+
+
+@pytest.fixture(scope="module")
+def trial_logs(tmp_path_factory) -> Path:
+    """Small train_optim.py runs: two trials (seeds 5 and 6), the same again, and one trial of seed 5."""
+    import train_optim
+    from test_track3 import small_args
+
+    folder = tmp_path_factory.mktemp("trials")
+    for run_id, trials in (("both", 2), ("again", 2), ("first", 1)):
+        train_optim.run(small_args(folder, trials=trials, run_id=run_id))
+    return folder / "logs"
+
+
+def verdict_of(capsys: pytest.CaptureFixture[str], a: Path, b: Path) -> str:
+    assert compare.main(["diff", str(a), str(b)]) == 0
+    return capsys.readouterr().out.splitlines()[0]
+
+
+def test_diff_of_two_runs_of_several_trials_compares_them_trial_by_trial(trial_logs, capsys):
+    both, again, first = (trial_logs / f"{name}.txt" for name in ("both", "again", "first"))
+    assert verdict_of(capsys, both, again) == ("verdict: reproduced trial by trial (2 trials each): all 20 logged "
+                                               "losses equal (12 train, 8 val)")
+    assert verdict_of(capsys, first, both) == (
+        "verdict: equal on the steps both cover trial by trial (1 and 2 trials), trial 1, steps 0-6: all 10 logged "
+        "losses equal (6 train, 4 val); 10 logged loss(es) only in both (trial 2, steps 0-6)")
+    records = [json.loads(line) for line in (trial_logs / "again.jsonl").read_text().splitlines()]
+    changed = next(r for r in records if r["trial"] == 1 and r["step"] == 3 and "train_loss" in r)
+    changed["train_loss"] += 1e-6  # trial 2's step 3 only: trial 1's step 3 stays equal
+    (trial_logs / "again.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert verdict_of(capsys, both, again).startswith(
+        "verdict: not reproduced trial by trial (2 trials each): first difference at trial 2 step 3 (train loss ")
+    assert compare.main(["diff", str(both), str(first)]) == 0
+    report = capsys.readouterr().out
+    summary = json.loads((trial_logs / "both.json").read_text())["trials"]
+    assert re.search(rf"^final val loss \(trial 2\)\s+{summary[1]['final_val_loss']:.4f}\s+-\s+-$", report, re.M)
+    assert re.search(r"^trial\s+step\s+A\s+B\s+B-A$", report, re.M)  # the val losses met trial by trial
+
+
+def test_show_lists_each_trial_of_a_run_as_a_row(trial_logs, capsys):
+    assert compare.main(["show", str(trial_logs / "both.txt"), str(trial_logs / "first.txt")]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    summary = json.loads((trial_logs / "both.json").read_text())["trials"]
+    first = json.loads((trial_logs / "first.json").read_text())
+    finals = [summary[0]["final_val_loss"], summary[1]["final_val_loss"], first["final_val_loss"]]
+    assert [row.split()[:4] for row in rows] == [
+        ["both", "trial", "1", f"{finals[0]:.4f}"], ["both", "trial", "2", f"{finals[1]:.4f}"],
+        ["first", f"{finals[2]:.4f}", f"{first['train_time_ms'] / 1000:.2f}", "6"]]
+    assert finals[0] == finals[2] and all(row.split()[5] == "6" for row in rows[:2])  # 6 steps each

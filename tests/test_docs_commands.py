@@ -52,9 +52,8 @@ COMMANDS = {
     "wait": SLURM,
     "python tools/comm_bytes.py --train_files='data/sample/sample_train_*.bin'":
         "over a minute on 2 cores (the optimizer stepped at 1, 2, 4 and 8 ranks); tests/test_comm_bytes.py checks it",
-    "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python train_optim.py --preset=tiny":
-        "minutes on a CPU (tests/test_track3_record.py runs it and compares it with its record)",
-    "torchrun --standalone --nproc_per_node=8 train_optim.py --trials=4": GPU,
+    "./run.sh train_optim.py": "minutes on a CPU (tests/test_track3_record.py runs it and compares it with its record)",
+    "./run.sh train_optim.py --trials=4": GPU,
 }
 
 
@@ -148,7 +147,7 @@ def docstrings(tree: ast.AST) -> set[int]:
 
 @dataclasses.dataclass
 class CodeNames:
-    """What the project's code holds, read from its source (nothing imported but the Config)."""
+    """What the project's code holds, read from its source (nothing imported but the trainers' Configs)."""
     members: dict[str, set[str]]  # module stem or class name -> its top-level names or members
     names: set[str]  # every identifier the code uses or defines, and the words of its strings (log and JSON keys)
     flags: set[str]  # the Config fields and the --flags the other commands parse
@@ -158,9 +157,8 @@ class CodeNames:
     @classmethod
     def read(cls) -> "CodeNames":
         import train_gpt as T
-        import train_optim
-        fields = {f.name for f in dataclasses.fields(T.Config)} | set(T.STAGE_FLAGS) | {
-            f.name for f in dataclasses.fields(train_optim.Config)}
+        import train_optim as O
+        fields = {f.name for module in (T, O) for f in dataclasses.fields(module.Config)} | set(T.STAGE_FLAGS)
         code = cls({}, set(), fields | {"help"}, fields, set())  # argparse's --help
         for path in sorted(p for pattern in CODE_FILES for p in REPO.glob(pattern)):
             code.add_module(path.stem, ast.parse(path.read_text()))

@@ -19,11 +19,11 @@ import train_gpt as T
 from conftest import REPO, SMALL, free_port, main_in_process, tiny_args
 
 
-def launch(tmp_path: Path, args: list[str], world_size: int = 1) -> subprocess.Popen:
-    """The command a job script runs: train_gpt.py, or torchrun with it, in a session of its own (a kill takes all)."""
+def launch(tmp_path: Path, args: list[str], world_size: int = 1, trainer: str = "train_gpt.py") -> subprocess.Popen:
+    """The command a job script runs: the trainer, or torchrun with it, in a session of its own (a kill takes all)."""
     launcher = [sys.executable] if world_size == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
-    return subprocess.Popen([*launcher, str(REPO / "train_gpt.py"), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+    return subprocess.Popen([*launcher, str(REPO / trainer), *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -70,7 +70,7 @@ def stop_inside_a_checkpoint_write(proc: subprocess.Popen, run_dir: Path) -> Pat
     """kill -9 the launch while a checkpoint folder has parts but no meta.json yet; the folder, or None if the run
     ended first."""
     while proc.poll() is None:
-        for folder in run_dir.glob("ckpt_*"):
+        for folder in run_dir.glob("*ckpt_*"):  # train_optim.py's several trials: trial<T>_ckpt_<step>
             if any(folder.iterdir()) and not (folder / T.CKPT_META).exists():
                 kill_launch(proc)
                 return None if (folder / T.CKPT_META).exists() else folder  # None: the write won the race

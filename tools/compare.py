@@ -19,7 +19,9 @@ Bad input is reported as one `error:` line on stderr with exit code 2, before an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -59,6 +61,7 @@ class ValPoint:
     loss: float
     time_ms: float | None
     digits: int | None = None  # the decimals a log line printed it with; None: exact (a summary's or a .jsonl's)
+    trial: int = 0  # of a run of several trials (train_optim.py --trials=N): which, from 0
 
 
 @dataclass
@@ -72,6 +75,7 @@ class StepLine:
     step_avg_ms: float | None = None
     tokens_per_s: float | None = None
     digits: dict[str, int] = field(default_factory=dict)  # decimals of each loss as printed
+    trial: int = 0  # the trial the line belongs to (the log's latest `trial T/N:` line), from 0
 
 
 @dataclass
@@ -101,6 +105,7 @@ class Run:
     peak_memory_allocated_mib: float | None = None
     peak_memory_reserved_mib: float | None = None
     has_summary: bool = False
+    trial_totals: dict[int, int] = field(default_factory=dict)  # each trial's step count, from its step lines
 
     @property
     def train_time_s(self) -> float | None:
@@ -109,6 +114,11 @@ class Run:
     @property
     def incomplete(self) -> bool:
         return self.last_step is not None and self.total_steps is not None and self.last_step < self.total_steps
+
+    @property
+    def trials(self) -> int:
+        """The trials it logged losses of (train_optim.py --trials=N runs several in one log)."""
+        return 1 + max((p.trial for p in self.val_points + self.train_points), default=0)
 
 
 # -----------------------------------------------------------------------------
@@ -127,6 +137,7 @@ TORCH_RE = re.compile(r"^Running PyTorch (\S+) compiled for CUDA (\S+)", re.IGNO
 MODEL_RE = re.compile(r"^model:.*\bworld size (\d+)")
 RUN_RE = re.compile(r"^run \S+ seed (\d+)")
 PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
+TRIAL_RE = re.compile(r"^trial (\d+)/\d+: ")  # train_optim.py's line before each trial's (or resumed trial's) steps
 
 
 def _float(text: str | None, unit: str = "") -> float | None:
@@ -210,6 +221,21 @@ def split_sources(code: str) -> dict[str, str]:
     return {"train_gpt.py": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
 
 
+def trial_lines(rest: Sequence[str]) -> list[tuple[str, StepLine | None]]:
+    """A log's lines after its code, stripped, each with its step line (None for other lines) in the trial the
+    latest `trial T/N:` line names (train_optim.py's; without one, every step line is trial 0's)."""
+    out, trial = [], 0
+    for raw in rest:
+        line = raw.strip()
+        if m := TRIAL_RE.match(line):
+            trial = int(m.group(1)) - 1
+        step = parse_step_line(line) if line.startswith("step:") else None
+        if step is not None:
+            step.trial = trial
+        out.append((line, step))
+    return out
+
+
 def parse_log(text: str, name: str, path: Path) -> Run:
     """A Run from a log's text, in this project's format or upstream modded-nanogpt's."""
     code, rest = split_code(text)
@@ -219,9 +245,7 @@ def parse_log(text: str, name: str, path: Path) -> Run:
     steps: list[StepLine] = []
     smi_names: list[str] = []
     isa = gemm = None  # an older log's CPU path: AVX2 kernels and fp32 GEMMs are the record path
-    for raw in rest:
-        line = raw.strip()
-        step = parse_step_line(line) if line.startswith("step:") else None
+    for line, step in trial_lines(rest):
         if step is not None:
             steps.append(step)
         elif line.startswith("config: "):
@@ -275,21 +299,22 @@ def _fill_from_steps(run: Run, steps: list[StepLine]) -> None:
         return next((v for v in reversed(values) if v is not None), None)
 
     # A run carried on by --resume=auto logs again the steps after its checkpoint: the later line of a step wins.
-    steps = sorted({(s.step, s.val_loss is not None): s for s in steps}.values(),
-                   key=lambda s: (s.step, s.val_loss is not None))
+    steps = sorted({(s.trial, s.step, s.val_loss is not None): s for s in steps}.values(),
+                   key=lambda s: (s.trial, s.step, s.val_loss is not None))
+    run.trial_totals = {s.trial: s.total for s in steps}
     run.last_step, run.total_steps = steps[-1].step, steps[-1].total
     run.train_time_ms = latest([s.train_time_ms for s in steps])
     run.step_avg_ms = latest([s.step_avg_ms for s in steps])
     run.tokens_per_s = latest([s.tokens_per_s for s in steps])
-    run.val_points = [ValPoint(s.step, s.val_loss, s.train_time_ms, s.digits["val_loss"]) for s in steps
+    run.val_points = [ValPoint(s.step, s.val_loss, s.train_time_ms, s.digits["val_loss"], s.trial) for s in steps
                       if s.val_loss is not None]
-    run.train_points = [ValPoint(s.step, s.train_loss, s.train_time_ms, s.digits["train_loss"]) for s in steps
-                        if s.train_loss is not None]
+    run.train_points = [ValPoint(s.step, s.train_loss, s.train_time_ms, s.digits["train_loss"], s.trial)
+                        for s in steps if s.train_loss is not None]
     for s in steps:
         if s.malformed:
             warn(f"{run.path}: step {s.step}: {', '.join(s.malformed)} is not a number; ignoring it")
     # Final: the val loss of the last step's line, never an earlier one standing in for it.
-    last = run.val_points[-1] if run.val_points else None
+    last = run.val_points[-1] if run.val_points and run.val_points[-1].trial == steps[-1].trial else None
     run.final_val_loss = last.loss if last is not None and last.step == run.last_step else None
     if last is not None and last.step != run.last_step:
         warn(f"{run.path}: no val loss at its last step {run.last_step} (the latest is step {last.step}'s); "
@@ -335,13 +360,23 @@ def _loss(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _val_point(item: object) -> ValPoint | None:
+def _val_point(item: object, trial: int = 0) -> ValPoint | None:
     if not isinstance(item, (list, tuple)) or len(item) < 2:
         return None
     step, loss = _int(item[0]), _loss(item[1])
     if step is None or loss is None:
         return None
-    return ValPoint(step, loss, _num(item[2]) if len(item) > 2 else None)
+    return ValPoint(step, loss, _num(item[2]) if len(item) > 2 else None, trial=trial)
+
+
+def summary_val_points(summary: dict[str, Any]) -> list[ValPoint]:
+    """A summary's val losses: its "val_losses", or those of each entry of its "trials" (a run of several trials
+    keeps them there alone: each trial's own final loss and time are its last point's)."""
+    trials = summary.get("trials") if isinstance(summary.get("trials"), list) else []
+    if "val_losses" in summary or len(trials) < 2:
+        return [p for p in map(_val_point, summary.get("val_losses") or []) if p is not None]
+    return [p for k, trial in enumerate(trials) if isinstance(trial, dict)
+            for p in (_val_point(item, k) for item in trial.get("val_losses") or []) if p is not None]
 
 
 # Summaries written before the names were unified (2026-11-23) call two figures differently.
@@ -354,7 +389,7 @@ def apply_summary(run: Run, summary: dict[str, Any]) -> None:
     if not summary:
         return
     run.has_summary = True
-    points = [p for p in map(_val_point, summary.get("val_losses") or []) if p is not None]
+    points = summary_val_points(summary)
     if points:
         run.val_points = points
         run.final_val_loss = points[-1].loss
@@ -394,8 +429,8 @@ def load_step_records(path: Path) -> dict[str, list[ValPoint]]:
     """Per logged step, the train loss and per validation the val loss, with the train time, from a run's .jsonl
     (full precision), by "train_loss" and "val_loss"; empty when unreadable. A run in progress or stopped has no
     summary: these are its exact losses. A line a kill cut short is left out; a step logged again by a later launch
-    of a --resume=auto run takes that launch's record."""
-    points: dict[str, dict[int, ValPoint]] = {"train_loss": {}, "val_loss": {}}
+    of a --resume=auto run takes that launch's record. A run of several trials numbers them ("trial")."""
+    points: dict[str, dict[tuple[int, int], ValPoint]] = {"train_loss": {}, "val_loss": {}}
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -409,8 +444,9 @@ def load_step_records(path: Path) -> dict[str, list[ValPoint]]:
         for key, found in points.items():
             step, loss = _int(entry.get("step")) if isinstance(entry, dict) else None, None
             if step is not None and (loss := _loss(entry.get(key))) is not None:
-                found[step] = ValPoint(step, loss, _num(entry.get("train_time_ms")))
-    return {key: [found[step] for step in sorted(found)] for key, found in points.items()}
+                trial = _int(entry.get("trial")) or 0
+                found[trial, step] = ValPoint(step, loss, _num(entry.get("train_time_ms")), trial=trial)
+    return {key: [found[k] for k in sorted(found)] for key, found in points.items()}
 
 
 def load_run(path: Path) -> Run:
@@ -425,7 +461,8 @@ def load_run(path: Path) -> Run:
         exact = load_step_records(records)
         run.train_points = exact["train_loss"] or run.train_points
         if exact["val_loss"] and not run.has_summary:
-            final = run.final_val_loss is not None and exact["val_loss"][-1].step == run.last_step
+            final = run.final_val_loss is not None and (exact["val_loss"][-1].step, exact["val_loss"][-1].trial) == (
+                run.last_step, run.val_points[-1].trial)
             run.val_points = exact["val_loss"]
             run.final_val_loss = run.val_points[-1].loss if final else run.final_val_loss
     return run
@@ -456,6 +493,26 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
         runs = [run for run in runs if unique.get(run.path.resolve()) is run]
     _make_names_unique(runs)
     return runs
+
+
+def trial_view(run: Run, k: int) -> Run:
+    """Trial k of a run of several, as a run of its own named "NAME trial K": its losses, final val loss, time and
+    steps."""
+    val = [dataclasses.replace(p, trial=0) for p in run.val_points if p.trial == k]
+    train = [dataclasses.replace(p, trial=0) for p in run.train_points if p.trial == k]
+    last = max((p.step for p in val + train), default=None)
+    final = val[-1].loss if val and val[-1].step == last else None
+    time_ms = next((p.time_ms for p in val + train if p.step == last and p.time_ms is not None), None)
+    return dataclasses.replace(run, name=f"{run.name} trial {k + 1}", val_points=val, train_points=train,
+                               final_val_loss=final, last_step=last, total_steps=run.trial_totals.get(k, last),
+                               train_time_ms=time_ms, step_avg_ms=time_ms / last if time_ms and last else None,
+                               tokens_per_s=None, trial_totals={})
+
+
+def by_trials(runs: Sequence[Run]) -> list[Run]:
+    """Each run of several trials as one run per trial (show, stats and plot treat a trial as a run)."""
+    return [view for run in runs for view in ([run] if run.trials == 1 else
+                                              [trial_view(run, k) for k in range(run.trials)])]
 
 
 def _make_names_unique(runs: list[Run]) -> None:
@@ -551,7 +608,7 @@ def show_table(runs: Sequence[Run]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    runs = load_runs(args.runs)
+    runs = by_trials(load_runs(args.runs))
     for run in runs:
         if run.final_val_loss is None:
             warn(f"{run.name}: no validation line; val loss shown as -")
@@ -614,15 +671,16 @@ def ratio(b: float | None, a: float | None) -> float | None:
     return None if a is None or b is None or a == 0 else b / a
 
 
-def matching_val_losses(a: Run, b: Run) -> list[tuple[int, float, float]]:
-    """(step, A loss, B loss) at every step both runs validated, by step."""
-    b_at = {p.step: p.loss for p in b.val_points}
-    return [(p.step, p.loss, b_at[p.step]) for p in a.val_points if p.step in b_at]
+def matching_val_losses(a: Run, b: Run) -> list[tuple[int, int, float, float]]:
+    """(trial, step, A loss, B loss) at every step both runs validated, by trial and step."""
+    b_at = {(p.trial, p.step): p.loss for p in b.val_points}
+    return [(p.trial, p.step, p.loss, b_at[p.trial, p.step]) for p in a.val_points if (p.trial, p.step) in b_at]
 
 
-def logged_losses(run: Run) -> dict[tuple[int, str], ValPoint]:
-    """Every loss a run logged, by (step, "train" or "val")."""
-    return {**{(p.step, "train"): p for p in run.train_points}, **{(p.step, "val"): p for p in run.val_points}}
+def logged_losses(run: Run) -> dict[tuple[int, int, str], ValPoint]:
+    """Every loss a run logged, by (trial, step, "train" or "val"): runs of several trials meet trial by trial."""
+    return {**{(p.trial, p.step, "train"): p for p in run.train_points},
+            **{(p.trial, p.step, "val"): p for p in run.val_points}}
 
 
 def compared_digits(x: ValPoint, y: ValPoint) -> int | None:
@@ -640,9 +698,21 @@ def same_loss(x: ValPoint, y: ValPoint) -> bool:
     return x.loss == y.loss or (math.isnan(x.loss) and math.isnan(y.loss))  # two diverged runs agree on NaN
 
 
-def describe_span(keys: Sequence[tuple[int, str]]) -> str:
-    steps = sorted({step for step, _ in keys})
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+def describe_span(keys: Sequence[tuple[int, int, str]], trials: bool = False) -> str:
+    """The steps keys cover, e.g. "steps 0-20"; with trials, which trials too: "trials 1-2, steps 0-6"."""
+    steps, numbers = sorted({step for _, step, _ in keys}), sorted({trial + 1 for trial, _, _ in keys})
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    if not trials:
+        return span
+    return f"{f'trial {numbers[0]}' if len(numbers) == 1 else f'trials {numbers[0]}-{numbers[-1]}'}, {span}"
+
+
+def trials_note(a: Run, b: Run) -> str:
+    """' trial by trial (N trials each)' where either run has several trials (trial k of A against trial k of B)."""
+    if a.trials == b.trials == 1:
+        return ""
+    counts = f"{a.trials} trials each" if a.trials == b.trials else f"{a.trials} and {b.trials} trials"
+    return f" trial by trial ({counts})"
 
 
 def verdict(a: Run, b: Run) -> str:
@@ -662,43 +732,57 @@ def losses_verdict(a: Run, b: Run) -> str:
     la, lb = logged_losses(a), logged_losses(b)
     if not la or not lb:
         return f"verdict: cannot tell: {' and '.join(r.name for r, l in ((a, la), (b, lb)) if not l)} logged no loss"
+    note = trials_note(a, b)
+    span = functools.partial(describe_span, trials=bool(note))
     common = sorted(la.keys() & lb.keys())
     if not common:
-        return (f"verdict: cannot tell: no step logged by both ({a.name}: {describe_span(list(la))}, {b.name}: "
-                f"{describe_span(list(lb))})")
+        return (f"verdict: cannot tell{note}: no step logged by both ({a.name}: {span(list(la))}, {b.name}: "
+                f"{span(list(lb))})")
     differ = [k for k in common if not same_loss(la[k], lb[k])]
     only = [(run, sorted(mine.keys() - other.keys())) for run, mine, other in ((a, la, lb), (b, lb, la))]
-    only_parts = [f"{len(keys)} logged loss(es) only in {run.name} ({describe_span(keys)})" for run, keys in only
-                  if keys]
+    only_parts = [f"{len(keys)} logged loss(es) only in {run.name} ({span(keys)})" for run, keys in only if keys]
     if differ:
-        (step, kind), gaps = differ[0], {k: abs(lb[k].loss - la[k].loss) for k in differ}
+        first, gaps = differ[0], {k: abs(lb[k].loss - la[k].loss) for k in differ}
         worst = max(gaps, key=lambda k: math.inf if math.isnan(gaps[k]) else gaps[k])  # a NaN against a number: worst
-        return "verdict: not reproduced: " + "; ".join([
-            f"first difference at step {step} ({kind} loss {la[step, kind].loss!r} vs {lb[step, kind].loss!r}), "
-            f"largest {gaps[worst]:.4g} ({worst[1]} loss, step {worst[0]})", *only_parts])
-    trains = sum(kind == "train" for _, kind in common)
+        where = {k: f"{f'trial {k[0] + 1} ' if note else ''}step {k[1]}" for k in (first, worst)}
+        return f"verdict: not reproduced{note}: " + "; ".join([
+            f"first difference at {where[first]} ({first[2]} loss {la[first].loss!r} vs {lb[first].loss!r}), "
+            f"largest {gaps[worst]:.4g} ({worst[2]} loss, {where[worst]})", *only_parts])
+    trains = sum(kind == "train" for _, _, kind in common)
     printed = [d for k in common if (d := compared_digits(la[k], lb[k])) is not None]
     equal = (f"all {len(common)} logged losses equal ({trains} train, {len(common) - trains} val"
              f"{f'; {len(printed)} to the {min(printed)} decimals a log line prints' if printed else ''})")
     if not only_parts:
-        return f"verdict: reproduced: {equal}"
-    return f"verdict: equal on the steps both cover, {describe_span(common)}: {equal}; {'; '.join(only_parts)}"
+        return f"verdict: reproduced{note}: {equal}"
+    return f"verdict: equal on the steps both cover{note}, {span(common)}: {equal}; {'; '.join(only_parts)}"
+
+
+def result_rows(a: Run, b: Run, label: str = "") -> list[list[str]]:
+    """diff's rows of final val loss, times and steps, A against B; label names a trial."""
+    delta = None if a.final_val_loss is None or b.final_val_loss is None else b.final_val_loss - a.final_val_loss
+    return [[f"final val loss{label}", describe_loss(a), describe_loss(b), fmt(delta, "+.4f")],
+            [f"train time (s){label}", fmt(a.train_time_s, ".2f"), fmt(b.train_time_s, ".2f"),
+             fmt(ratio(b.train_time_ms, a.train_time_ms), ".4f") + "x"],
+            [f"step_avg (ms){label}", fmt(a.step_avg_ms, ".2f"), fmt(b.step_avg_ms, ".2f"),
+             fmt(ratio(b.step_avg_ms, a.step_avg_ms), ".4f") + "x"],
+            [f"steps{label}", describe_steps(a), describe_steps(b), ""]]
 
 
 def diff_report(a: Run, b: Run, with_code: bool = False) -> str:
     """The verdict, then losses at common steps, the final val loss and the times, then the config fields that
     changed, then the code change: its size, or (with_code) its hunks."""
     out = [verdict(a, b), f"A: {a.path}", f"B: {b.path}", "", "== val loss at matching steps"]
-    pairs = matching_val_losses(a, b)
-    rows = [[str(step), f"{la:.4f}", f"{lb:.4f}", f"{lb - la:+.4f}"] for step, la, lb in pairs]
-    out.append(format_table(["step", "A", "B", "B-A"], rows, left=()) if rows else "(no common validation steps)")
-    delta = None if a.final_val_loss is None or b.final_val_loss is None else b.final_val_loss - a.final_val_loss
-    results = [["final val loss", describe_loss(a), describe_loss(b), fmt(delta, "+.4f")],
-               ["train time (s)", fmt(a.train_time_s, ".2f"), fmt(b.train_time_s, ".2f"),
-                fmt(ratio(b.train_time_ms, a.train_time_ms), ".4f") + "x"],
-               ["step_avg (ms)", fmt(a.step_avg_ms, ".2f"), fmt(b.step_avg_ms, ".2f"),
-                fmt(ratio(b.step_avg_ms, a.step_avg_ms), ".4f") + "x"],
-               ["steps", describe_steps(a), describe_steps(b), ""]]
+    several = a.trials > 1 or b.trials > 1
+    rows = [[*([str(trial + 1)] if several else []), str(step), f"{la:.4f}", f"{lb:.4f}", f"{lb - la:+.4f}"]
+            for trial, step, la, lb in matching_val_losses(a, b)]
+    headers = [*(["trial"] if several else []), "step", "A", "B", "B-A"]
+    out.append(format_table(headers, rows, left=()) if rows else "(no common validation steps)")
+    if several:  # each trial's results, trial k of A against trial k of B
+        pairs = [(f" (trial {k + 1})", *(trial_view(r, k) if k < r.trials else Run(r.name, r.path) for r in (a, b)))
+                 for k in range(max(a.trials, b.trials))]
+    else:
+        pairs = [("", a, b)]
+    results = [row for label, ta, tb in pairs for row in result_rows(ta, tb, label)]
     out += ["", format_table(["", "A", "B", "B vs A"], results)]
     if describe_hardware(a) != describe_hardware(b):
         out += [f"A ran on {describe_hardware(a)}", f"B ran on {describe_hardware(b)}"]
@@ -870,8 +954,8 @@ def stats_report(runs: Sequence[Run], target: float | None, baseline: Sequence[R
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.target is not None and not math.isfinite(args.target):  # argparse's float takes nan and inf
         raise LogError(f"--target={args.target}: the val loss target must be a finite number (e.g. --target=3.28)")
-    runs = load_runs(args.runs)
-    baseline = load_runs(args.baseline) if args.baseline else None
+    runs = by_trials(load_runs(args.runs))
+    baseline = by_trials(load_runs(args.baseline)) if args.baseline else None
     print(stats_report(runs, args.target, baseline))
     return 0
 
@@ -948,7 +1032,7 @@ def save_figure(fig: Any, out: Path) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    runs = load_runs(args.runs)
+    runs = by_trials(load_runs(args.runs))
     for run in runs:
         if not run.val_points:
             warn(f"{run.name}: no validation line; nothing to plot for it")
@@ -1079,10 +1163,12 @@ def parse_trials(text: str, path: Path) -> list[Trial]:
     _, rest = split_code(text)
     if rest is None:
         raise LogError(f"{path}: not a run log: no line of 100 '=' (expected {LOG_SHAPE})")
-    lines = [s for s in map(parse_step_line, rest) if s is not None and s.val_loss is not None]
+    tagged = trial_lines(rest)
+    lines = [s for _, s in tagged if s is not None and s.val_loss is not None]
     if not lines:
         raise LogError(f"{path}: not a run log: no 'step:S/T val_loss:V ...' line")
-    numbers = trial_numbers([s.step for s in lines])
+    marked = any(TRIAL_RE.match(line) for line, _ in tagged)  # this project's: a resumed trial logs its steps again
+    numbers = [s.trial for s in lines] if marked else trial_numbers([s.step for s in lines])
     totals = {k: s.total for k, s in zip(numbers, lines)}  # the last line's: a trial's lines all name the same
     printed = by_trial([(k, ValPoint(s.step, s.val_loss, None, s.digits["val_loss"]))
                         for k, s in zip(numbers, lines)])
