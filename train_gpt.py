@@ -2835,11 +2835,10 @@ def logged_run(path: Path) -> tuple[dict, dict[str, str]] | None:
 def checkpoint_step(folder: Path) -> int:
     return int(folder.name[5:]) if re.fullmatch(r"ckpt_\d+", folder.name) else -1
 
-def newest_checkpoint(cfg: Config, folders: list[Path] | None = None) -> tuple[Path | None, str]:
-    """--resume=auto: the run's newest checkpoint whose files are all there and match their checksums, and a line
-    on the newer ones skipped (incomplete: a save a stop cut short; or corrupt), which are removed: a later save of
-    their step writes the folder anew, where no stale part may stay. folders: the run's checkpoints, oldest first
-    (by default its ckpt_<step> folders by step)."""
+def newest_checkpoint(cfg: Config, folders: list[Path] | None = None) -> tuple[Path | None, str, list[Path]]:
+    """--resume=auto: the run's newest checkpoint whose files are all there and match their checksums, a line on the
+    newer ones skipped (incomplete: a save a stop cut short; or corrupt), and those, for remove_stale. folders: the
+    run's checkpoints, oldest first (by default its ckpt_<step> folders by step)."""
     if folders is None:
         folders = sorted((Path(cfg.log_dir) / cfg.run_id).glob("ckpt_*"), key=checkpoint_step)
     skipped: list[str] = []
@@ -2851,12 +2850,18 @@ def newest_checkpoint(cfg: Config, folders: list[Path] | None = None) -> tuple[P
             break
         except UsageError as e:
             skipped.append(str(e).split("; use ")[0])
-            shutil.rmtree(folder, ignore_errors=True)
     else:
         folder = None
     taken = f"taking {folder.name}" if folder else "none before it"
     more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
-    return folder, f"{skipped[0]}{more}: removed, {taken}" if skipped else ""
+    stale = folders[folders.index(folder) + 1:] if folder else folders
+    return folder, f"{skipped[0]}{more}: removed, {taken}" if skipped else "", stale
+
+def remove_stale(folders: list[Path]) -> None:
+    """newest_checkpoint's skipped folders, once this launch holds the run (its log's lock; a live launch's save would
+    look incomplete too): a later save of their step writes the folder anew, where no stale part may stay."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 def check_run_paths(cfg: Config) -> None:
     """Before anything is written: the log folder is writable, and no earlier run's logs or checkpoints are replaced."""
@@ -3581,12 +3586,14 @@ def carry_on(cfg: Config) -> tuple[bool, bool]:
         raise UsageError(why)
     return path.with_suffix(".json").exists(), before is not None
 
-def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None, skipped: str) -> RunLog:
+def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None, skipped: str,
+             stale: list[Path]) -> RunLog:
     """Rank 0's log, in a folder it checked (check_run_paths): a new one, or (continuing, --resume=auto) the run's
     own, after a line saying where it starts."""
     check_run_paths(cfg)
     path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
     log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
+    remove_stale(stale)
     if not continuing:  # a log a stop cut short in its header holds no step yet: it begins anew
         log.truncate()
         log.write_sources(source_files() + [TRACE_REPORT] * cfg.bench)
@@ -3643,21 +3650,21 @@ def run(argv: list[str]) -> TrainResult | None:
         cfg.seed, cfg.run_id, token = on_rank0(rt, lambda: (
             cfg.seed if cfg.seed >= 0 else seed_of(cfg.run_id) if auto else random.SystemRandom().randrange(2**31),
             cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
-        checkpoint, skipped, continuing = Path(cfg.resume) if cfg.resume and not auto else None, "", False
+        checkpoint, skipped, stale, continuing = Path(cfg.resume) if cfg.resume and not auto else None, "", [], False
         if auto:
             finished, continuing = on_rank0(rt, lambda: carry_on(cfg))
             if finished:
                 print0(f"run {cfg.run_id} has finished (its summary {cfg.log_dir}/{cfg.run_id}.json exists): nothing "
                        f"to carry on")
                 return None
-            checkpoint, skipped = on_rank0(rt, lambda: newest_checkpoint(cfg))
+            checkpoint, skipped, stale = on_rank0(rt, lambda: newest_checkpoint(cfg))
             if checkpoint is not None:
                 check_resume(cfg, checkpoint)
         check_model_fits(cfg, rt.device)
         vocabulary = read_vocabulary(cfg)
         train_files, val, documents = load_data(cfg, rt.device)
         torch.manual_seed(cfg.seed)
-        log = on_rank0(rt, lambda: open_log(cfg, rt, continuing, checkpoint, skipped), share=False) or log
+        log = on_rank0(rt, lambda: open_log(cfg, rt, continuing, checkpoint, skipped, stale), share=False) or log
         if cfg.save_every or cfg.save_final or cfg.resume:
             check_shared_folder(Path(cfg.log_dir) / cfg.run_id, rt, token)
         with cpu_math(cfg.cpu_bf16_gemm, cfg.compile):

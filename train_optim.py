@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import AdamW
 
-from train_gpt import (AUTO, CKPT_FORMAT, CKPT_META, CKPT_MODEL, EXIT_CODES, SEPARATOR, STOP, STOPS, OutOfMemory,
-                       PrefetchLoader, RankLost, RunLog, Runtime, TrainClock, UsageError, _parse_value, all_gather_into,
+from train_gpt import (AUTO, CKPT_FORMAT, CKPT_META, CKPT_MODEL, EXIT_CODES, OutOfMemory, PrefetchLoader, RankLost,
+                       RunLog, Runtime, SEPARATOR, STOP, STOPS, TrainClock, UsageError, _parse_value, all_gather_into,
                        bf16_gemm_path, carry_on, check_shared_folder, continuation_error, cpu_math, environment_report,
                        find_shards, load_shard, more_data_hint, newest_checkpoint, on_rank0, one_line_error, print0,
-                       rank_file, read_checkpoint_meta, read_options, read_part, rule_holds, save_atomic, seed_of,
-                       shard_token_count, source_digests, source_files, write_json_atomic)
+                       rank_file, read_checkpoint_meta, read_options, read_part, remove_stale, rule_holds, save_atomic,
+                       seed_of, shard_token_count, source_digests, source_files, write_json_atomic)
 
 # -----------------------------------------------------------------------------
 # Architecture
@@ -595,10 +595,11 @@ def val_line(step: int, train_steps: int, loss: float, train_time_ms: float, ste
             f"step_avg:{step_avg_ms:.2f}ms")
 
 def open_log(cfg: Config, rt: Runtime, gemm_path: str, parameters: int, continuing: bool, checkpoint: Path | None,
-             skipped: str) -> RunLog:
+             skipped: str, stale: list[Path]) -> RunLog:
     """Rank 0's log: a new one, or (continuing, --resume=auto) the run's own, after a line saying where it starts."""
     path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
     log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
+    remove_stale(stale)
     if not continuing:  # a log a stop cut short in its header holds no step yet: it begins anew
         log.truncate()
         log.write_sources(source_files(Path(__file__)))
@@ -878,14 +879,15 @@ def out_of_memory(rt: Runtime | None) -> OutOfMemory:
     return OutOfMemory(f"rank {rt.rank if rt else 0} ran out of GPU memory: lower --mbs (micro-batches of fewer "
                        f"sequences, more of them: the same update up to summation order), or use more GPUs")
 
-def carry_on_from(cfg: Config, rt: Runtime, world_size: int) -> tuple[bool, bool, ResumePoint | None, str]:
+def carry_on_from(cfg: Config, rt: Runtime, world_size: int
+                  ) -> tuple[bool, bool, ResumePoint | None, str, list[Path]]:
     """--resume=auto: whether the run has finished, whether it has a log to continue, its newest complete checkpoint
     (None: from step 0) and a line on the newer ones skipped; what cannot continue exactly is refused."""
     finished, continuing = on_rank0(rt, lambda: carry_on(cfg))
     if finished:
-        return True, continuing, None, ""
-    folder, skipped = on_rank0(rt, lambda: newest_checkpoint(cfg, checkpoints(cfg)))
-    return False, continuing, check_resume(cfg, folder, world_size) if folder else None, skipped
+        return True, continuing, None, "", []
+    folder, skipped, stale = on_rank0(rt, lambda: newest_checkpoint(cfg, checkpoints(cfg)))
+    return False, continuing, check_resume(cfg, folder, world_size) if folder else None, skipped, stale
 
 def run(argv: list[str]) -> list[Trial]:
     """Parse, check, set up and train every trial; a UsageError for what the user can fix, before anything is written.
@@ -903,9 +905,9 @@ def run(argv: list[str]) -> list[Trial]:
         cfg.seed, cfg.run_id, token = on_rank0(rt, lambda: (
             cfg.seed if cfg.seed >= 0 else seed_of(cfg.run_id) if auto else random.SystemRandom().randrange(2**31),
             cfg.run_id or f"{datetime.datetime.now():%Y%m%d_%H%M%S}_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
-        continuing, skipped = False, ""
+        continuing, skipped, stale = False, "", []
         if auto:
-            finished, continuing, resumed, skipped = carry_on_from(cfg, rt, world_size)
+            finished, continuing, resumed, skipped, stale = carry_on_from(cfg, rt, world_size)
             if finished:
                 print0(f"run {cfg.run_id} has finished (its summary {cfg.log_dir}/{cfg.run_id}.json exists): nothing "
                        f"to carry on")
@@ -917,7 +919,8 @@ def run(argv: list[str]) -> list[Trial]:
         gemm_path = bf16_gemm_path(cfg.cpu_bf16_gemm, rt.device.type == "cuda")
         parameters = sum(p.numel() for p in model.parameters())
         log = on_rank0(rt, lambda: open_log(cfg, rt, gemm_path, parameters, continuing,
-                                            resumed.folder if auto and resumed else None, skipped), share=False) or log
+                                            resumed.folder if auto and resumed else None, skipped, stale),
+                       share=False) or log
         if cfg.save_every or cfg.resume:
             check_shared_folder(Path(cfg.log_dir) / cfg.run_id, rt, token)
         Compiled.enabled = cfg.compile

@@ -85,7 +85,8 @@ def test_run_sh_with_two_processes_finishes_with_a_val_line(tmp_path):
     logs = list((tmp_path / "logs").glob("*.txt"))
     assert len(logs) == 1  # rank 0 alone writes the log
     text = logs[0].read_text()
-    assert text.startswith(Path(REPO / "train_gpt.py").read_text())
+    source = (REPO / "train_gpt.py").read_text()
+    assert text.startswith(f"# source: train_gpt.py ({len(source.encode())} bytes)\n{source}")  # its code first
     assert "world size 2" in text and "peak memory:" in text
 
 
