@@ -3586,14 +3586,20 @@ def carry_on(cfg: Config) -> tuple[bool, bool]:
         raise UsageError(why)
     return path.with_suffix(".json").exists(), before is not None
 
-def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None, skipped: str,
-             stale: list[Path]) -> RunLog:
-    """Rank 0's log, in a folder it checked (check_run_paths): a new one, or (continuing, --resume=auto) the run's
-    own, after a line saying where it starts."""
+def open_log(cfg: Config, stale: list[Path]) -> RunLog:
+    """Rank 0's log, in a folder it checked (check_run_paths), held: a new one, or (--resume=auto) the run's own.
+    The checkpoints --resume=auto passed over go only now, once no other launch can hold the run."""
     check_run_paths(cfg)
     path = Path(cfg.log_dir) / f"{cfg.run_id}.txt"
     log = RunLog(path, path.with_suffix(".jsonl"), append=cfg.resume == AUTO)
     remove_stale(stale)
+    return log
+
+def write_log_head(log: RunLog, cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None,
+                   skipped: str) -> None:
+    """The log's head: the sources, environment and config of a new run, or (continuing) a line saying where this
+    launch starts."""
+    path = log.paths[0]
     if not continuing:  # a log a stop cut short in its header holds no step yet: it begins anew
         log.truncate()
         log.write_sources(source_files() + [TRACE_REPORT] * cfg.bench)
@@ -3608,7 +3614,6 @@ def open_log(cfg: Config, rt: Runtime, continuing: bool, checkpoint: Path | None
         log(f"resume: --resume=auto, launched {datetime.datetime.now():%Y-%m-%d %H:%M:%S}: {start}"
             f"{f'; {skipped}' if skipped else ''}")
     log(SEPARATOR)
-    return log
 
 def check_shared_folder(run_dir: Path, rt: Runtime, token: str) -> None:
     """A checkpoint is every rank's files in one folder (run_dir), which rank 0 completes and every rank reads to
@@ -3664,7 +3669,8 @@ def run(argv: list[str]) -> TrainResult | None:
         vocabulary = read_vocabulary(cfg)
         train_files, val, documents = load_data(cfg, rt.device)
         torch.manual_seed(cfg.seed)
-        log = on_rank0(rt, lambda: open_log(cfg, rt, continuing, checkpoint, skipped, stale), share=False) or log
+        log = on_rank0(rt, lambda: open_log(cfg, stale), share=False) or log  # held from here: set aside if need be
+        on_rank0(rt, lambda: write_log_head(log, cfg, rt, continuing, checkpoint, skipped))
         if cfg.save_every or cfg.save_final or cfg.resume:
             check_shared_folder(Path(cfg.log_dir) / cfg.run_id, rt, token)
         with cpu_math(cfg.cpu_bf16_gemm, cfg.compile):
