@@ -51,8 +51,7 @@ class RankLost(Exception):
 
 @dataclass(frozen=True)
 class Stage:
-    """A row of the stage table: one of the equal stages the scheduled steps split into, or (the last row) the
-    extension. Each weight goes from its start to its end value across the row's steps."""
+    """A row of the stage table: one of the equal stages of the scheduled steps, or (the last row) the extension."""
     seq_len: int  # tokens per training sequence (#46)
     doc_len: int  # documents are cut to this many tokens (#29, #72)
     windows: tuple[int, int]  # the short and long layers' attention windows, blocks back in a document (0: itself)
@@ -495,20 +494,17 @@ class SoftcappedMTPLoss(torch.autograd.Function):
 
 def read_vocabulary(cfg: Config) -> list[bytes]:
     """GPT-2's BPE tokens by id from --vocab_file (tiktoken's r50k_base: a base64 token and its rank per line)."""
-    path = Path(cfg.vocab_file)
-    if not path.is_absolute() and not path.exists():
-        path = Path(__file__).resolve().parent / path
+    path = Path(cfg.vocab_file) if Path(cfg.vocab_file).exists() else HERE / cfg.vocab_file  # relative: also here
+    fix = "`git checkout data/tokenizer`, or point it at tiktoken's r50k_base file"
     try:
         pairs = [line.split() for line in path.read_text().splitlines() if line]
         tokens = {int(rank): base64.b64decode(token, validate=True) for token, rank in pairs}
     except (OSError, ValueError, binascii.Error) as e:
         raise UsageError(f"--vocab_file={cfg.vocab_file}: cannot read GPT-2's BPE tokens ({e}); the prefix-token loss "
-                         f"needs them: `git checkout data/tokenizer`, or point it at tiktoken's r50k_base file"
-                         ) from None
+                         f"needs them: {fix}") from None
     if sorted(tokens) != list(range(BOS_ID)) or BOS_ID > cfg.vocab_size:  # <|endoftext|> follows the BPE's tokens
         raise UsageError(f"--vocab_file={cfg.vocab_file}: {len(tokens):,} BPE ranks, where the prefix-token loss needs "
-                         f"GPT-2's {BOS_ID:,} (ids 0..{BOS_ID - 1}, within --vocab_size={cfg.vocab_size}): "
-                         f"`git checkout data/tokenizer`, or point it at tiktoken's r50k_base file")
+                         f"GPT-2's {BOS_ID:,} (ids 0..{BOS_ID - 1}, within --vocab_size={cfg.vocab_size}): {fix}")
     return [tokens[i] for i in range(BOS_ID)]
 
 def prefix_table(tokens: list[bytes], vocab_size: int) -> Tensor:
@@ -585,7 +581,7 @@ class GPT(nn.Module):
         self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, cfg.mlp_ratio * d, dtype=torch.float8_e4m3fn))
         for name in ("fp8_up_scales", "fp8_down_scales", "fp8_down_next_scales", "fp8_act_scales"):
             self.register_buffer(name, torch.ones(L))
-        # The prefix-token loss's targets (#88), filled by set_prefix_table once the clock starts, as upstream.
+        # The prefix-token loss's targets (#88), filled by train() once the clock starts, as upstream.
         self.register_buffer("prefix_table", torch.full((cfg.vocab_size,), -1), persistent=False)
         # The MUDD gate network (#85 v3), registered last as upstream's; one scale for both blocks (fp32, read in bf16).
         self.slots = gate_slots(cfg, self.plans, self.skip_from + 1)
@@ -604,9 +600,8 @@ class GPT(nn.Module):
             old_len, new_len = self.cfg.block_size * old, self.cfg.block_size * new
             g = ((old_len * freqs / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
             freqs = freqs * (old_len / new_len + g * (1 - old_len / new_len))
-        for rotary in (self.rotary, self.rotary_paired):
-            if rotary is not None:
-                rotary.set_frequencies(freqs)
+        for rotary in filter(None, (self.rotary, self.rotary_paired)):
+            rotary.set_frequencies(freqs)
         self.q_gain.fill_(yarn_scale(long_windows, 1.0))  # FA3 takes its own from the plan (VarlenPlan.scale)
         self.yarn_windows = long_windows
 
@@ -708,17 +703,12 @@ class GPT(nn.Module):
         """A block's gates (1, T, slots) by layer and kind: "xsa", "attn" (1, T, H); "x0", "bigram" (1, T, 1); the last
         layer's "dc_w1", "dc_w2" (1, T, H) in block 1."""
         H, s, out = self.cfg.num_heads, self.slots, collections.defaultdict(dict)
-        for i, (b, slot) in s.xsa.items():
-            if b == block:
-                out[i]["xsa"] = gates[..., slot: slot + H]
-        for i, (b, slot) in s.attn_gate.items():
-            if b == block:
-                out[i]["attn"] = gates[..., slot: slot + H]
-        for i, (b, slot) in s.inject.items():
-            if b == block:
-                out[i]["x0"], out[i]["bigram"] = gates[..., slot: slot + 1], gates[..., slot + 1: slot + 2]
-        if block == 1:  # DC attention's, the last layer's
-            out[len(self.plans) - 1].update(dc_w1=gates[..., s.dc: s.dc + H], dc_w2=gates[..., s.dc + H: s.dc + 2 * H])
+        dc = {len(self.plans) - 1: (1, s.dc)}  # DC attention's, the last layer's
+        for table, kinds, w in ((s.xsa, ("xsa",), H), (s.attn_gate, ("attn",), H), (s.inject, ("x0", "bigram"), 1),
+                                (dc, ("dc_w1", "dc_w2"), H)):
+            for i, (b, slot) in table.items():
+                if b == block:
+                    out[i].update({kind: gates[..., slot + j * w: slot + (j + 1) * w] for j, kind in enumerate(kinds)})
         return dict(out)
 
     def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
@@ -776,8 +766,7 @@ class GPT(nn.Module):
             if i in (self.skip_from, cfg.attn_input_layer):
                 saved[i] = x
         if amaxes:  # each down-projection's input scale for the next training step (#89), from post's partial maxima
-            scales = torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448)
-            self.fp8_act_scales.copy_(scales)
+            self.fp8_act_scales.copy_(torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448))
         nu = self.mudd(x, 1)  # MUDD block 1 (#81): the last mix, in place of #70's backout
         x = (x + nu[0] * stream0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
              + nu[4] * saved[self.skip_from])
