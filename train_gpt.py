@@ -1919,9 +1919,9 @@ def profile_steps(spec: str, num_steps: int) -> range:
 # a table of another number of rows needs every column. Column -> (what an entry is, how many numbers, each one's
 # range as FIELD_RULES states it). lr: the records' 1 to 1.73; a window: at most 2**20 blocks, beyond any sequence.
 STAGE_COLUMNS: dict[str, tuple[str, range, str]] = {
-    "seq_len": ("tokens", range(1, 2), "> 0"), "doc_len": ("tokens", range(1, 2), "> 0"),
-    "windows": ("SHORT/LONG blocks", range(2, 3), "in [0, 1048576]"), "lr_mul": ("a multiplier", range(1, 2),
-                                                                                "in (0, 100]"),
+    **dict.fromkeys(("seq_len", "doc_len"), ("tokens", range(1, 2), "> 0")),
+    "windows": ("SHORT/LONG blocks", range(2, 3), "in [0, 1048576]"),
+    "lr_mul": ("a multiplier", range(1, 2), "in (0, 100]"),
     **dict.fromkeys(("mtp_start", "mtp_end"), ("1-64 weights W/W/...", range(1, 65), "in [0, 100]")),
     **dict.fromkeys(("prefix_start", "prefix_end"), ("a weight", range(1, 2), "in [0, 100]")),
 }
@@ -1934,8 +1934,7 @@ def column_text(stages: tuple[Stage, ...], column: str) -> str:
     return ",".join(entry_text(getattr(s, column)) for s in stages)
 
 def parse_entries(text: str, column: str) -> list | None:
-    """A column's text as its values, one per row: a number, or a tuple (the windows, the weights); None when an entry
-    is not numbers, or not as many as the column takes."""
+    """A column's text as a value per row (a number, or a tuple: windows, weights); None where an entry is malformed."""
     kind, counts = STAGE_FLAGS[f"stage_{column}"], STAGE_COLUMNS[column][1]
     try:
         entries = [tuple((int if "int" in kind else float)(x) for x in entry.split("/")) for entry in text.split(",")]
@@ -2239,8 +2238,7 @@ def bf16_gemm_path(choice: str, cuda: bool) -> str:
     return "native" if native else "fp32"
 
 def cpu_math(gemm_path: str, compiled: bool = False) -> contextlib.AbstractContextManager:
-    """The context a CPU run's work goes in: the record path's RecordMath, Fp32Gemms on the fp32 GEMM path elsewhere,
-    nothing on the native one."""
+    """The context a CPU run's work goes in: the record path's RecordMath, else Fp32Gemms on the fp32 GEMM path."""
     if cpu_path(gemm_path, compiled) == "record":
         return gpt_kernels.RecordMath()
     return gpt_kernels.Fp32Gemms() if gemm_path == "fp32" else contextlib.nullcontext()
@@ -2265,8 +2263,7 @@ CPU_PATHS = {"record": "record (torch's AVX2 kernels and no MKL: GEMMs by OpenBL
                        "the record path's by rounding)"}
 
 def cpu_path(gemm_path: str, compiled: bool = False) -> str:
-    """record where this run computes the records' arithmetic (above: eager, fp32 GEMMs, the variables set), else
-    native."""
+    """record where this run computes the records' arithmetic (eager, fp32 GEMMs, the variables set), else native."""
     capped = all(os.environ.get(k, "").lower() == v.lower() for k, v in RECORD_PATH_ENV.items())
     avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
     return "record" if capped and avx2 and gemm_path == "fp32" and not compiled else "native"
