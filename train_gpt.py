@@ -2747,8 +2747,8 @@ def read_checkpoint_meta(folder: Path, taker: str = "--resume") -> dict:
                          if folder.is_file() else f"{where} does not exist ({taker} takes a ckpt_<step> directory)")
     if not path.exists():  # a save that was cut short leaves its parts (or their .tmp files) but no meta.json
         cut = ", ".join(sorted(p.name for p in folder.glob("*.tmp")))  # half-written when the save stopped
-        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last){f'; {cut} half-written' * bool(cut)}"
-                         f"; use an earlier checkpoint"
+        raise UsageError(f"{where} is incomplete: no {CKPT_META} (it is written last)"
+                         f"{f'; {cut} half-written' * bool(cut)}; use an earlier checkpoint"
                          if any(p.name.startswith((CKPT_MODEL, "rank")) for p in folder.iterdir()) else
                          f"{folder} is not a checkpoint: {taker} takes a ckpt_<step> directory, as a run with "
                          f"--save_every or --save_final writes them under <log_dir>/<run_id>/")
@@ -2959,17 +2959,18 @@ class Checkpointer:
     writes model.pt (rank 0), rank<R>.pt, then (rank 0, once every rank's is there) meta.json, which completes it."""
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
-                 metrics: Metrics | None = None, start_step: int = 0):
+                 metrics: Metrics, start_step: int):
         self.cfg, self.rt, self.log, self.model, self.optimizer, self.metrics = cfg, rt, log, model, optimizer, metrics
         self.start_step = start_step  # a resumed run does not save its first step again
-        self.saved_ms = metrics.agreed_ms if metrics else 0.0  # the agreed train time at the last save (or start)
+        self.saved_ms = metrics.agreed_ms  # the agreed train time at the last save (or start)
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
         self.host: dict[tuple, Tensor] = {}  # pinned host buffers, one per saved tensor, allocated once
         if cfg.save_every or cfg.save_final:  # now, not at the first save: the loop would stall on the allocation
             self._host_state(functools.partial(self._to_host, copy=False))
-        self.sources, self.train_files = source_digests(source_files()), train_files_identity(cfg) if rt.rank == 0 else None
+        self.sources = source_digests(source_files())
+        self.train_files = train_files_identity(cfg) if rt.rank == 0 else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=bind_thread_to_device,
                                          initargs=(rt.device,))
         self.give_up_at = math.inf  # time.monotonic() after which rank 0 stops waiting for the other ranks
@@ -2995,7 +2996,7 @@ class Checkpointer:
         return bool(cfg.save_every and step % cfg.save_every == 0) or (cfg.save_final and step == cfg.num_steps)
 
     def rolling(self, step: int) -> bool:
-        cfg, since = self.cfg, self.metrics.agreed_ms - self.saved_ms if self.metrics else 0.0
+        cfg, since = self.cfg, self.metrics.agreed_ms - self.saved_ms
         return bool(cfg.resume == AUTO and cfg.save_minutes and step % cfg.adam_every == 0 and not self.asked(step)
                     and since >= 60_000 * cfg.save_minutes)
 
@@ -3019,7 +3020,7 @@ class Checkpointer:
         common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size, "rolling": self.rolling(step),
                   "train_time_ms": train_time_ms, "data_position": list(data_position),
                   "config": dataclasses.asdict(self.cfg), "sources": self.sources}
-        self.saved_ms = self.metrics.agreed_ms if self.metrics else 0.0
+        self.saved_ms = self.metrics.agreed_ms
         part = {**common, "rank": self.rt.rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
         meta = None if self.rt.rank else {**common, "run_id": self.cfg.run_id, "train_files": self.train_files,
                                           "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
