@@ -3381,8 +3381,7 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
           vocabulary: list[bytes], checkpoint: Path | None = None) -> TrainResult:
-    """From the first (or checkpoint's) step to the summary; documents size FA3's buffers, vocabulary the prefix
-    table."""
+    """From the first (or checkpoint's) step to the summary; documents size FA3's buffers, vocabulary the prefixes."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     schedules = schedule_table(cfg)
@@ -3458,9 +3457,9 @@ def setup_runtime(cfg: Config) -> Runtime:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if cfg.device != "cpu":  # read when CUDA initialises: before any CUDA call; a user's own setting wins
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
-    want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device("cpu")
-    if want == "cuda":
+    cuda = cfg.device == "cuda" or cfg.device == AUTO and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
         if not torch.cuda.is_available():
             raise UsageError("--device=cuda but no CUDA GPU is visible; use --device=cpu (or --preset=tiny)")
         visible = torch.cuda.device_count()
@@ -3468,9 +3467,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         if local_world > visible:
             raise UsageError(f"{local_world} processes per node but only {visible} GPU(s) visible; "
                              f"launch with --nproc_per_node={visible} or fewer")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    cuda = device.type == "cuda"
     attention = resolve_for_device(cfg, cuda)
     if world_size > 1:
         # gloo beside NCCL on CUDA, as #89: the bigram rows' counts are exchanged from host memory (RowBucket)
