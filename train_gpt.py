@@ -51,8 +51,7 @@ class RankLost(Exception):
 
 @dataclass(frozen=True)
 class Stage:
-    """A row of the stage table: one of the equal stages the scheduled steps split into, or (the last row) the
-    extension. Each weight goes from its start to its end value across the row's steps."""
+    """A row of the stage table: one of the equal stages of the scheduled steps, or (the last row) the extension."""
     seq_len: int  # tokens per training sequence (#46)
     doc_len: int  # documents are cut to this many tokens (#29, #72)
     windows: tuple[int, int]  # the short and long layers' attention windows, blocks back in a document (0: itself)
@@ -495,20 +494,17 @@ class SoftcappedMTPLoss(torch.autograd.Function):
 
 def read_vocabulary(cfg: Config) -> list[bytes]:
     """GPT-2's BPE tokens by id from --vocab_file (tiktoken's r50k_base: a base64 token and its rank per line)."""
-    path = Path(cfg.vocab_file)
-    if not path.is_absolute() and not path.exists():
-        path = Path(__file__).resolve().parent / path
+    path = Path(cfg.vocab_file) if Path(cfg.vocab_file).exists() else HERE / cfg.vocab_file  # relative: also here
+    fix = "`git checkout data/tokenizer`, or point it at tiktoken's r50k_base file"
     try:
         pairs = [line.split() for line in path.read_text().splitlines() if line]
         tokens = {int(rank): base64.b64decode(token, validate=True) for token, rank in pairs}
     except (OSError, ValueError, binascii.Error) as e:
         raise UsageError(f"--vocab_file={cfg.vocab_file}: cannot read GPT-2's BPE tokens ({e}); the prefix-token loss "
-                         f"needs them: `git checkout data/tokenizer`, or point it at tiktoken's r50k_base file"
-                         ) from None
+                         f"needs them: {fix}") from None
     if sorted(tokens) != list(range(BOS_ID)) or BOS_ID > cfg.vocab_size:  # <|endoftext|> follows the BPE's tokens
         raise UsageError(f"--vocab_file={cfg.vocab_file}: {len(tokens):,} BPE ranks, where the prefix-token loss needs "
-                         f"GPT-2's {BOS_ID:,} (ids 0..{BOS_ID - 1}, within --vocab_size={cfg.vocab_size}): "
-                         f"`git checkout data/tokenizer`, or point it at tiktoken's r50k_base file")
+                         f"GPT-2's {BOS_ID:,} (ids 0..{BOS_ID - 1}, within --vocab_size={cfg.vocab_size}): {fix}")
     return [tokens[i] for i in range(BOS_ID)]
 
 def prefix_table(tokens: list[bytes], vocab_size: int) -> Tensor:
@@ -585,7 +581,7 @@ class GPT(nn.Module):
         self.register_buffer("fp8_w_proj_t", torch.zeros(L, d, cfg.mlp_ratio * d, dtype=torch.float8_e4m3fn))
         for name in ("fp8_up_scales", "fp8_down_scales", "fp8_down_next_scales", "fp8_act_scales"):
             self.register_buffer(name, torch.ones(L))
-        # The prefix-token loss's targets (#88), filled by set_prefix_table once the clock starts, as upstream.
+        # The prefix-token loss's targets (#88), filled by train() once the clock starts, as upstream.
         self.register_buffer("prefix_table", torch.full((cfg.vocab_size,), -1), persistent=False)
         # The MUDD gate network (#85 v3), registered last as upstream's; one scale for both blocks (fp32, read in bf16).
         self.slots = gate_slots(cfg, self.plans, self.skip_from + 1)
@@ -604,9 +600,8 @@ class GPT(nn.Module):
             old_len, new_len = self.cfg.block_size * old, self.cfg.block_size * new
             g = ((old_len * freqs / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0, 1)
             freqs = freqs * (old_len / new_len + g * (1 - old_len / new_len))
-        for rotary in (self.rotary, self.rotary_paired):
-            if rotary is not None:
-                rotary.set_frequencies(freqs)
+        for rotary in filter(None, (self.rotary, self.rotary_paired)):
+            rotary.set_frequencies(freqs)
         self.q_gain.fill_(yarn_scale(long_windows, 1.0))  # FA3 takes its own from the plan (VarlenPlan.scale)
         self.yarn_windows = long_windows
 
@@ -708,17 +703,12 @@ class GPT(nn.Module):
         """A block's gates (1, T, slots) by layer and kind: "xsa", "attn" (1, T, H); "x0", "bigram" (1, T, 1); the last
         layer's "dc_w1", "dc_w2" (1, T, H) in block 1."""
         H, s, out = self.cfg.num_heads, self.slots, collections.defaultdict(dict)
-        for i, (b, slot) in s.xsa.items():
-            if b == block:
-                out[i]["xsa"] = gates[..., slot: slot + H]
-        for i, (b, slot) in s.attn_gate.items():
-            if b == block:
-                out[i]["attn"] = gates[..., slot: slot + H]
-        for i, (b, slot) in s.inject.items():
-            if b == block:
-                out[i]["x0"], out[i]["bigram"] = gates[..., slot: slot + 1], gates[..., slot + 1: slot + 2]
-        if block == 1:  # DC attention's, the last layer's
-            out[len(self.plans) - 1].update(dc_w1=gates[..., s.dc: s.dc + H], dc_w2=gates[..., s.dc + H: s.dc + 2 * H])
+        dc = {len(self.plans) - 1: (1, s.dc)}  # DC attention's, the last layer's
+        for table, kinds, w in ((s.xsa, ("xsa",), H), (s.attn_gate, ("attn",), H), (s.inject, ("x0", "bigram"), 1),
+                                (dc, ("dc_w1", "dc_w2"), H)):
+            for i, (b, slot) in table.items():
+                if b == block:
+                    out[i].update({kind: gates[..., slot + j * w: slot + (j + 1) * w] for j, kind in enumerate(kinds)})
         return dict(out)
 
     def hidden(self, input_seq: Tensor, windows: Tensor | VarlenPlan) -> Tensor:
@@ -776,8 +766,7 @@ class GPT(nn.Module):
             if i in (self.skip_from, cfg.attn_input_layer):
                 saved[i] = x
         if amaxes:  # each down-projection's input scale for the next training step (#89), from post's partial maxima
-            scales = torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448)
-            self.fp8_act_scales.copy_(scales)
+            self.fp8_act_scales.copy_(torch.stack(amaxes).amax(1).clamp_min(1e-12) * (cfg.fp8_down_act_headroom / 448))
         nu = self.mudd(x, 1)  # MUDD block 1 (#81): the last mix, in place of #70's backout
         x = (x + nu[0] * stream0 + nu[1] * saved[cfg.attn_input_layer] + nu[2] * last_input + nu[3] * ves[0][None]
              + nu[4] * saved[self.skip_from])
@@ -1930,9 +1919,9 @@ def profile_steps(spec: str, num_steps: int) -> range:
 # a table of another number of rows needs every column. Column -> (what an entry is, how many numbers, each one's
 # range as FIELD_RULES states it). lr: the records' 1 to 1.73; a window: at most 2**20 blocks, beyond any sequence.
 STAGE_COLUMNS: dict[str, tuple[str, range, str]] = {
-    "seq_len": ("tokens", range(1, 2), "> 0"), "doc_len": ("tokens", range(1, 2), "> 0"),
-    "windows": ("SHORT/LONG blocks", range(2, 3), "in [0, 1048576]"), "lr_mul": ("a multiplier", range(1, 2),
-                                                                                "in (0, 100]"),
+    **dict.fromkeys(("seq_len", "doc_len"), ("tokens", range(1, 2), "> 0")),
+    "windows": ("SHORT/LONG blocks", range(2, 3), "in [0, 1048576]"),
+    "lr_mul": ("a multiplier", range(1, 2), "in (0, 100]"),
     **dict.fromkeys(("mtp_start", "mtp_end"), ("1-64 weights W/W/...", range(1, 65), "in [0, 100]")),
     **dict.fromkeys(("prefix_start", "prefix_end"), ("a weight", range(1, 2), "in [0, 100]")),
 }
@@ -1945,8 +1934,7 @@ def column_text(stages: tuple[Stage, ...], column: str) -> str:
     return ",".join(entry_text(getattr(s, column)) for s in stages)
 
 def parse_entries(text: str, column: str) -> list | None:
-    """A column's text as its values, one per row: a number, or a tuple (the windows, the weights); None when an entry
-    is not numbers, or not as many as the column takes."""
+    """A column's text as a value per row (a number, or a tuple: windows, weights); None where an entry is malformed."""
     kind, counts = STAGE_FLAGS[f"stage_{column}"], STAGE_COLUMNS[column][1]
     try:
         entries = [tuple((int if "int" in kind else float)(x) for x in entry.split("/")) for entry in text.split(",")]
@@ -2250,8 +2238,7 @@ def bf16_gemm_path(choice: str, cuda: bool) -> str:
     return "native" if native else "fp32"
 
 def cpu_math(gemm_path: str, compiled: bool = False) -> contextlib.AbstractContextManager:
-    """The context a CPU run's work goes in: the record path's RecordMath, Fp32Gemms on the fp32 GEMM path elsewhere,
-    nothing on the native one."""
+    """The context a CPU run's work goes in: the record path's RecordMath, else Fp32Gemms on the fp32 GEMM path."""
     if cpu_path(gemm_path, compiled) == "record":
         return gpt_kernels.RecordMath()
     return gpt_kernels.Fp32Gemms() if gemm_path == "fp32" else contextlib.nullcontext()
@@ -2276,8 +2263,7 @@ CPU_PATHS = {"record": "record (torch's AVX2 kernels and no MKL: GEMMs by OpenBL
                        "the record path's by rounding)"}
 
 def cpu_path(gemm_path: str, compiled: bool = False) -> str:
-    """record where this run computes the records' arithmetic (above: eager, fp32 GEMMs, the variables set), else
-    native."""
+    """record where this run computes the records' arithmetic (eager, fp32 GEMMs, the variables set), else native."""
     capped = all(os.environ.get(k, "").lower() == v.lower() for k, v in RECORD_PATH_ENV.items())
     avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
     return "record" if capped and avx2 and gemm_path == "fp32" and not compiled else "native"
@@ -2989,10 +2975,10 @@ class Checkpointer:
     writes model.pt (rank 0), rank<R>.pt, then (rank 0, once every rank's is there) meta.json, which completes it."""
 
     def __init__(self, cfg: Config, rt: Runtime, log: RunLog, model: GPT, optimizer: ShardedMuonAdam,
-                 metrics: Metrics | None = None, start_step: int = 0):
+                 metrics: Metrics, start_step: int):
         self.cfg, self.rt, self.log, self.model, self.optimizer, self.metrics = cfg, rt, log, model, optimizer, metrics
         self.start_step = start_step  # a resumed run does not save its first step again
-        self.saved_ms = metrics.agreed_ms if metrics else 0.0  # the agreed train time at the last save (or start)
+        self.saved_ms = metrics.agreed_ms  # the agreed train time at the last save (or start)
         self.pending: list[PendingCheckpoint] = []
         self.failures: list[str] = []  # checkpoints this rank could not write: the run ends with an error
         self.copy_stream = torch.cuda.Stream(rt.device) if rt.device.type == "cuda" else None
@@ -3026,7 +3012,7 @@ class Checkpointer:
         return bool(cfg.save_every and step % cfg.save_every == 0) or (cfg.save_final and step == cfg.num_steps)
 
     def rolling(self, step: int) -> bool:
-        cfg, since = self.cfg, self.metrics.agreed_ms - self.saved_ms if self.metrics else 0.0
+        cfg, since = self.cfg, self.metrics.agreed_ms - self.saved_ms
         return bool(cfg.resume == AUTO and cfg.save_minutes and step % cfg.adam_every == 0 and not self.asked(step)
                     and since >= 60_000 * cfg.save_minutes)
 
@@ -3050,7 +3036,7 @@ class Checkpointer:
         common = {"format": CKPT_FORMAT, "step": step, "world_size": self.rt.world_size, "rolling": self.rolling(step),
                   "train_time_ms": train_time_ms, "data_position": list(data_position),
                   "config": dataclasses.asdict(self.cfg), "sources": self.sources}
-        self.saved_ms = self.metrics.agreed_ms if self.metrics else 0.0
+        self.saved_ms = self.metrics.agreed_ms
         part = {**common, "rank": self.rt.rank, "optimizer": optim, "rng": rng_state(self.rt.device)}
         meta = None if self.rt.rank else {**common, "run_id": self.cfg.run_id, "train_files": self.train_files,
                                           "saved_at": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -3411,8 +3397,7 @@ def load_data(cfg: Config, device: torch.device) -> tuple[list[Path], ValTokens,
 
 def train(cfg: Config, rt: Runtime, log: RunLog, train_files: list[Path], val: ValTokens, documents: DocumentCounts,
           vocabulary: list[bytes], checkpoint: Path | None = None) -> TrainResult:
-    """From the first (or checkpoint's) step to the summary; documents size FA3's buffers, vocabulary the prefix
-    table."""
+    """From the first (or checkpoint's) step to the summary; documents size FA3's buffers, vocabulary the prefixes."""
     last_step = run_length(cfg)
     profiler = StepProfiler(cfg, rt)  # --profile / --bench; inert otherwise
     schedules = schedule_table(cfg)
@@ -3488,9 +3473,9 @@ def setup_runtime(cfg: Config) -> Runtime:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if cfg.device != "cpu":  # read when CUDA initialises: before any CUDA call; a user's own setting wins
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
-    want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device("cpu")
-    if want == "cuda":
+    cuda = cfg.device == "cuda" or cfg.device == AUTO and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
         if not torch.cuda.is_available():
             raise UsageError("--device=cuda but no CUDA GPU is visible; use --device=cpu (or --preset=tiny)")
         visible = torch.cuda.device_count()
@@ -3498,9 +3483,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         if local_world > visible:
             raise UsageError(f"{local_world} processes per node but only {visible} GPU(s) visible; "
                              f"launch with --nproc_per_node={visible} or fewer")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    cuda = device.type == "cuda"
     attention = resolve_for_device(cfg, cuda)
     if world_size > 1:
         # gloo beside NCCL on CUDA, as #89: the bigram rows' counts are exchanged from host memory (RowBucket)
