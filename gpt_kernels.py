@@ -1269,7 +1269,8 @@ class Fp32Gemms(TorchDispatchMode):
 # MKL_CBWR or without): here no MKL function runs. GEMMs run in fp32 (fp64 for fp64) by numpy's OpenBLAS held to its
 # Haswell kernels (OPENBLAS_CORETYPE=Haswell: fixed blocking; threads split the output, never a sum), the vector math
 # in float64 by functions torch computes itself (SLEEF, glibc), rounded once to the tensor's dtype; attention by SDPA's
-# math path (its fused CPU kernel calls MKL's GEMMs), which torch.nn.attention.sdpa_kernel selects around it.
+# math path (its fused CPU kernel calls MKL's GEMMs), which torch.nn.attention.sdpa_kernel selects around it. oneDNN is
+# off: it picks its own ISA whatever ATEN_CPU_CAPABILITY says (F.gelu went to its AVX-512 kernel), torch's kernels run.
 LOG2E = 1 / math.log(2)
 
 
@@ -1296,16 +1297,18 @@ def _record_logsumexp(x: Tensor, dim: list[int], keepdim: bool = False) -> Tenso
 
 class RecordMath(Fp32Gemms):
     """Inside it, the CPU record path's arithmetic (above): every float GEMM by numpy's OpenBLAS (bf16 operands in fp32,
-    the result rounded to bf16), MKL_MATH's ops in float64, SDPA's math path. An MKL op it has no formulation for is
-    refused, loudly."""
+    the result rounded to bf16), MKL_MATH's ops in float64, SDPA's math path, no oneDNN. An MKL op it has no
+    formulation for is refused, loudly."""
 
     def __enter__(self) -> RecordMath:
         self.math_sdpa = sdpa_kernel([SDPBackend.MATH])
         self.math_sdpa.__enter__()
+        self.onednn, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        torch.backends.mkldnn.enabled = self.onednn
         self.math_sdpa.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -62,7 +62,7 @@ if [ "$gpus" -eq 0 ]; then
                 # RECORD_PATH_ENV: torch's kernels at AVX2, GEMMs by OpenBLAS's Haswell kernels on one thread).
                 export ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell OPENBLAS_NUM_THREADS=1
                 defaults+=(--cpu_bf16_gemm=fp32)
-                how="on the record path (AVX2 kernels, no MKL, fp32 GEMMs; CPU_PATH=native: this CPU's own)"
+                how="on the record path (AVX2 kernels, no MKL or oneDNN, fp32 GEMMs; CPU_PATH=native: this CPU's own)"
             else
                 how="on this CPU's own kernels: the record path needs an x86-64 CPU with AVX2"
             fi ;;

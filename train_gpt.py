@@ -2253,11 +2253,11 @@ def cpu_report() -> str:
             f"{torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM {'yes' if native_bf16_gemm() else 'no'}")
 
 # The bundled CPU records' arithmetic, the "record" path (gpt_kernels.RecordMath): torch's kernels at AVX2, no MKL
-# function, GEMMs by numpy's OpenBLAS at its Haswell kernels on one thread (its result on one thread differs from its
+# or oneDNN function, GEMMs by numpy's OpenBLAS at its Haswell kernels on one thread (its result on one thread differs from its
 # result on several); the same bits on every x86-64 CPU with AVX2, whoever made it, at the same torch, numpy, torch
 # threads and world size. torch and numpy read these variables as they load: run.sh sets them (not CPU_PATH=native).
 RECORD_PATH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "1"}
-CPU_PATHS = {"record": "record (torch's AVX2 kernels and no MKL: GEMMs by OpenBLAS's Haswell kernels, exp, log, tanh "
+CPU_PATHS = {"record": "record (torch's AVX2 kernels, no MKL or oneDNN: GEMMs by OpenBLAS's Haswell kernels, exp, log, tanh "
                        "in float64; the bundled CPU records' arithmetic, the same bits on any x86-64 CPU with AVX2)",
              "native": "native (this CPU's own kernels: faster with AVX-512 or bf16 GEMMs; the losses differ from "
                        "the record path's by rounding)"}
