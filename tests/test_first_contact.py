@@ -102,6 +102,40 @@ def test_the_quick_start_reproduces_the_bundled_record_and_compares_with_it(tmp_
         assert verdict.startswith("verdict: not reproduced: first difference at step ")
 
 
+# What else differs between two x86-64 CPUs with AVX2 that could reach the record path's bits: numpy picks its kernels
+# by the CPU's features (its AVX-512 ones where the CPU has them), and OpenBLAS reads the L2 cache's size.
+ANOTHER_CPU = {"NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR", "OPENBLAS_L2_SIZE": "32768"}
+
+
+def first_steps_of_run_sh(log_dir: Path, run_id: str, env: dict[str, str], steps: int = 6) -> dict:
+    """./run.sh stopped with Ctrl-C once step `steps` is logged (it stops at a step boundary soon after): its losses."""
+    proc = subprocess.Popen([str(REPO / "run.sh"), f"--log_dir={log_dir}", f"--run_id={run_id}"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    for line in proc.stdout:  # run.sh execs the trainer (one process): the signal reaches it
+        if line.startswith(f"step:{steps}/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 130, err[-3000:]
+    losses = logged_losses(log_dir / f"{run_id}.jsonl")
+    assert {step for step, name in losses if name == "train_loss"} >= set(range(1, steps + 1))
+    return losses
+
+
+@pytest.mark.slow
+def test_the_record_path_keeps_its_bits_with_numpys_avx512_kernels_off_and_another_l2_cache(tmp_path):
+    if not torch.cpu._is_avx2_supported():
+        pytest.skip("the record path needs an x86-64 CPU with AVX2")
+    ours = first_steps_of_run_sh(tmp_path, "another", {**os.environ, **ANOTHER_CPU})
+    assert "\nCPU path: record (" in (tmp_path / "another.txt").read_text()
+    kind, record_kind = cpu_kind((tmp_path / "another.txt").read_text()), cpu_kind((REPO / RECORD).read_text())
+    # The record's own bits where this is its kind of CPU (torch, threads); elsewhere this CPU's unmasked run's.
+    reference = (logged_losses(REPO / RECORD.with_suffix(".jsonl")) if kind == record_kind else
+                 first_steps_of_run_sh(tmp_path, "plain", dict(os.environ)))
+    shared = ours.keys() & reference.keys()  # every step to 6 at least: each run stops soon after it
+    assert {key: ours[key] for key in shared} == {key: reference[key] for key in shared}
+
+
 def test_run_sh_refuses_a_cpu_path_it_does_not_know_in_one_line(tmp_path):
     run = subprocess.run([str(REPO / "run.sh"), f"--log_dir={tmp_path}"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "CPU_PATH": "avx512", "CUDA_VISIBLE_DEVICES": ""})
