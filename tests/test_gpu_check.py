@@ -116,9 +116,11 @@ def test_hangs():
     pathlib.Path(os.environ["STAGE_PIDS"]).write_text(f"{os.getpid()} {helper.pid}\\n")
     time.sleep(600)
 """
-# gpu_check.py's own main, its stages replaced by that one.
+# gpu_check.py's own main, its stages replaced by that one, with SIGINT as a terminal's foreground job has it: a
+# launcher without job control (a background `cmd &` in a script, so this suite's too) hands it on ignored.
 CHECK_WITH_A_HANGING_STAGE = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 import gpu_check
 _, stage, out = sys.argv[1:]
